@@ -1,0 +1,20 @@
+"""backfuse: fused backward kernels for three attention blocks (SOL-ExecBench 072, 037, 021)."""
+
+from .ops import PROBLEMS
+from .problem import Problem
+
+__version__ = "0.1.0"
+__all__ = ["PROBLEM_IDS", "Problem", "problem"]
+
+PROBLEM_IDS = tuple(PROBLEMS)
+
+
+def problem(pid: str) -> Problem:
+    """The operator for an id ("072", "037", "021") or its official name."""
+    if not isinstance(pid, str):
+        raise TypeError(f"problem id must be a str, got {type(pid).__name__}")
+    for p in PROBLEMS.values():
+        if pid in (p.id, p.name):
+            return p
+    known = ", ".join(f"{p.id} ({p.name})" for p in PROBLEMS.values())
+    raise ValueError(f"unknown problem {pid!r}; expected one of: {known}")

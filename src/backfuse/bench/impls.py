@@ -1,0 +1,34 @@
+"""Named implementations that `backfuse bench` runs side by side."""
+
+from __future__ import annotations
+
+import torch
+
+from ..problem import Problem, fp32_matmul
+
+IMPLS = ("reference", "reference_tf32", "torch_compile", "backfuse")
+BASELINES = IMPLS[:3]
+
+
+def implementation(problem: Problem, name: str):
+    """A callable taking the official inputs and returning the outputs, for the named impl."""
+    if name == "reference":
+        return problem.reference
+    if name == "backfuse":
+        return problem.run
+    if name == "reference_tf32":
+        return _with_precision(problem, problem.reference_math, tf32=True)
+    if name == "torch_compile":
+        # One compiled graph per problem; dynamo marks axes dynamic after the first recompile.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return _with_precision(problem, torch.compile(problem.reference_math), tf32=False)
+    raise ValueError(f"unknown implementation {name!r}; expected one of {list(IMPLS)}")
+
+
+def _with_precision(problem: Problem, math_fn, *, tf32: bool):
+    def run(*inputs):
+        problem.validate(inputs)
+        with fp32_matmul(tf32=tf32):
+            return tuple(math_fn(*inputs))
+
+    return run

@@ -1,0 +1,141 @@
+"""Runs named implementations over a problem's official cases: correctness, then timing."""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..problem import Problem
+from .check import Verdict, check_outputs
+from .impls import implementation
+from .sol import sol_ms
+from .timing import time_calls
+
+ROUNDS = 10
+WARMUP = 10
+ITERS = 50
+
+
+@dataclass
+class CaseResult:
+    uuid: str
+    axes: dict
+    passed: bool
+    min_matched: float
+    reason: str = ""
+    latency_ms: float | None = None  # median CUPTI span
+    event_ms: float | None = None  # median CUDA-event time (cross-check)
+    kernels: int | None = None  # device activities per call
+
+
+def reduced_axes(axes: dict) -> dict:
+    """Small stand-ins for a case's axes, for CPU runs: batch at most 2, other axes 17..47."""
+    return {k: (min(v, 2) if k == "batch_size" else (v if v <= 47 else 17 + v % 31)) for k, v in axes.items()}
+
+
+def run_problem(
+    problem: Problem,
+    impl_names,
+    *,
+    cases=None,
+    device="cuda",
+    rounds: int = ROUNDS,
+    warmup: int = WARMUP,
+    iters: int = ITERS,
+    timing: bool = True,
+    seed: int = 0,
+    progress=None,
+) -> dict:
+    """{impl: [CaseResult, ...]} over the selected cases (all 16 by default)."""
+    device = torch.device(device)
+    reduce = device.type != "cuda"
+    impls = {name: implementation(problem, name) for name in impl_names}
+    selected = list(range(len(problem.workloads))) if cases is None else list(cases)
+    results = {name: [] for name in impls}
+    for index in selected:
+        workload = problem.workloads[index]
+        axes = reduced_axes(workload.axes) if reduce else dict(workload.axes)
+        case_seed = seed * 1_000_003 + index * 1000
+        verdicts = {name: Verdict(True, 1.0) for name in impls}
+        for r in range(rounds):
+            inputs = problem.make_inputs(axes, seed=case_seed + r, device=device, scalars=workload.scalars)
+            references = problem.reference(*inputs)
+            for name, fn in impls.items():
+                verdict = check_outputs(fn(*inputs), references, workload.tolerance, problem.output_names)
+                verdicts[name] = _worse(verdicts[name], verdict)
+                if r == 0:
+                    verdicts[name] = _worse(verdicts[name], _unmodified(problem, axes, inputs, case_seed, workload, name))
+            del inputs, references
+            if progress:
+                progress.update(1)
+        for name in impls:
+            v = verdicts[name]
+            results[name].append(CaseResult(workload.uuid, dict(axes), v.passed, v.min_matched, v.reason))
+        if timing:
+            inputs = problem.make_inputs(axes, seed=case_seed + rounds, device=device, scalars=workload.scalars)
+            for name, fn in impls.items():
+                t = time_calls(fn, inputs, warmup=warmup, iters=iters)
+                result = results[name][-1]
+                result.latency_ms, result.event_ms = t.median_ms, t.event_median_ms
+                result.kernels = statistics.median(t.kernels_per_call)
+                if progress:
+                    progress.update(1)
+            del inputs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _worse(a: Verdict, b: Verdict) -> Verdict:
+    return Verdict(a.passed and b.passed, min(a.min_matched, b.min_matched), a.reason or b.reason)
+
+
+def _unmodified(problem, axes, inputs, case_seed, workload, impl) -> Verdict:
+    """Inputs must come back untouched: compare against a fresh draw from the same seed."""
+    pristine = problem.make_inputs(axes, seed=case_seed, device=inputs[0].device, scalars=workload.scalars)
+    for name, x, y in zip(problem.input_names, inputs, pristine):
+        if isinstance(x, torch.Tensor) and not torch.equal(x, y):
+            return Verdict(False, 1.0, f"{impl} modified input '{name}'")
+    return Verdict(True, 1.0)
+
+
+def environment() -> dict:
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def to_json(problem: Problem, results: dict) -> dict:
+    """One problem's entry of benchmarks/results/*.json."""
+    axes_list = [c.axes for c in next(iter(results.values()))]
+    impls = {}
+    for name, cases in results.items():
+        latencies = [c.latency_ms for c in cases]
+        impls[name] = {
+            "mean_ms": statistics.fmean(latencies) if None not in latencies else None,
+            "cases": [
+                {
+                    "uuid": c.uuid,
+                    "axes": c.axes,
+                    "latency_ms": c.latency_ms,
+                    "passed": c.passed,
+                    "min_matched": c.min_matched,
+                }
+                for c in cases
+            ],
+        }
+    return {"sol_h200_mean_ms": statistics.fmean(sol_ms(problem, a) for a in axes_list), "impls": impls}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,247 @@
+"""What every operator shares: its signature, input validation, official workloads and cost model.
+
+An operator module describes its signature with `Tensor` and `Scalar` entries and supplies four
+pieces of math (`draw`, `reference_math`, `forward`, `macs`) and, where it has one, a fused path;
+this base class turns that into the public object returned by `backfuse.problem(...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A float32 tensor of an operator's signature; each dim is a constant or an axis name."""
+
+    name: str
+    dims: tuple
+
+    def shape(self, axes: dict) -> tuple:
+        return tuple(axes[d] if isinstance(d, str) else d for d in self.dims)
+
+    def numel(self, axes: dict) -> int:
+        return math.prod(self.shape(axes))
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A Python float argument; `default` is the value the suite uses when a workload omits it."""
+
+    name: str
+    default: float | None = None
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    ratio: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One official case: its axes, its tolerance, its scalars, and NVIDIA's published B200 times."""
+
+    uuid: str
+    axes: dict
+    tolerance: Tolerance
+    scalars: dict
+    b200_sol_ms: float | None
+    b200_baseline_ms: float | None
+
+
+@contextlib.contextmanager
+def fp32_matmul(tf32: bool):
+    """Run float32 matrix products in IEEE fp32 (the official reference) or in TF32."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    matmul.fp32_precision = "tf32" if tf32 else "ieee"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = saved
+
+
+def fused_kernels_usable(device: torch.device) -> bool:
+    """Triton kernels run on CUDA tensors, and on CPU tensors under the Triton interpreter."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class Problem:
+    """Base of the three operators. Subclasses set the class attributes and the math methods."""
+
+    id: str
+    name: str
+    workload_file: str
+    inputs: tuple  # of Tensor | Scalar, official order
+    outputs: tuple  # of Tensor, official order
+    # Which inputs are upstream gradients, and which forward inputs the outputs differentiate.
+    upstream_grads: tuple
+    differentiates: tuple
+
+    # ---- the math each operator supplies -------------------------------------------------
+    def draw(self, axes: dict, gen: torch.Generator, device) -> list:
+        """The tensor inputs in official order, drawn as PROBLEMS.md describes."""
+        raise NotImplementedError
+
+    def reference_math(self, *inputs) -> tuple:
+        """The backward in plain PyTorch (float32 in, float32 out)."""
+        raise NotImplementedError
+
+    def forward(self, *forward_inputs):
+        """The forward pass being differentiated (used by tests and training integration)."""
+        raise NotImplementedError
+
+    def macs(self, axes: dict) -> int:
+        """Multiply-accumulates of the matrix products the backward needs at minimum."""
+        raise NotImplementedError
+
+    fused = None  # set by operators that have fused kernels: fused(*inputs) -> tuple
+
+    # ---- signature -----------------------------------------------------------------------
+    @property
+    def input_names(self) -> tuple:
+        return tuple(spec.name for spec in self.inputs)
+
+    @property
+    def output_names(self) -> tuple:
+        return tuple(spec.name for spec in self.outputs)
+
+    @property
+    def scalar_specs(self) -> tuple:
+        return tuple(spec for spec in self.inputs if isinstance(spec, Scalar))
+
+    def output_shapes(self, axes: dict) -> tuple:
+        return tuple(spec.shape(axes) for spec in self.outputs)
+
+    # ---- workloads -----------------------------------------------------------------------
+    @functools.cached_property
+    def workloads(self) -> tuple:
+        text = resources.files("backfuse").joinpath("workloads", self.workload_file).read_text()
+        cases = []
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            raw = json.loads(line)
+            tol = raw["tolerance"]
+            published = raw.get("b200_published", {})
+            scalars = {s.name: s.default for s in self.scalar_specs}
+            scalars.update(raw.get("scalars", {}))
+            cases.append(
+                Workload(
+                    uuid=raw["uuid"],
+                    axes=dict(raw["axes"]),
+                    tolerance=Tolerance(tol["max_atol"], tol["max_rtol"], tol["required_matched_ratio"]),
+                    scalars=scalars,
+                    b200_sol_ms=published.get("sol_ms"),
+                    b200_baseline_ms=published.get("baseline_ms"),
+                )
+            )
+        return tuple(cases)
+
+    @property
+    def axis_names(self) -> tuple:
+        return tuple(self.workloads[0].axes)
+
+    # ---- inputs --------------------------------------------------------------------------
+    def make_inputs(self, axes: dict, *, seed: int = 0, device="cpu", scalars: dict | None = None) -> list:
+        """Fresh inputs in official order (scalars included) for the given axes."""
+        device = torch.device(device)
+        missing = [a for a in self.axis_names if a not in axes]
+        if missing:
+            raise ValueError(f"{self.name}: axes {missing} missing; expected {list(self.axis_names)}")
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        tensors = iter(self.draw(axes, gen, device))
+        values = {s.name: s.default for s in self.scalar_specs}
+        values.update(scalars or {})
+        return [values[spec.name] if isinstance(spec, Scalar) else next(tensors) for spec in self.inputs]
+
+    def validate(self, inputs) -> dict:
+        """Check count, types, dtypes, devices, layouts and shapes; return the axes they imply."""
+        if len(inputs) != len(self.inputs):
+            raise TypeError(
+                f"{self.name} takes {len(self.inputs)} inputs {list(self.input_names)}, got {len(inputs)}"
+            )
+        axes: dict = {}
+        bound_by: dict = {}
+        device = None
+        for spec, value in zip(self.inputs, inputs):
+            if isinstance(spec, Scalar):
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise TypeError(f"{self.name}: input '{spec.name}' must be a real number, got {type(value).__name__}")
+                if not math.isfinite(value):
+                    raise ValueError(f"{self.name}: input '{spec.name}' must be finite, got {value}")
+                continue
+            where = f"{self.name}: input '{spec.name}'"
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{where} must be a torch.Tensor, got {type(value).__name__}")
+            if value.dtype != torch.float32:
+                raise TypeError(f"{where} must be torch.float32, got {value.dtype}")
+            if value.dim() != len(spec.dims):
+                raise ValueError(f"{where} must have {len(spec.dims)} dims {self._dims_text(spec)}, got shape {tuple(value.shape)}")
+            if device is None:
+                device, first = value.device, spec.name
+            elif value.device != device:
+                raise ValueError(f"{where} is on {value.device}, but '{first}' is on {device}; all inputs must share a device")
+            for i, (want, got) in enumerate(zip(spec.dims, value.shape)):
+                if isinstance(want, str):
+                    if want not in axes:
+                        if got < 1:
+                            raise ValueError(f"{where}: axis {want} (dim {i}) must be at least 1, got {got}")
+                        axes[want], bound_by[want] = got, spec.name
+                    elif axes[want] != got:
+                        raise ValueError(
+                            f"{where} has shape {tuple(value.shape)}, expected {self._dims_text(spec, axes)}: "
+                            f"dim {i} ({want}) is {got} but '{bound_by[want]}' gives {want}={axes[want]}"
+                        )
+                elif want != got:
+                    raise ValueError(
+                        f"{where} has shape {tuple(value.shape)}, expected {self._dims_text(spec, axes)}: dim {i} must be {want}"
+                    )
+            if not value.is_contiguous():
+                raise ValueError(f"{where} must be contiguous, got strides {value.stride()} for shape {tuple(value.shape)}")
+        return axes
+
+    @staticmethod
+    def _dims_text(spec: Tensor, axes: dict | None = None) -> str:
+        axes = axes or {}
+        parts = [f"{d}={axes[d]}" if d in axes else str(d) for d in spec.dims]
+        return "[" + ", ".join(parts) + "]"
+
+    # ---- the public entry points -----------------------------------------------------------
+    def reference(self, *inputs) -> tuple:
+        """The official reference: plain PyTorch, float32, TF32 off."""
+        self.validate(inputs)
+        with fp32_matmul(tf32=False):
+            return tuple(self.reference_math(*inputs))
+
+    def run(self, *inputs) -> tuple:
+        """The fastest implementation available for the inputs' device."""
+        self.validate(inputs)
+        first = next(x for x in inputs if isinstance(x, torch.Tensor))
+        if self.fused is not None and fused_kernels_usable(first.device):
+            return tuple(self.fused(*inputs))
+        with fp32_matmul(tf32=False):
+            return tuple(self.reference_math(*inputs))
+
+    # ---- cost model ----------------------------------------------------------------------
+    def io_bytes(self, axes: dict) -> int:
+        """Fewest bytes a backward moves: every float32 input read once, every output written once."""
+        tensors = [s for s in self.inputs if isinstance(s, Tensor)] + list(self.outputs)
+        return 4 * sum(spec.numel(axes) for spec in tensors)
+
+    def __repr__(self) -> str:
+        return f"<backfuse problem {self.name}>"
