@@ -68,6 +68,7 @@ class Timing:
     span_ms: list  # CUPTI span per timed call
     event_ms: list  # CUDA-event time per timed call
     kernels_per_call: list  # device activities (kernels, memcpy, memset) per timed call
+    kernel_ms: dict  # device activity name -> mean time per call, ms
 
     @property
     def median_ms(self) -> float:
@@ -99,12 +100,13 @@ def time_calls(fn, inputs: list, *, warmup: int = 10, iters: int = 50) -> Timing
                 fn(*args)
                 end.record()
                 torch.cuda.synchronize(device)
-    spans, counts = call_spans(prof.profiler.kineto_results.events(), iters)
-    return Timing(spans, [s.elapsed_time(e) for s, e in events], counts)
+    spans, counts, kernel_ms = call_spans(prof.profiler.kineto_results.events(), iters)
+    return Timing(spans, [s.elapsed_time(e) for s, e in events], counts, kernel_ms)
 
 
 def call_spans(events, iters: int) -> tuple:
-    """Per timed call: (first device activity start .. last end) in ms, and the activity count.
+    """Per timed call: (first device activity start .. last end) in ms and the activity count; and
+    per activity name, its mean time per call in ms.
 
     A device activity belongs to the call whose host-side range contains the API call that launched
     it (matched by CUPTI correlation id); activities whose launch is not in the trace fall back to
@@ -129,6 +131,7 @@ def call_spans(events, iters: int) -> tuple:
     first = {i: None for i in ranges}
     last = {i: None for i in ranges}
     count = {i: 0 for i in ranges}
+    busy_ns = {}
     for e in device_events:
         t = launch_ns.get(e.correlation_id(), e.start_ns())
         pos = bisect.bisect_right(starts, t) - 1
@@ -138,8 +141,10 @@ def call_spans(events, iters: int) -> tuple:
         if t > ranges[call][1]:
             continue
         count[call] += 1
+        busy_ns[e.name()] = busy_ns.get(e.name(), 0) + e.end_ns() - e.start_ns()
         first[call] = e.start_ns() if first[call] is None else min(first[call], e.start_ns())
         last[call] = e.end_ns() if last[call] is None else max(last[call], e.end_ns())
     spans = [((last[i] - first[i]) / 1e6 if count[i] else 0.0) for i in range(iters)]
-    return spans, [count[i] for i in range(iters)]
+    kernel_ms = {name: ns / 1e6 / iters for name, ns in busy_ns.items()}
+    return spans, [count[i] for i in range(iters)], kernel_ms
 

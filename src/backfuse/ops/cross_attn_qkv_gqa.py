@@ -11,7 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
+from ..kernels import buffers
+from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
+from ..kernels.gemm import choose_splits, gemm_tile, tile_count
 from ..problem import Problem, Tensor
 
 HIDDEN = 1536
@@ -24,6 +29,15 @@ Q_OUT = HEADS * HEAD_DIM  # 4096
 KV_OUT = KV_HEADS * HEAD_DIM  # 1024
 
 B, SD, SE = "batch_size", "seq_len_dec", "seq_len_enc"
+
+# The same constants as constexpr for the kernels.
+_HIDDEN = tl.constexpr(HIDDEN)
+_CROSS = tl.constexpr(CROSS_HIDDEN)
+_HEADS = tl.constexpr(HEADS)
+_GROUP = tl.constexpr(GROUP)
+_HEAD_DIM = tl.constexpr(HEAD_DIM)
+_Q_OUT = tl.constexpr(Q_OUT)
+_KV_OUT = tl.constexpr(KV_OUT)
 
 
 class CrossAttnQKVGQABackward(Problem):
@@ -99,5 +113,200 @@ class CrossAttnQKVGQABackward(Problem):
         # grad_dec and grad_Wq; grad_enc (K = 2048 over [Wk; Wv]) and [grad_Wk; grad_Wv].
         return 2 * dec_tokens * Q_OUT * HIDDEN + 2 * enc_tokens * 2 * KV_OUT * CROSS_HIDDEN
 
+    def fused(self, gq, gk, gv, dec, enc, wq, wk, wv):
+        return qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv)
+
 
 PROBLEM = CrossAttnQKVGQABackward()
+
+# ---- fused path: one prologue pass to fp16 operands, then one launch of all five products --------
+
+PACK_ROWS = 32  # tokens per head-tile in the prologue
+PACK_BLOCK, PACK_ITERS = 4096, 16  # flat casts and fills: elements per step, steps per program
+
+
+@triton.jit
+def _gq_tile(gq, gq16, tile, SD, ROWS: tl.constexpr):
+    """GQ[b*Sd + s, h*256 + d] = fp16(grad_query_states[b, h, s, d]) for ROWS tokens of one head."""
+    s_blocks = (SD + ROWS - 1) // ROWS
+    b = tile // (_HEADS * s_blocks)
+    h = (tile // s_blocks) % _HEADS
+    s = (tile % s_blocks) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, _HEAD_DIM)
+    rows_ok = s[:, None] < SD
+    src = gq + ((b * _HEADS + h).to(tl.int64) * SD + s[:, None]) * _HEAD_DIM + d[None, :]
+    dst = gq16 + (b.to(tl.int64) * SD + s[:, None]) * _Q_OUT + h * _HEAD_DIM + d[None, :]
+    tl.store(dst, tl.load(src, mask=rows_ok).to(tl.float16), mask=rows_ok)
+
+
+@triton.jit
+def _group_sum_tile(g, gkv16, tile, SE, column0, ROWS: tl.constexpr):
+    """GK[b*Se + s, j*256 + d] = fp16(sum over g < 4 of grad[b, 4j + g, s, d]), at column0 of [GK | GV]."""
+    s_blocks = (SE + ROWS - 1) // ROWS
+    b = tile // (_KV_OUT // _HEAD_DIM * s_blocks)
+    j = (tile // s_blocks) % (_KV_OUT // _HEAD_DIM)
+    s = (tile % s_blocks) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, _HEAD_DIM)
+    rows_ok = s[:, None] < SE
+    acc = tl.zeros((ROWS, _HEAD_DIM), dtype=tl.float32)
+    for q_head in tl.static_range(_GROUP):
+        head = b * _HEADS + j * _GROUP + q_head
+        acc += tl.load(g + (head.to(tl.int64) * SE + s[:, None]) * _HEAD_DIM + d[None, :], mask=rows_ok)
+    dst = gkv16 + (b.to(tl.int64) * SE + s[:, None]) * (2 * _KV_OUT) + column0 + j * _HEAD_DIM + d[None, :]
+    tl.store(dst, acc.to(tl.float16), mask=rows_ok)
+
+
+@triton.jit
+def _pack_kernel(
+    gq, gk, gv, dec, enc, wq, wk, wv,
+    gq16, gkv16, dec16, enc16, wq16, wkv16,
+    grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+    zero_dec, zero_enc, zero_wq, zero_wkv,
+    B, SD, SE,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+):
+    """Every fp16 operand of the five products, and the zeroed outputs that split-K accumulates into.
+
+    Program ranges, in order: GQ head-tiles, GK and GV group sums, flat casts of dec, enc, Wq, Wk,
+    Wv (Wk and Wv stacked as [Wk; Wv]), then zero fills of the outputs whose flag is set.
+    """
+    pid = tl.program_id(0)
+    n_gq = B * _HEADS * ((SD + ROWS - 1) // ROWS)
+    n_gk = B * (_KV_OUT // _HEAD_DIM) * ((SE + ROWS - 1) // ROWS)
+    n_dec = B * SD * _HIDDEN
+    n_enc = B * SE * _CROSS
+    n_wq = _Q_OUT * _HIDDEN
+    n_wk = _KV_OUT * _CROSS
+    e_gq = n_gq
+    e_gk = e_gq + n_gk
+    e_gv = e_gk + n_gk
+    CHUNK: tl.constexpr = BLOCK * ITERS
+    c_dec = (n_dec + CHUNK - 1) // CHUNK
+    c_enc = (n_enc + CHUNK - 1) // CHUNK
+    c_wq = (n_wq + CHUNK - 1) // CHUNK
+    c_wk = (n_wk + CHUNK - 1) // CHUNK
+    e_dec = e_gv + c_dec
+    e_enc = e_dec + c_enc
+    e_wq = e_enc + c_wq
+    e_wk = e_wq + c_wk
+    e_wv = e_wk + c_wk
+    e_zdec = e_wv + zero_dec * c_dec
+    e_zenc = e_zdec + zero_enc * c_enc
+    e_zwq = e_zenc + zero_wq * c_wq
+    e_zwk = e_zwq + zero_wkv * c_wk
+    if pid < e_gq:
+        _gq_tile(gq, gq16, pid, SD, ROWS)
+    elif pid < e_gk:
+        _group_sum_tile(gk, gkv16, pid - e_gq, SE, 0, ROWS)
+    elif pid < e_gv:
+        _group_sum_tile(gv, gkv16, pid - e_gk, SE, _KV_OUT, ROWS)
+    elif pid < e_dec:
+        cast_chunk(dec, dec16, n_dec, pid - e_gv, BLOCK, ITERS)
+    elif pid < e_enc:
+        cast_chunk(enc, enc16, n_enc, pid - e_dec, BLOCK, ITERS)
+    elif pid < e_wq:
+        cast_chunk(wq, wq16, n_wq, pid - e_enc, BLOCK, ITERS)
+    elif pid < e_wk:
+        cast_chunk(wk, wkv16, n_wk, pid - e_wq, BLOCK, ITERS)
+    elif pid < e_wv:
+        cast_chunk(wv, wkv16 + n_wk, n_wk, pid - e_wk, BLOCK, ITERS)
+    elif pid < e_zdec:
+        zero_chunk(grad_dec, n_dec, pid - e_wv, BLOCK, ITERS)
+    elif pid < e_zenc:
+        zero_chunk(grad_enc, n_enc, pid - e_zdec, BLOCK, ITERS)
+    elif pid < e_zwq:
+        zero_chunk(grad_wq, n_wq, pid - e_zenc, BLOCK, ITERS)
+    elif pid < e_zwk:
+        zero_chunk(grad_wk, n_wk, pid - e_zwq, BLOCK, ITERS)
+    else:
+        zero_chunk(grad_wv, n_wk, pid - e_zwk, BLOCK, ITERS)
+
+
+@triton.jit
+def _projection_grads_kernel(
+    gq16, gkv16, dec16, enc16, wq16, wkv16,
+    grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+    TD, TE,
+    split_wq, split_wkv, split_dec, split_enc,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """The five products as one launch of tiles: grad_Wq, grad_Wk, grad_Wv, grad_dec, grad_enc.
+
+    With GQ [TD, 4096] and [GK | GV] [TE, 2048] in fp16: grad_Wq = GQ^T dec, grad_Wk = GK^T enc,
+    grad_Wv = GV^T enc, grad_dec = GQ Wq, grad_enc = [GK | GV] [Wk; Wv].
+    """
+    pid = tl.program_id(0)
+    e_wq = ((_Q_OUT + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_wq
+    e_wk = e_wq + ((_KV_OUT + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_wkv
+    e_wv = e_wk + ((_KV_OUT + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_wkv
+    e_dec = e_wv + ((TD + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_dec
+    if pid < e_wq:
+        gemm_tile(pid, gq16, dec16, grad_wq, _Q_OUT, _HIDDEN, TD,
+                  1, _Q_OUT, _HIDDEN, 1, _HIDDEN, split_wq, BM, BN, BK)
+    elif pid < e_wk:
+        gemm_tile(pid - e_wq, gkv16, enc16, grad_wk, _KV_OUT, _CROSS, TE,
+                  1, 2 * _KV_OUT, _CROSS, 1, _CROSS, split_wkv, BM, BN, BK)
+    elif pid < e_wv:
+        gemm_tile(pid - e_wk, gkv16 + _KV_OUT, enc16, grad_wv, _KV_OUT, _CROSS, TE,
+                  1, 2 * _KV_OUT, _CROSS, 1, _CROSS, split_wkv, BM, BN, BK)
+    elif pid < e_dec:
+        gemm_tile(pid - e_wv, gq16, wq16, grad_dec, TD, _HIDDEN, _Q_OUT,
+                  _Q_OUT, 1, _HIDDEN, 1, _HIDDEN, split_dec, BM, BN, BK)
+    else:
+        gemm_tile(pid - e_dec, gkv16, wkv16, grad_enc, TE, _CROSS, 2 * _KV_OUT,
+                  2 * _KV_OUT, 1, _CROSS, 1, _CROSS, split_enc, BM, BN, BK)
+
+
+# (BM, BN, BK, num_warps, num_stages) of the products' launch.
+GEMM_CONFIG = (128, 256, 64, 8, 3)
+
+
+def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, sms=None):
+    """The 072 outputs from the official inputs (validated by the caller).
+
+    config: (BM, BN, BK, num_warps, num_stages) of the products; sms: processors to balance the
+    K splits over (the GPU's count; on the CPU interpreter, 1, which avoids splits).
+    """
+    batch, _, sd, _ = gq.shape
+    se = gk.shape[2]
+    td, te = batch * sd, batch * se
+    device = gq.device
+    f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
+    f32 = lambda *shape: buffers.empty(shape, torch.float32, device)  # noqa: E731
+    gq16, gkv16, dec16, enc16 = f16(td, Q_OUT), f16(te, 2 * KV_OUT), f16(td, HIDDEN), f16(te, CROSS_HIDDEN)
+    wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)
+    grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
+    grad_wq, grad_wk, grad_wv = f32(Q_OUT, HIDDEN), f32(KV_OUT, CROSS_HIDDEN), f32(KV_OUT, CROSS_HIDDEN)
+
+    bm, bn, bk, warps, stages = config
+    if sms is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    products = [(Q_OUT, HIDDEN, td), (KV_OUT, CROSS_HIDDEN, te), (KV_OUT, CROSS_HIDDEN, te),
+                (td, HIDDEN, Q_OUT), (te, CROSS_HIDDEN, 2 * KV_OUT)]
+    split_wq, split_wkv, _, split_dec, split_enc = choose_splits(products, bm, bn, bk, sms)
+    tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in
+                zip(products, (split_wq, split_wkv, split_wkv, split_dec, split_enc)))
+
+    flat = lambda n: chunks(n, PACK_BLOCK, PACK_ITERS)  # noqa: E731
+    n_pack = (batch * HEADS * triton.cdiv(sd, PACK_ROWS) + 2 * batch * KV_HEADS * triton.cdiv(se, PACK_ROWS)
+              + (1 + (split_dec > 1)) * flat(td * HIDDEN) + (1 + (split_enc > 1)) * flat(te * CROSS_HIDDEN)
+              + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
+    with buffers.on_device(device):
+        _pack_kernel[(n_pack,)](
+            gq, gk, gv, dec, enc, wq, wk, wv,
+            gq16, gkv16, dec16, enc16, wq16, wkv16,
+            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+            int(split_dec > 1), int(split_enc > 1), int(split_wq > 1), int(split_wkv > 1),
+            batch, sd, se, ROWS=PACK_ROWS, BLOCK=PACK_BLOCK, ITERS=PACK_ITERS, num_warps=4,
+        )
+        _projection_grads_kernel[(tiles,)](
+            gq16, gkv16, dec16, enc16, wq16, wkv16,
+            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+            td, te, split_wq, split_wkv, split_dec, split_enc,
+            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        )
+    return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv

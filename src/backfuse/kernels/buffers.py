@@ -1,0 +1,34 @@
+"""Allocation of kernel outputs and scratch, with an optional poison fill for tests."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_poison = False
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Fill every buffer the kernels allocate with NaN, so elements a kernel fails to write show."""
+    global _poison
+    saved, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = saved
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if _poison:
+        t.fill_(float("nan"))
+    return t
+
+
+def on_device(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' device for the call."""
+    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -1,0 +1,119 @@
+"""fp16-operand, fp32-accumulate matrix tiles: the building block of every projection product.
+
+Operators write one kernel each that maps its programs onto the products it needs and calls these
+device functions, with the constant widths of the model passed as constexpr so that Triton knows
+the contiguous dimension and alignment of every operand (16-byte loads, wgmma on Hopper).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mma_tile(
+    a_ptr,
+    b_ptr,
+    off_m,
+    off_n,
+    M,
+    N,
+    k_lo,
+    k_hi,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """A[off_m:+BM, k_lo:k_hi] @ B[k_lo:k_hi, off_n:+BN] with fp16 operands, as a [BM, BN] fp32 tile.
+
+    Any layout works through the strides; rows past M, columns past N and k past k_hi read zeros.
+    """
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + (k_lo + rk)[None, :].to(tl.int64) * stride_ak
+    b_ptrs = b_ptr + (k_lo + rk)[:, None].to(tl.int64) * stride_bk + rn[None, :].to(tl.int64) * stride_bn
+    m_ok = rm[:, None] < M
+    n_ok = rn[None, :] < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        k_ok = (k + rk) < k_hi
+        a = tl.load(a_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BK * stride_ak
+        b_ptrs += BK * stride_bk
+    return acc
+
+
+@triton.jit
+def store_tile(c_ptr, acc, off_m, off_n, M, N, stride_cm, stride_cn, accumulate, BM: tl.constexpr, BN: tl.constexpr):
+    """Write (or, for split-K partial sums, atomically add) a [BM, BN] fp32 tile, masked at the edges."""
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :].to(tl.int64) * stride_cn
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if accumulate:
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, acc, mask=mask)
+
+
+@triton.jit
+def gemm_tile(
+    local,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    splits,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Tile `local` of C[M, N] (+)= A[M, K] @ B[K, N], K split `splits` ways (C pre-zeroed if splits > 1).
+
+    Tiles run n fastest, then m, then split, so neighbouring programs share A's row block; each
+    split owns a BK-aligned slice of K.
+    """
+    tiles_m = (M + BM - 1) // BM
+    tiles_n = (N + BN - 1) // BN
+    tn = local % tiles_n
+    tm = (local // tiles_n) % tiles_m
+    split = local // (tiles_n * tiles_m)
+    per_split = ((K + splits - 1) // splits + BK - 1) // BK * BK
+    k_lo = split * per_split
+    k_hi = tl.minimum(K, k_lo + per_split)
+    acc = mma_tile(a_ptr, b_ptr, tm * BM, tn * BN, M, N, k_lo, k_hi,
+                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK)
+    store_tile(c_ptr, acc, tm * BM, tn * BN, M, N, stride_cm, 1, splits > 1, BM, BN)
+
+
+def tile_count(M: int, N: int, splits: int, BM: int, BN: int) -> int:
+    """Programs `gemm_tile` needs for C[M, N] split `splits` ways."""
+    return triton.cdiv(M, BM) * triton.cdiv(N, BN) * splits
+
+
+def choose_splits(gemms, BM: int, BN: int, BK: int, sms: int, *, min_chunk: int = 512, max_chunk: int = 4096) -> list:
+    """K splits per product so that every tile's K slice is near one common length.
+
+    gemms: (M, N, K) per product. The common length is a third of an even share of the total work
+    per SM, kept within [min_chunk, max_chunk] so short slices don't drown in pipeline fill; equal
+    slices let one launch of mixed products balance across SMs.
+    """
+    work = sum(triton.cdiv(m, BM) * triton.cdiv(n, BN) * k for m, n, k in gemms)
+    chunk = min(max_chunk, max(min_chunk, work // (3 * sms)))
+    chunk = triton.cdiv(chunk, BK) * BK
+    return [max(1, round(k / chunk)) for _, _, k in gemms]

@@ -1,0 +1,181 @@
+"""The harness: official rule, span extraction, fresh addresses, SOL model, reports, CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import backfuse
+from backfuse.bench import check_outputs, leaderboard_score, sol_ms
+from backfuse.bench import report
+from backfuse.bench.timing import CALL_TAG, FreshInputs, call_spans
+from backfuse.problem import Tolerance
+
+TOL = Tolerance(atol=1e-3, rtol=1e-3, ratio=0.99)
+NAMES = ("a", "b")
+
+
+def _pair():
+    ref = (torch.randn(100, 10) + 3, torch.randn(7) + 3)
+    return ref, tuple(r.clone() for r in ref)
+
+
+def test_rule_passes_close_outputs():
+    ref, out = _pair()
+    out[0].view(-1)[:5] += 1.0  # 0.5% of elements out of tolerance is allowed
+    v = check_outputs(out, ref, TOL, NAMES)
+    assert v.passed and v.min_matched == pytest.approx(0.995)
+
+
+@pytest.mark.parametrize("spoil,reason", [
+    (lambda o: o[0].view(-1)[:20].add_(1.0), "0.980000 of elements"),
+    (lambda o: o[1].__setitem__(3, float("nan")), "NaN or Inf"),
+    (lambda o: o[1].__setitem__(3, float("inf")), "NaN or Inf"),
+    (lambda o: o[1].zero_(), "all zeros"),
+])
+def test_rule_fails(spoil, reason):
+    ref, out = _pair()
+    spoil(out)
+    v = check_outputs(out, ref, TOL, NAMES)
+    assert not v.passed and reason in v.reason
+
+
+def test_rule_checks_count_shape_dtype():
+    ref, out = _pair()
+    assert "expected 2 outputs, got 1" in check_outputs(out[:1], ref, TOL, NAMES).reason
+    assert not check_outputs((out[0].double(), out[1]), ref, TOL, NAMES).passed
+    assert not check_outputs((out[0][:-1], out[1]), ref, TOL, NAMES).passed
+
+
+class FakeEvent:
+    def __init__(self, kind, name, start, end, corr=0):
+        self.kind, self._name, self.start, self.end, self.corr = kind, name, start, end, corr
+
+    def activity_type(self): return self.kind
+    def name(self): return self._name
+    def start_ns(self): return self.start
+    def end_ns(self): return self.end
+    def correlation_id(self): return self.corr
+
+
+def test_call_spans_group_kernels_by_launch():
+    events = [
+        FakeEvent("kernel", "flush", 0, 90, corr=1),  # outside every range: dropped
+        FakeEvent("cuda_runtime", "cudaLaunchKernel", 5, 6, corr=1),
+        FakeEvent("user_annotation", CALL_TAG + "0", 100, 400),
+        FakeEvent("cuda_driver", "cuLaunchKernel", 110, 115, corr=2),
+        FakeEvent("cuda_runtime", "cudaLaunchKernel", 120, 125, corr=3),
+        FakeEvent("kernel", "k1", 130, 200, corr=2),
+        FakeEvent("kernel", "k2", 250, 330, corr=3),
+        FakeEvent("gpu_user_annotation", CALL_TAG + "0", 130, 330),  # not a device activity
+        FakeEvent("gpu_memset", "flush", 450, 480, corr=9),  # launched outside the ranges
+        FakeEvent("cuda_runtime", "cudaMemsetAsync", 440, 441, corr=9),
+        FakeEvent("user_annotation", CALL_TAG + "1", 500, 900),
+        FakeEvent("cuda_runtime", "cudaLaunchKernel", 510, 512, corr=4),
+        FakeEvent("kernel", "k1", 530, 560, corr=4),
+        FakeEvent("kernel", "side-stream", 540, 600, corr=77),  # no launch record: its own start decides
+    ]
+    spans, counts, kernel_ms = call_spans(events, 2)
+    assert counts == [2, 2]
+    assert kernel_ms == {"k1": pytest.approx(100 / 2e6), "k2": pytest.approx(80 / 2e6), "side-stream": pytest.approx(60 / 2e6)}
+    assert spans == [pytest.approx(200 / 1e6), pytest.approx(70 / 1e6)]
+
+
+def test_call_spans_needs_every_range():
+    with pytest.raises(RuntimeError, match="1 of 2 timed-call ranges"):
+        call_spans([FakeEvent("user_annotation", CALL_TAG + "0", 0, 1)], 2)
+
+
+def test_fresh_inputs_move_every_call():
+    inputs = [torch.randn(3, 5), 0.5, torch.randn(7)]
+    fresh = FreshInputs(inputs, calls=4)
+    seen = set()
+    for _ in range(4):
+        placed = fresh()
+        assert placed[1] == 0.5
+        for x, y in zip(placed[::2], inputs[::2]):
+            assert torch.equal(x, y) and x.is_contiguous() and (x.data_ptr() - fresh.pool.data_ptr()) % 256 == 0
+        seen.add(tuple(x.data_ptr() for x in placed[::2]))
+    assert len(seen) == 4
+
+
+# macs_min and bytes_fp32_io from ../shared/spec/anchors_h200.json (measured facts, two cases each)
+ANCHORS = {
+    "072": [(dict(batch_size=4, seq_len_dec=2048, seq_len_enc=4096), 171798691840, 973078528),
+            (dict(batch_size=1, seq_len_dec=613, seq_len_enc=691), 10611589120, 112988160)],
+    "037": [(dict(batch_size=4, seq_len=128), 34431565824, 220727296),
+            (dict(batch_size=2, seq_len=541), None, None)],
+    "021": [(dict(batch_size=64, num_video_tokens=128, num_text_tokens=77), 77829505024, 174620672),
+            (dict(batch_size=8, num_video_tokens=256, num_text_tokens=373), 34204549120, 83197952)],
+}
+
+
+def test_cost_model_matches_anchors():
+    for pid, cases in ANCHORS.items():
+        prob = backfuse.problem(pid)
+        for axes, macs, nbytes in cases:
+            if macs is not None:
+                assert prob.macs(axes) == macs and prob.io_bytes(axes) == nbytes
+    prob = backfuse.problem("037")
+    assert prob.macs(dict(batch_size=1, seq_len=2048)) == 173965049856
+    # Anchors' SOL: max(2 * macs / 989e12, bytes / 4.8e12).
+    assert sol_ms(prob, dict(batch_size=4, seq_len=1024)) == pytest.approx(0.6254, abs=1e-4)
+    assert sol_ms(backfuse.problem("072"), ANCHORS["072"][1][0]) == pytest.approx(0.02354, abs=1e-5)
+
+
+def test_leaderboard_score():
+    assert leaderboard_score(2.0, 2.0, 0.5) == pytest.approx(0.5)
+    assert leaderboard_score(0.5, 2.0, 0.5) == pytest.approx(1.0)
+
+
+def _doc(latency=0.1):
+    prob = backfuse.problem("021")
+    cases = [{"uuid": w.uuid, "axes": w.axes, "latency_ms": latency, "passed": True, "min_matched": 1.0}
+             for w in prob.workloads]
+    impl = {"mean_ms": latency, "cases": cases}
+    return {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "date": "2026-11-30",
+            "problems": {"021": {"sol_h200_mean_ms": 0.046, "impls": {"reference": impl, "backfuse": dict(impl)}}}}
+
+
+def test_reports(tmp_path):
+    doc = _doc()
+    text = report.case_table("021", doc["problems"]["021"], baseline="reference")
+    assert "score S" in text and len(text.splitlines()) == 1 + 1 + 16 + 2
+    md = report.readme_table(doc)
+    assert "| 021 | backfuse | 0.100 | 16/16 | 46% | 1.0× |" in md
+    png = tmp_path / "plot.png"
+    report.plot(doc, str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "backfuse", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_cli_help_and_sol():
+    assert _cli("--help").returncode == 0
+    r = _cli("bench", "--help")
+    assert r.returncode == 0 and "--cases" in r.stdout and "--json" in r.stdout
+    r = _cli("sol", "072", "--gpu", "b200")
+    assert r.returncode == 0 and r.stdout.count("\n") >= 19 and "0.0" in r.stdout
+    r = _cli("sol", "nope")
+    assert r.returncode == 2 and "unknown problem" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback path")
+def test_cli_bench_without_gpu_checks_reduced_shapes(tmp_path):
+    out = tmp_path / "r.json"
+    r = _cli("bench", "021", "--cases", "12", "--rounds", "1", "--impl", "reference", "backfuse", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU" in r.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"device", "torch", "triton", "date", "problems"}
+    entry = doc["problems"]["021"]
+    assert set(entry) == {"sol_h200_mean_ms", "impls"}
+    case = entry["impls"]["backfuse"]["cases"][0]
+    assert set(case) == {"uuid", "axes", "latency_ms", "passed", "min_matched"}
+    assert case["passed"] and case["latency_ms"] is None and case["axes"]["batch_size"] == 2
