@@ -18,7 +18,9 @@ import backfuse
 from backfuse.bench import check_outputs, sol_ms, time_calls
 from backfuse.ops import cross_attn_qkv_gqa as op
 
-CONFIGS = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3)]
+G = op.GemmConfig
+CONFIGS = [G(128, 256, 64, 8, 3), G(128, 256, 64, 8, 4), G(128, 256, 64, 8, 3, True), G(128, 256, 64, 8, 4, True),
+           G(128, 128, 64, 4, 4), G(128, 128, 64, 4, 4, True)]
 
 
 def cublas_products(td, te):
@@ -57,7 +59,7 @@ def main():
                 v = check_outputs(fn(*x), prob.reference(*x), w.tolerance, prob.output_names)
                 worst, ok = min(worst, v.min_matched), ok and v.passed
             t = time_calls(fn, x)
-            row["variants"][str(cfg)] = {"ms": t.median_ms, "event_ms": t.event_median_ms, "passed": ok,
+            row["variants"][",".join(str(int(v)) for v in cfg)] = {"ms": t.median_ms, "event_ms": t.event_median_ms, "passed": ok,
                                          "min_matched": worst, "kernel_ms": t.kernel_ms}
             del x
         td, te = a["batch_size"] * a["seq_len_dec"], a["batch_size"] * a["seq_len_enc"]

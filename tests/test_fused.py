@@ -44,7 +44,8 @@ def test_072_fused_odd_shapes(axes):
 def test_072_fused_split_k_and_gpu_tiles():
     """Many processors force K splits (atomics into pre-zeroed outputs); the GPU's tile shape."""
     prob = backfuse.problem("072")
-    fn = lambda *x: cross_attn_qkv_gqa.qkv_gqa_backward(*x, config=(128, 256, 64, 8, 3), sms=132)  # noqa: E731
+    config = cross_attn_qkv_gqa.GemmConfig(128, 256, 64, 8, 3, one_launch=True)
+    fn = lambda *x: cross_attn_qkv_gqa.qkv_gqa_backward(*x, config=config, sms=132)  # noqa: E731
     _check_fused(prob, dict(batch_size=3, seq_len_dec=5, seq_len_enc=13), seed=5, fn=fn)
 
 

@@ -11,7 +11,7 @@ import torch
 import backfuse
 from backfuse.bench import check_outputs, leaderboard_score, sol_ms
 from backfuse.bench import report
-from backfuse.bench.timing import CALL_TAG, FreshInputs, call_spans
+from backfuse.bench.timing import CALL_TAG, FreshInputs, TraceEvent, call_spans, trace_events
 from backfuse.problem import Tolerance
 
 TOL = Tolerance(atol=1e-3, rtol=1e-3, ratio=0.99)
@@ -50,15 +50,8 @@ def test_rule_checks_count_shape_dtype():
     assert not check_outputs((out[0][:-1], out[1]), ref, TOL, NAMES).passed
 
 
-class FakeEvent:
-    def __init__(self, kind, name, start, end, corr=0):
-        self.kind, self._name, self.start, self.end, self.corr = kind, name, start, end, corr
-
-    def activity_type(self): return self.kind
-    def name(self): return self._name
-    def start_ns(self): return self.start
-    def end_ns(self): return self.end
-    def correlation_id(self): return self.corr
+def FakeEvent(kind, name, start, end, corr=None):
+    return TraceEvent(kind, name, start, end, corr)
 
 
 def test_call_spans_group_kernels_by_launch():
@@ -82,6 +75,20 @@ def test_call_spans_group_kernels_by_launch():
     assert counts == [2, 2]
     assert kernel_ms == {"k1": pytest.approx(100 / 2e6), "k2": pytest.approx(80 / 2e6), "side-stream": pytest.approx(60 / 2e6)}
     assert spans == [pytest.approx(200 / 1e6), pytest.approx(70 / 1e6)]
+
+
+def test_trace_events_reads_the_profilers_ranges():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(3):
+            with record_function(f"{CALL_TAG}{i}"):
+                torch.randn(64, 64) @ torch.randn(64, 64)
+    events = trace_events(prof)
+    ranges = [e for e in events if e.kind == "user_annotation" and e.name.startswith(CALL_TAG)]
+    assert len(ranges) == 3 and all(e.end_ns > e.start_ns for e in ranges)
+    spans, counts, _ = call_spans(events, 3)  # no device activity on a CPU-only trace
+    assert counts == [0, 0, 0] and spans == [0.0, 0.0, 0.0]
 
 
 def test_call_spans_needs_every_range():

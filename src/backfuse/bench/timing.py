@@ -10,7 +10,10 @@ CUDA events around each call give a cross-check.
 from __future__ import annotations
 
 import bisect
+import json
+import os
 import statistics
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +103,35 @@ def time_calls(fn, inputs: list, *, warmup: int = 10, iters: int = 50) -> Timing
                 fn(*args)
                 end.record()
                 torch.cuda.synchronize(device)
-    spans, counts, kernel_ms = call_spans(prof.profiler.kineto_results.events(), iters)
+    spans, counts, kernel_ms = call_spans(trace_events(prof), iters)
     return Timing(spans, [s.elapsed_time(e) for s, e in events], counts, kernel_ms)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    kind: str  # Kineto category: kernel, gpu_memcpy, cuda_runtime, user_annotation, ...
+    name: str
+    start_ns: float
+    end_ns: float
+    correlation: int | None
+
+
+def trace_events(prof) -> list:
+    """The profiler's events, read from its Chrome trace (a format stable across torch versions)."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            raw = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    return [
+        TraceEvent(e.get("cat", ""), e.get("name", ""), 1e3 * float(e["ts"]), 1e3 * (float(e["ts"]) + float(e.get("dur", 0))),
+                   (e.get("args") or {}).get("correlation"))
+        for e in raw
+        if e.get("ph") == "X"
+    ]
 
 
 def call_spans(events, iters: int) -> tuple:
@@ -116,12 +146,11 @@ def call_spans(events, iters: int) -> tuple:
     launch_ns = {}
     device_events = []
     for e in events:
-        kind = e.activity_type()
-        if kind == "user_annotation" and e.name().startswith(CALL_TAG):
-            ranges[int(e.name()[len(CALL_TAG) :])] = (e.start_ns(), e.end_ns())
-        elif kind in LAUNCH_ACTIVITIES:
-            launch_ns[e.correlation_id()] = e.start_ns()
-        elif kind in DEVICE_ACTIVITIES:
+        if e.kind == "user_annotation" and e.name.startswith(CALL_TAG):
+            ranges[int(e.name[len(CALL_TAG) :])] = (e.start_ns, e.end_ns)
+        elif e.kind in LAUNCH_ACTIVITIES and e.correlation is not None:
+            launch_ns[e.correlation] = e.start_ns
+        elif e.kind in DEVICE_ACTIVITIES:
             device_events.append(e)
     if len(ranges) != iters:
         raise RuntimeError(f"profiler trace holds {len(ranges)} of {iters} timed-call ranges")
@@ -133,7 +162,7 @@ def call_spans(events, iters: int) -> tuple:
     count = {i: 0 for i in ranges}
     busy_ns = {}
     for e in device_events:
-        t = launch_ns.get(e.correlation_id(), e.start_ns())
+        t = launch_ns.get(e.correlation, e.start_ns)
         pos = bisect.bisect_right(starts, t) - 1
         if pos < 0:
             continue
@@ -141,9 +170,9 @@ def call_spans(events, iters: int) -> tuple:
         if t > ranges[call][1]:
             continue
         count[call] += 1
-        busy_ns[e.name()] = busy_ns.get(e.name(), 0) + e.end_ns() - e.start_ns()
-        first[call] = e.start_ns() if first[call] is None else min(first[call], e.start_ns())
-        last[call] = e.end_ns() if last[call] is None else max(last[call], e.end_ns())
+        busy_ns[e.name] = busy_ns.get(e.name, 0) + e.end_ns - e.start_ns
+        first[call] = e.start_ns if first[call] is None else min(first[call], e.start_ns)
+        last[call] = e.end_ns if last[call] is None else max(last[call], e.end_ns)
     spans = [((last[i] - first[i]) / 1e6 if count[i] else 0.0) for i in range(iters)]
     kernel_ms = {name: ns / 1e6 / iters for name, ns in busy_ns.items()}
     return spans, [count[i] for i in range(iters)], kernel_ms

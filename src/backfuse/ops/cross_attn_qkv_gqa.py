@@ -9,6 +9,7 @@ grad_Wv = GV^T @ enc.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -230,46 +231,76 @@ def _projection_grads_kernel(
     grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
     TD, TE,
     split_wq, split_wkv, split_dec, split_enc,
+    WEIGHT_GRADS: tl.constexpr,
+    INPUT_GRADS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """The five products as one launch of tiles: grad_Wq, grad_Wk, grad_Wv, grad_dec, grad_enc.
+    """Tiles of the five products: grad_Wq, grad_Wk, grad_Wv (WEIGHT_GRADS), grad_dec, grad_enc (INPUT_GRADS).
 
     With GQ [TD, 4096] and [GK | GV] [TE, 2048] in fp16: grad_Wq = GQ^T dec, grad_Wk = GK^T enc,
-    grad_Wv = GV^T enc, grad_dec = GQ Wq, grad_enc = [GK | GV] [Wk; Wv].
+    grad_Wv = GV^T enc, grad_dec = GQ Wq, grad_enc = [GK | GV] [Wk; Wv]. The weight gradients read
+    their A operand transposed (feature-contiguous), the input gradients row-major; Triton gives
+    each layout its own shared-memory ring, so one launch of both needs a smaller ring.
     """
     pid = tl.program_id(0)
-    e_wq = ((_Q_OUT + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_wq
-    e_wk = e_wq + ((_KV_OUT + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_wkv
-    e_wv = e_wk + ((_KV_OUT + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_wkv
-    e_dec = e_wv + ((TD + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_dec
-    if pid < e_wq:
-        gemm_tile(pid, gq16, dec16, grad_wq, _Q_OUT, _HIDDEN, TD,
-                  1, _Q_OUT, _HIDDEN, 1, _HIDDEN, split_wq, BM, BN, BK)
-    elif pid < e_wk:
-        gemm_tile(pid - e_wq, gkv16, enc16, grad_wk, _KV_OUT, _CROSS, TE,
-                  1, 2 * _KV_OUT, _CROSS, 1, _CROSS, split_wkv, BM, BN, BK)
-    elif pid < e_wv:
-        gemm_tile(pid - e_wk, gkv16 + _KV_OUT, enc16, grad_wv, _KV_OUT, _CROSS, TE,
-                  1, 2 * _KV_OUT, _CROSS, 1, _CROSS, split_wkv, BM, BN, BK)
-    elif pid < e_dec:
-        gemm_tile(pid - e_wv, gq16, wq16, grad_dec, TD, _HIDDEN, _Q_OUT,
-                  _Q_OUT, 1, _HIDDEN, 1, _HIDDEN, split_dec, BM, BN, BK)
-    else:
-        gemm_tile(pid - e_dec, gkv16, wkv16, grad_enc, TE, _CROSS, 2 * _KV_OUT,
-                  2 * _KV_OUT, 1, _CROSS, 1, _CROSS, split_enc, BM, BN, BK)
+    n_weight = 0
+    if WEIGHT_GRADS:
+        # One call site for the three (so they share one shared-memory ring); operands by select.
+        t_q = ((_Q_OUT + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_wq
+        t_kv = ((_KV_OUT + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_wkv
+        n_weight = t_q + 2 * t_kv
+        if pid < n_weight:
+            on_q = pid < t_q
+            on_v = pid >= t_q + t_kv
+            width = tl.multiple_of(tl.where(on_q, _HIDDEN, _CROSS), 256)
+            gemm_tile(
+                tl.where(on_q, pid, tl.where(on_v, pid - t_q - t_kv, pid - t_q)),
+                tl.where(on_q, gq16, tl.where(on_v, gkv16 + _KV_OUT, gkv16)),
+                tl.where(on_q, dec16, enc16),
+                tl.where(on_q, grad_wq, tl.where(on_v, grad_wv, grad_wk)),
+                tl.multiple_of(tl.where(on_q, _Q_OUT, _KV_OUT), 256), width, tl.where(on_q, TD, TE),
+                1, tl.multiple_of(tl.where(on_q, _Q_OUT, 2 * _KV_OUT), 256), width, 1, width,
+                tl.where(on_q, split_wq, split_wkv), BM, BN, BK,
+            )
+    if INPUT_GRADS:
+        local = pid - n_weight
+        t_dec = ((TD + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_dec
+        if local >= 0:
+            on_dec = local < t_dec
+            width = tl.multiple_of(tl.where(on_dec, _HIDDEN, _CROSS), 256)
+            depth = tl.multiple_of(tl.where(on_dec, _Q_OUT, 2 * _KV_OUT), 256)
+            gemm_tile(
+                tl.where(on_dec, local, local - t_dec),
+                tl.where(on_dec, gq16, gkv16),
+                tl.where(on_dec, wq16, wkv16),
+                tl.where(on_dec, grad_dec, grad_enc),
+                tl.where(on_dec, TD, TE), width, depth,
+                depth, 1, width, 1, width,
+                tl.where(on_dec, split_dec, split_enc), BM, BN, BK,
+            )
 
 
-# (BM, BN, BK, num_warps, num_stages) of the products' launch.
-GEMM_CONFIG = (128, 256, 64, 8, 3)
+class GemmConfig(NamedTuple):
+    """Tile shape and schedule of the products; one_launch puts both operand layouts in one grid."""
+
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    warps: int = 8
+    stages: int = 3
+    one_launch: bool = False
+
+
+GEMM_CONFIG = GemmConfig()
 
 
 def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, sms=None):
     """The 072 outputs from the official inputs (validated by the caller).
 
-    config: (BM, BN, BK, num_warps, num_stages) of the products; sms: processors to balance the
-    K splits over (the GPU's count; on the CPU interpreter, 1, which avoids splits).
+    config: tile shape and schedule of the products; sms: processors to balance the K splits over
+    (the GPU's count; on the CPU interpreter, 1, which avoids splits).
     """
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
@@ -282,19 +313,21 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, sm
     grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
     grad_wq, grad_wk, grad_wv = f32(Q_OUT, HIDDEN), f32(KV_OUT, CROSS_HIDDEN), f32(KV_OUT, CROSS_HIDDEN)
 
-    bm, bn, bk, warps, stages = config
+    bm, bn, bk = config.bm, config.bn, config.bk
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    products = [(Q_OUT, HIDDEN, td), (KV_OUT, CROSS_HIDDEN, te), (KV_OUT, CROSS_HIDDEN, te),
-                (td, HIDDEN, Q_OUT), (te, CROSS_HIDDEN, 2 * KV_OUT)]
-    split_wq, split_wkv, _, split_dec, split_enc = choose_splits(products, bm, bn, bk, sms)
-    tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in
-                zip(products, (split_wq, split_wkv, split_wkv, split_dec, split_enc)))
+    weight_products = [(Q_OUT, HIDDEN, td), (KV_OUT, CROSS_HIDDEN, te), (KV_OUT, CROSS_HIDDEN, te)]
+    input_products = [(td, HIDDEN, Q_OUT), (te, CROSS_HIDDEN, 2 * KV_OUT)]
+    split_wq, split_wkv, _, split_dec, split_enc = choose_splits(weight_products + input_products, bm, bn, bk, sms)
+    weight_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(weight_products, (split_wq, split_wkv, split_wkv)))
+    input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, (split_dec, split_enc)))
 
     flat = lambda n: chunks(n, PACK_BLOCK, PACK_ITERS)  # noqa: E731
     n_pack = (batch * HEADS * triton.cdiv(sd, PACK_ROWS) + 2 * batch * KV_HEADS * triton.cdiv(se, PACK_ROWS)
               + (1 + (split_dec > 1)) * flat(td * HIDDEN) + (1 + (split_enc > 1)) * flat(te * CROSS_HIDDEN)
               + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
+    products = [(True, True, weight_tiles + input_tiles)] if config.one_launch else \
+        [(True, False, weight_tiles), (False, True, input_tiles)]
     with buffers.on_device(device):
         _pack_kernel[(n_pack,)](
             gq, gk, gv, dec, enc, wq, wk, wv,
@@ -303,10 +336,12 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, sm
             int(split_dec > 1), int(split_enc > 1), int(split_wq > 1), int(split_wkv > 1),
             batch, sd, se, ROWS=PACK_ROWS, BLOCK=PACK_BLOCK, ITERS=PACK_ITERS, num_warps=4,
         )
-        _projection_grads_kernel[(tiles,)](
-            gq16, gkv16, dec16, enc16, wq16, wkv16,
-            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
-            td, te, split_wq, split_wkv, split_dec, split_enc,
-            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
-        )
+        for weight_grads, input_grads, tiles in products:
+            _projection_grads_kernel[(tiles,)](
+                gq16, gkv16, dec16, enc16, wq16, wkv16,
+                grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+                td, te, split_wq, split_wkv, split_dec, split_enc,
+                WEIGHT_GRADS=weight_grads, INPUT_GRADS=input_grads,
+                BM=bm, BN=bn, BK=bk, num_warps=config.warps, num_stages=config.stages,
+            )
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
