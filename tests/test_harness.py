@@ -11,7 +11,7 @@ import torch
 import backfuse
 from backfuse.bench import check_outputs, leaderboard_score, sol_ms
 from backfuse.bench import report
-from backfuse.bench.timing import CALL_TAG, FreshInputs, TraceEvent, call_spans, trace_events
+from backfuse.bench.timing import CALL_TAG, SYNC_API, FreshInputs, TraceEvent, call_spans, trace_events
 from backfuse.problem import Tolerance
 
 TOL = Tolerance(atol=1e-3, rtol=1e-3, ratio=0.99)
@@ -55,21 +55,24 @@ def FakeEvent(kind, name, start, end, corr=None):
 
 
 def test_call_spans_group_kernels_by_launch():
+    sync = lambda t: FakeEvent("cuda_runtime", SYNC_API, t, t + 5)  # noqa: E731
     events = [
-        FakeEvent("kernel", "flush", 0, 90, corr=1),  # outside every range: dropped
+        FakeEvent("kernel", "flush", 0, 90, corr=1),  # launched before the first window: dropped
         FakeEvent("cuda_runtime", "cudaLaunchKernel", 5, 6, corr=1),
-        FakeEvent("user_annotation", CALL_TAG + "0", 100, 400),
-        FakeEvent("cuda_driver", "cuLaunchKernel", 110, 115, corr=2),
+        sync(95),
+        FakeEvent("cuda_driver", "cuLaunchKernelEx", 110, 115, corr=2),
         FakeEvent("cuda_runtime", "cudaLaunchKernel", 120, 125, corr=3),
         FakeEvent("kernel", "k1", 130, 200, corr=2),
         FakeEvent("kernel", "k2", 250, 330, corr=3),
-        FakeEvent("gpu_user_annotation", CALL_TAG + "0", 130, 330),  # not a device activity
-        FakeEvent("gpu_memset", "flush", 450, 480, corr=9),  # launched outside the ranges
+        sync(400),
         FakeEvent("cuda_runtime", "cudaMemsetAsync", 440, 441, corr=9),
-        FakeEvent("user_annotation", CALL_TAG + "1", 500, 900),
+        FakeEvent("gpu_memset", "flush", 450, 480, corr=9),  # launched between windows: dropped
+        sync(495),
         FakeEvent("cuda_runtime", "cudaLaunchKernel", 510, 512, corr=4),
         FakeEvent("kernel", "k1", 530, 560, corr=4),
         FakeEvent("kernel", "side-stream", 540, 600, corr=77),  # no launch record: its own start decides
+        FakeEvent("cpu_op", "aten::mm", 505, 509),
+        sync(900),
     ]
     spans, counts, kernel_ms = call_spans(events, 2)
     assert counts == [2, 2]
@@ -77,23 +80,31 @@ def test_call_spans_group_kernels_by_launch():
     assert spans == [pytest.approx(200 / 1e6), pytest.approx(70 / 1e6)]
 
 
-def test_trace_events_reads_the_profilers_ranges():
+def test_call_spans_needs_every_sync():
+    with pytest.raises(RuntimeError, match=r"1 device synchronizations \(expected 4\)"):
+        call_spans([FakeEvent("cuda_runtime", SYNC_API, 0, 1)], 2)
+
+
+def test_call_spans_by_host_ranges():
+    events = [
+        FakeEvent("user_annotation", CALL_TAG + "0", 100, 400),
+        FakeEvent("cuda_runtime", "cudaLaunchKernel", 120, 125, corr=3),
+        FakeEvent("kernel", "k2", 250, 330, corr=3),
+        FakeEvent("kernel", "flush", 450, 480),
+    ]
+    spans, counts, _ = call_spans(events, 1)
+    assert counts == [1] and spans == [pytest.approx(80 / 1e6)]
+
+
+def test_trace_events_reads_a_profile():
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(3):
-            with record_function(f"{CALL_TAG}{i}"):
-                torch.randn(64, 64) @ torch.randn(64, 64)
+        with record_function("marker"):
+            torch.randn(64, 64) @ torch.randn(64, 64)
     events = trace_events(prof)
-    ranges = [e for e in events if e.kind == "user_annotation" and e.name.startswith(CALL_TAG)]
-    assert len(ranges) == 3 and all(e.end_ns > e.start_ns for e in ranges)
-    spans, counts, _ = call_spans(events, 3)  # no device activity on a CPU-only trace
-    assert counts == [0, 0, 0] and spans == [0.0, 0.0, 0.0]
-
-
-def test_call_spans_needs_every_range():
-    with pytest.raises(RuntimeError, match="1 of 2 timed-call ranges"):
-        call_spans([FakeEvent("user_annotation", CALL_TAG + "0", 0, 1)], 2)
+    marker = [e for e in events if e.name == "marker"]
+    assert len(marker) == 1 and marker[0].kind == "user_annotation" and marker[0].end_ns > marker[0].start_ns
 
 
 def test_fresh_inputs_move_every_call():

@@ -10,17 +10,20 @@ CUDA events around each call give a cross-check.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import statistics
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 ALIGN = 256  # bytes between successive placements of the inputs
-CALL_TAG = "backfuse.timed_call."
+SYNC_API = "cudaDeviceSynchronize"
+CALL_TAG = "backfuse.timed_call."  # host ranges, only where the trace lacks synchronization records
 DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_ACTIVITIES = ("cuda_runtime", "cuda_driver")
 
@@ -83,7 +86,12 @@ class Timing:
 
 
 def time_calls(fn, inputs: list, *, warmup: int = 10, iters: int = 50) -> Timing:
-    """Warm up, then time `iters` calls of fn on fresh copies of `inputs` with L2 flushed before each."""
+    """Warm up, then time `iters` calls of fn on fresh copies of `inputs` with L2 flushed before each.
+
+    Only CUDA activity is traced (kernels, memcpy, memset, runtime and driver API calls), as the
+    official evaluator does: tracing host-side operators as well would slow every call. Each call
+    sits between two device synchronizations, whose API records delimit it in the trace.
+    """
     device = next(x for x in inputs if isinstance(x, torch.Tensor)).device
     flush = L2Flush(device)
     fresh = FreshInputs(inputs, warmup + iters)
@@ -92,19 +100,33 @@ def time_calls(fn, inputs: list, *, warmup: int = 10, iters: int = 50) -> Timing
         fn(*fresh())
     torch.cuda.synchronize(device)
 
+    try:
+        return _profiled_calls(fn, flush, fresh, device, iters, annotate=False)
+    except MissingCallBoundaries as e:
+        # Fall back to host ranges (tracing host operators too, which slows calls a little).
+        warnings.warn(f"{e}; delimiting calls by host ranges instead")
+        return _profiled_calls(fn, flush, fresh, device, iters, annotate=True)
+
+
+def _profiled_calls(fn, flush, fresh, device, iters: int, *, annotate: bool) -> Timing:
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if annotate else [ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         for i, (start, end) in enumerate(events):
             flush()
             args = fresh()
             torch.cuda.synchronize(device)
-            with record_function(f"{CALL_TAG}{i}"):
+            with record_function(f"{CALL_TAG}{i}") if annotate else contextlib.nullcontext():
                 start.record()
                 fn(*args)
                 end.record()
                 torch.cuda.synchronize(device)
     spans, counts, kernel_ms = call_spans(trace_events(prof), iters)
     return Timing(spans, [s.elapsed_time(e) for s, e in events], counts, kernel_ms)
+
+
+class MissingCallBoundaries(RuntimeError):
+    pass
 
 
 @dataclass(frozen=True)
@@ -138,36 +160,35 @@ def call_spans(events, iters: int) -> tuple:
     """Per timed call: (first device activity start .. last end) in ms and the activity count; and
     per activity name, its mean time per call in ms.
 
-    A device activity belongs to the call whose host-side range contains the API call that launched
-    it (matched by CUPTI correlation id); activities whose launch is not in the trace fall back to
-    their own start time. Flushes and input copies run outside the ranges and are dropped.
+    The device synchronizations around call i are the (2i)-th and (2i+1)-th in the trace (or, in a
+    trace with host ranges, call i's range delimits it). A device
+    activity belongs to call i when the API call that launched it (matched by CUPTI correlation id)
+    lies between them; one whose launch is not in the trace goes by its own start time. Flushes
+    and input copies are launched between calls and are dropped.
     """
-    ranges = {}
-    launch_ns = {}
-    device_events = []
-    for e in events:
-        if e.kind == "user_annotation" and e.name.startswith(CALL_TAG):
-            ranges[int(e.name[len(CALL_TAG) :])] = (e.start_ns, e.end_ns)
-        elif e.kind in LAUNCH_ACTIVITIES and e.correlation is not None:
-            launch_ns[e.correlation] = e.start_ns
-        elif e.kind in DEVICE_ACTIVITIES:
-            device_events.append(e)
-    if len(ranges) != iters:
-        raise RuntimeError(f"profiler trace holds {len(ranges)} of {iters} timed-call ranges")
-
-    order = sorted(ranges, key=lambda i: ranges[i][0])
-    starts = [ranges[i][0] for i in order]
-    first = {i: None for i in ranges}
-    last = {i: None for i in ranges}
-    count = {i: 0 for i in ranges}
+    syncs = sorted((e for e in events if e.kind == "cuda_runtime" and e.name == SYNC_API), key=lambda e: e.start_ns)
+    ranges = sorted((e for e in events if e.kind == "user_annotation" and e.name.startswith(CALL_TAG)), key=lambda e: e.start_ns)
+    if len(ranges) == iters:
+        windows = [(r.start_ns, r.end_ns) for r in ranges]
+    elif len(syncs) == 2 * iters:
+        windows = [(syncs[2 * i].end_ns, syncs[2 * i + 1].start_ns) for i in range(iters)]
+    else:
+        raise MissingCallBoundaries(
+            f"profiler trace holds {len(syncs)} device synchronizations (expected {2 * iters}) "
+            f"and {len(ranges)} host ranges (expected {iters})"
+        )
+    opens = [w[0] for w in windows]
+    launch_ns = {e.correlation: e.start_ns for e in events if e.kind in LAUNCH_ACTIVITIES and e.correlation is not None}
+    first = [None] * iters
+    last = [None] * iters
+    count = [0] * iters
     busy_ns = {}
-    for e in device_events:
-        t = launch_ns.get(e.correlation, e.start_ns)
-        pos = bisect.bisect_right(starts, t) - 1
-        if pos < 0:
+    for e in events:
+        if e.kind not in DEVICE_ACTIVITIES:
             continue
-        call = order[pos]
-        if t > ranges[call][1]:
+        t = launch_ns.get(e.correlation, e.start_ns)
+        call = bisect.bisect_right(opens, t) - 1
+        if call < 0 or t > windows[call][1]:
             continue
         count[call] += 1
         busy_ns[e.name] = busy_ns.get(e.name, 0) + e.end_ns - e.start_ns
@@ -175,5 +196,4 @@ def call_spans(events, iters: int) -> tuple:
         last[call] = e.end_ns if last[call] is None else max(last[call], e.end_ns)
     spans = [((last[i] - first[i]) / 1e6 if count[i] else 0.0) for i in range(iters)]
     kernel_ms = {name: ns / 1e6 / iters for name, ns in busy_ns.items()}
-    return spans, [count[i] for i in range(iters)], kernel_ms
-
+    return spans, count, kernel_ms

@@ -18,6 +18,7 @@ import triton.language as tl
 from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
 from ..kernels.gemm import choose_splits, gemm_tile, tile_count
+from ..kernels.launch import FastKernel
 from ..problem import Problem, Tensor
 
 HIDDEN = 1536
@@ -157,7 +158,7 @@ def _group_sum_tile(g, gkv16, tile, SE, column0, ROWS: tl.constexpr):
     tl.store(dst, acc.to(tl.float16), mask=rows_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["zero_dec", "zero_enc", "zero_wq", "zero_wkv", "B", "SD", "SE"])
 def _pack_kernel(
     gq, gk, gv, dec, enc, wq, wk, wv,
     gq16, gkv16, dec16, enc16, wq16, wkv16,
@@ -225,7 +226,7 @@ def _pack_kernel(
         zero_chunk(grad_wv, n_wk, pid - e_zwk, BLOCK, ITERS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc"])
 def _projection_grads_kernel(
     gq16, gkv16, dec16, enc16, wq16, wkv16,
     grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
@@ -282,6 +283,10 @@ def _projection_grads_kernel(
             )
 
 
+PACK = FastKernel(_pack_kernel)
+PRODUCTS = FastKernel(_projection_grads_kernel)
+
+
 class GemmConfig(NamedTuple):
     """Tile shape and schedule of the products; one_launch puts both operand layouts in one grid."""
 
@@ -293,19 +298,25 @@ class GemmConfig(NamedTuple):
     one_launch: bool = False
 
 
-GEMM_CONFIG = GemmConfig()
+GEMM_CONFIG = GemmConfig(128, 256, 64, 8, 4, one_launch=True)
+# Above this much product work (FLOP) cuBLAS's products beat ours by more than its four extra launches cost.
+CUBLAS_MIN_FLOP = 40e9
 
 
-def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, sms=None):
+def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, products=None, sms=None):
     """The 072 outputs from the official inputs (validated by the caller).
 
-    config: tile shape and schedule of the products; sms: processors to balance the K splits over
-    (the GPU's count; on the CPU interpreter, 1, which avoids splits).
+    products: "triton" (one launch of our tiles) or "cublas" (five torch.mm on our fp16 operands);
+    None picks by size on a GPU. config: tile shape and schedule of the Triton products; sms:
+    processors to balance their K splits over (the GPU's count; on the CPU interpreter, 1).
     """
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
     td, te = batch * sd, batch * se
     device = gq.device
+    if products is None:
+        flop = 4 * (td * Q_OUT * HIDDEN + te * 2 * KV_OUT * CROSS_HIDDEN)
+        products = "cublas" if device.type == "cuda" and flop >= CUBLAS_MIN_FLOP else "triton"
     f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
     f32 = lambda *shape: buffers.empty(shape, torch.float32, device)  # noqa: E731
     gq16, gkv16, dec16, enc16 = f16(td, Q_OUT), f16(te, 2 * KV_OUT), f16(td, HIDDEN), f16(te, CROSS_HIDDEN)
@@ -318,26 +329,35 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, sm
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     weight_products = [(Q_OUT, HIDDEN, td), (KV_OUT, CROSS_HIDDEN, te), (KV_OUT, CROSS_HIDDEN, te)]
     input_products = [(td, HIDDEN, Q_OUT), (te, CROSS_HIDDEN, 2 * KV_OUT)]
-    split_wq, split_wkv, _, split_dec, split_enc = choose_splits(weight_products + input_products, bm, bn, bk, sms)
-    weight_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(weight_products, (split_wq, split_wkv, split_wkv)))
-    input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, (split_dec, split_enc)))
+    splits = choose_splits(weight_products + input_products, bm, bn, bk, sms) if products == "triton" else [1] * 5
+    split_wq, split_wkv, _, split_dec, split_enc = splits
+    weight_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(weight_products, splits[:3]))
+    input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, splits[3:]))
 
     flat = lambda n: chunks(n, PACK_BLOCK, PACK_ITERS)  # noqa: E731
     n_pack = (batch * HEADS * triton.cdiv(sd, PACK_ROWS) + 2 * batch * KV_HEADS * triton.cdiv(se, PACK_ROWS)
               + (1 + (split_dec > 1)) * flat(td * HIDDEN) + (1 + (split_enc > 1)) * flat(te * CROSS_HIDDEN)
               + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
-    products = [(True, True, weight_tiles + input_tiles)] if config.one_launch else \
+    launches = [(True, True, weight_tiles + input_tiles)] if config.one_launch else \
         [(True, False, weight_tiles), (False, True, input_tiles)]
     with buffers.on_device(device):
-        _pack_kernel[(n_pack,)](
+        PACK((n_pack,),
             gq, gk, gv, dec, enc, wq, wk, wv,
             gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
             int(split_dec > 1), int(split_enc > 1), int(split_wq > 1), int(split_wkv > 1),
             batch, sd, se, ROWS=PACK_ROWS, BLOCK=PACK_BLOCK, ITERS=PACK_ITERS, num_warps=4,
         )
-        for weight_grads, input_grads, tiles in products:
-            _projection_grads_kernel[(tiles,)](
+        if products == "cublas":
+            mm = lambda a, b, out: torch.mm(a, b, out_dtype=torch.float32, out=out)  # noqa: E731
+            mm(gq16, wq16, grad_dec.view(td, HIDDEN))
+            mm(gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN))
+            mm(gq16.T, dec16, grad_wq)
+            mm(gkv16[:, :KV_OUT].T, enc16, grad_wk)
+            mm(gkv16[:, KV_OUT:].T, enc16, grad_wv)
+            return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
+        for weight_grads, input_grads, tiles in launches:
+            PRODUCTS((tiles,),
                 gq16, gkv16, dec16, enc16, wq16, wkv16,
                 grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
                 td, te, split_wq, split_wkv, split_dec, split_enc,

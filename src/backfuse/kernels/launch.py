@@ -1,0 +1,45 @@
+"""Launching Triton kernels without the JIT's per-call dispatch.
+
+Triton's `kernel[grid](...)` re-derives the specialization of every argument on each call, which
+costs tens of microseconds of host time for kernels with many arguments; the official clock counts
+that time whenever a launch waits on the host between two kernels. `FastKernel` keeps the
+compiled handle from the first launch and launches it directly afterwards. Integer arguments of
+kernels launched this way must be listed in `do_not_specialize`, so their values never select a
+different binary; what can still select one (constexprs, launch options, tensor alignment) forms
+the lookup key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALIGNMENT = 16  # bytes; Triton specializes pointer arguments on it
+
+
+class FastKernel:
+    def __init__(self, jit_fn):
+        self.fn = jit_fn
+        self.params = getattr(jit_fn, "params", None)  # absent under the Triton interpreter
+        self.handles = {}
+
+    def __call__(self, grid: tuple, *args, **meta):
+        """fn[grid](*args, **meta): positional runtime args, then constexprs and launch options by name."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors[0].is_cuda:  # the Triton interpreter
+            self.fn[grid](*args, **meta)
+            return
+        key = (tuple(meta.items()), tuple((t.dtype, t.data_ptr() % ALIGNMENT == 0) for t in tensors), torch.cuda.current_device())
+        handle = self.handles.get(key)
+        if handle is None:
+            self._check_unspecialized(args)
+            self.handles[key] = self.fn[grid](*args, **meta)
+            return
+        full = list(args) + [meta[p.name] for p in self.params[len(args):]]
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        handle.run(grid[0], grid[1], grid[2], torch.cuda.current_stream().cuda_stream, handle.function,
+                   handle.packed_metadata, None, None, None, *full)
+
+    def _check_unspecialized(self, args) -> None:
+        for p, a in zip(self.params, args):
+            if isinstance(a, int) and not p.do_not_specialize:
+                raise TypeError(f"{self.fn.__name__}: integer argument '{p.name}' must be listed in do_not_specialize")
