@@ -11,7 +11,7 @@ import torch
 import backfuse
 from backfuse.bench import check_outputs, leaderboard_score, sol_ms
 from backfuse.bench import report
-from backfuse.bench.timing import CALL_TAG, SYNC_API, FreshInputs, TraceEvent, call_spans, trace_events
+from backfuse.bench.timing import CALL_TAG, CLOSE_API, OPEN_API, FreshInputs, TraceEvent, call_spans, trace_events
 from backfuse.problem import Tolerance
 
 TOL = Tolerance(atol=1e-3, rtol=1e-3, ratio=0.99)
@@ -55,24 +55,27 @@ def FakeEvent(kind, name, start, end, corr=None):
 
 
 def test_call_spans_group_kernels_by_launch():
-    sync = lambda t: FakeEvent("cuda_runtime", SYNC_API, t, t + 5)  # noqa: E731
+    open_ = lambda t: FakeEvent("cuda_runtime", OPEN_API, t, t + 5)  # noqa: E731
+    close = lambda t: FakeEvent("cuda_runtime", CLOSE_API, t, t + 5)  # noqa: E731
     events = [
+        close(1),  # the profiler's own
         FakeEvent("kernel", "flush", 0, 90, corr=1),  # launched before the first window: dropped
         FakeEvent("cuda_runtime", "cudaLaunchKernel", 5, 6, corr=1),
-        sync(95),
+        open_(95),
         FakeEvent("cuda_driver", "cuLaunchKernelEx", 110, 115, corr=2),
         FakeEvent("cuda_runtime", "cudaLaunchKernel", 120, 125, corr=3),
         FakeEvent("kernel", "k1", 130, 200, corr=2),
         FakeEvent("kernel", "k2", 250, 330, corr=3),
-        sync(400),
+        close(400),
         FakeEvent("cuda_runtime", "cudaMemsetAsync", 440, 441, corr=9),
         FakeEvent("gpu_memset", "flush", 450, 480, corr=9),  # launched between windows: dropped
-        sync(495),
+        open_(495),
         FakeEvent("cuda_runtime", "cudaLaunchKernel", 510, 512, corr=4),
         FakeEvent("kernel", "k1", 530, 560, corr=4),
         FakeEvent("kernel", "side-stream", 540, 600, corr=77),  # no launch record: its own start decides
         FakeEvent("cpu_op", "aten::mm", 505, 509),
-        sync(900),
+        close(900),
+        close(950),  # the profiler's own
     ]
     spans, counts, kernel_ms = call_spans(events, 2)
     assert counts == [2, 2]
@@ -81,8 +84,8 @@ def test_call_spans_group_kernels_by_launch():
 
 
 def test_call_spans_needs_every_sync():
-    with pytest.raises(RuntimeError, match=r"1 device synchronizations \(expected 4\)"):
-        call_spans([FakeEvent("cuda_runtime", SYNC_API, 0, 1)], 2)
+    with pytest.raises(RuntimeError, match=r"1 stream synchronizations \(expected 2\)"):
+        call_spans([FakeEvent("cuda_runtime", OPEN_API, 0, 1), FakeEvent("cuda_runtime", CLOSE_API, 5, 6)], 2)
 
 
 def test_call_spans_by_host_ranges():

@@ -22,7 +22,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 ALIGN = 256  # bytes between successive placements of the inputs
-SYNC_API = "cudaDeviceSynchronize"
+OPEN_API = "cudaStreamSynchronize"  # issued right before each timed call
+CLOSE_API = "cudaDeviceSynchronize"  # right after it (the profiler issues some of its own too)
 CALL_TAG = "backfuse.timed_call."  # host ranges, only where the trace lacks synchronization records
 DEVICE_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_ACTIVITIES = ("cuda_runtime", "cuda_driver")
@@ -90,7 +91,8 @@ def time_calls(fn, inputs: list, *, warmup: int = 10, iters: int = 50) -> Timing
 
     Only CUDA activity is traced (kernels, memcpy, memset, runtime and driver API calls), as the
     official evaluator does: tracing host-side operators as well would slow every call. Each call
-    sits between two device synchronizations, whose API records delimit it in the trace.
+    sits between a stream synchronization and a device synchronization, whose API records delimit
+    it in the trace.
     """
     device = next(x for x in inputs if isinstance(x, torch.Tensor)).device
     flush = L2Flush(device)
@@ -115,7 +117,7 @@ def _profiled_calls(fn, flush, fresh, device, iters: int, *, annotate: bool) -> 
         for i, (start, end) in enumerate(events):
             flush()
             args = fresh()
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()
             with record_function(f"{CALL_TAG}{i}") if annotate else contextlib.nullcontext():
                 start.record()
                 fn(*args)
@@ -160,22 +162,26 @@ def call_spans(events, iters: int) -> tuple:
     """Per timed call: (first device activity start .. last end) in ms and the activity count; and
     per activity name, its mean time per call in ms.
 
-    The device synchronizations around call i are the (2i)-th and (2i+1)-th in the trace (or, in a
-    trace with host ranges, call i's range delimits it). A device
+    Call i runs from the end of the i-th stream synchronization to the next device synchronization
+    (or, in a trace with host ranges, over call i's range). A device
     activity belongs to call i when the API call that launched it (matched by CUPTI correlation id)
     lies between them; one whose launch is not in the trace goes by its own start time. Flushes
     and input copies are launched between calls and are dropped.
     """
-    syncs = sorted((e for e in events if e.kind == "cuda_runtime" and e.name == SYNC_API), key=lambda e: e.start_ns)
+    def api(name):
+        return sorted((e for e in events if e.kind == "cuda_runtime" and e.name == name), key=lambda e: e.start_ns)
+
+    opens, closes = api(OPEN_API), api(CLOSE_API)
     ranges = sorted((e for e in events if e.kind == "user_annotation" and e.name.startswith(CALL_TAG)), key=lambda e: e.start_ns)
+    close_starts = [e.start_ns for e in closes]
     if len(ranges) == iters:
         windows = [(r.start_ns, r.end_ns) for r in ranges]
-    elif len(syncs) == 2 * iters:
-        windows = [(syncs[2 * i].end_ns, syncs[2 * i + 1].start_ns) for i in range(iters)]
+    elif len(opens) == iters and all(bisect.bisect(close_starts, o.end_ns) < len(closes) for o in opens):
+        windows = [(o.end_ns, close_starts[bisect.bisect(close_starts, o.end_ns)]) for o in opens]
     else:
         raise MissingCallBoundaries(
-            f"profiler trace holds {len(syncs)} device synchronizations (expected {2 * iters}) "
-            f"and {len(ranges)} host ranges (expected {iters})"
+            f"profiler trace holds {len(opens)} stream synchronizations (expected {iters}), "
+            f"{len(closes)} device synchronizations and {len(ranges)} host ranges (expected {iters})"
         )
     opens = [w[0] for w in windows]
     launch_ns = {e.correlation: e.start_ns for e in events if e.kind in LAUNCH_ACTIVITIES and e.correlation is not None}
