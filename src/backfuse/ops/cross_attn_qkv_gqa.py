@@ -299,8 +299,9 @@ class GemmConfig(NamedTuple):
 
 
 GEMM_CONFIG = GemmConfig(128, 256, 64, 8, 4, one_launch=True)
-# Above this much product work (FLOP) cuBLAS's products beat ours by more than its four extra launches cost.
-CUBLAS_MIN_FLOP = 40e9
+# From this much product work (FLOP) on, cuBLAS's products beat ours by more than its four extra
+# launches can cost: the GPU work then outlasts the host's launching (measured: benchmarks/notes/072.md).
+CUBLAS_MIN_FLOP = 100e9
 
 
 def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, products=None, sms=None):
@@ -340,6 +341,10 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pr
               + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
     launches = [(True, True, weight_tiles + input_tiles)] if config.one_launch else \
         [(True, False, weight_tiles), (False, True, input_tiles)]
+    if products == "cublas":  # operand views made before the first launch, so they add no gaps
+        cublas_products = [(gq16, wq16, grad_dec.view(td, HIDDEN)), (gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN)),
+                           (gq16.T, dec16, grad_wq), (gkv16[:, :KV_OUT].T, enc16, grad_wk),
+                           (gkv16[:, KV_OUT:].T, enc16, grad_wv)]
     with buffers.on_device(device):
         PACK((n_pack,),
             gq, gk, gv, dec, enc, wq, wk, wv,
@@ -349,12 +354,8 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pr
             batch, sd, se, ROWS=PACK_ROWS, BLOCK=PACK_BLOCK, ITERS=PACK_ITERS, num_warps=4,
         )
         if products == "cublas":
-            mm = lambda a, b, out: torch.mm(a, b, out_dtype=torch.float32, out=out)  # noqa: E731
-            mm(gq16, wq16, grad_dec.view(td, HIDDEN))
-            mm(gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN))
-            mm(gq16.T, dec16, grad_wq)
-            mm(gkv16[:, :KV_OUT].T, enc16, grad_wk)
-            mm(gkv16[:, KV_OUT:].T, enc16, grad_wv)
+            for a, b, out in cublas_products:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
             return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
         for weight_grads, input_grads, tiles in launches:
             PRODUCTS((tiles,),
