@@ -98,7 +98,8 @@ def plot(results: dict, path: str, *, gpu: str = "h200") -> None:
             ax.bar([i + (k - (len(names) - 1) / 2) * width for i in range(len(cases))], lat, width,
                    label=f"{name} (mean {entry['impls'][name]['mean_ms']:.3f} ms)")
         sols = [sol_ms(prob, c["axes"], gpu) for c in cases]
-        ax.step(range(len(cases)), sols, where="mid", color="black", linewidth=1.5, label=f"{GPUS[gpu].name} SOL (fp16)")
+        ax.hlines(sols, [i - 0.45 for i in range(len(cases))], [i + 0.45 for i in range(len(cases))],
+                  color="black", linewidth=1.5, label=f"{GPUS[gpu].name} SOL (fp16)")
         ax.set_yscale("log")
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([axes_text(c["axes"]).replace(" ", "\n") for c in cases], fontsize=6)

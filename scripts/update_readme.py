@@ -1,0 +1,32 @@
+"""Regenerate README's results table and the latency plot from benchmarks/results/h200.json.
+
+    python scripts/update_readme.py
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from backfuse.bench import report
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "h200.json"
+PLOT = ROOT / "benchmarks" / "plots" / "h200.png"
+README = ROOT / "README.md"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def main() -> None:
+    results = json.loads(RESULTS.read_text())
+    text = README.read_text()
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(f"{head}{START}\n{report.readme_table(results)}\n{END}{tail}")
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    report.plot(results, str(PLOT))
+    print(f"updated {README.name} and {PLOT.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
