@@ -123,8 +123,6 @@ PROBLEM = CrossAttnQKVGQABackward()
 
 # ---- fused path: one prologue pass to fp16 operands, then one launch of all five products --------
 
-PACK_ROWS = 32  # tokens per head-tile in the prologue
-PACK_BLOCK, PACK_ITERS = 4096, 16  # flat casts and fills: elements per step, steps per program
 
 
 @triton.jit
@@ -287,6 +285,18 @@ PACK = FastKernel(_pack_kernel)
 PRODUCTS = FastKernel(_projection_grads_kernel)
 
 
+class PackConfig(NamedTuple):
+    """Prologue shape: tokens per head-tile; flat casts and fills: elements per step, steps per program."""
+
+    rows: int = 32
+    block: int = 4096
+    iters: int = 16
+    warps: int = 4
+
+
+PACK_CONFIG = PackConfig()
+
+
 class GemmConfig(NamedTuple):
     """Tile shape and schedule of the products; one_launch puts both operand layouts in one grid."""
 
@@ -301,14 +311,16 @@ class GemmConfig(NamedTuple):
 GEMM_CONFIG = GemmConfig(128, 256, 64, 8, 4, one_launch=True)
 # From this much product work (FLOP) on, cuBLAS's products beat ours by more than its four extra
 # launches can cost: the GPU work then outlasts the host's launching (measured: benchmarks/notes/072.md).
-CUBLAS_MIN_FLOP = 100e9
+CUBLAS_MIN_FLOP = 30e9
 
 
-def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, products=None, sms=None):
+def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pack=PACK_CONFIG, products=None,
+                     sms=None):
     """The 072 outputs from the official inputs (validated by the caller).
 
     products: "triton" (one launch of our tiles) or "cublas" (five torch.mm on our fp16 operands);
-    None picks by size on a GPU. config: tile shape and schedule of the Triton products; sms:
+    None picks by size on a GPU. config: tile shape and schedule of the Triton products; pack: the
+    prologue's shape; sms:
     processors to balance their K splits over (the GPU's count; on the CPU interpreter, 1).
     """
     batch, _, sd, _ = gq.shape
@@ -335,8 +347,8 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pr
     weight_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(weight_products, splits[:3]))
     input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, splits[3:]))
 
-    flat = lambda n: chunks(n, PACK_BLOCK, PACK_ITERS)  # noqa: E731
-    n_pack = (batch * HEADS * triton.cdiv(sd, PACK_ROWS) + 2 * batch * KV_HEADS * triton.cdiv(se, PACK_ROWS)
+    flat = lambda n: chunks(n, pack.block, pack.iters)  # noqa: E731
+    n_pack = (batch * HEADS * triton.cdiv(sd, pack.rows) + 2 * batch * KV_HEADS * triton.cdiv(se, pack.rows)
               + (1 + (split_dec > 1)) * flat(td * HIDDEN) + (1 + (split_enc > 1)) * flat(te * CROSS_HIDDEN)
               + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
     launches = [(True, True, weight_tiles + input_tiles)] if config.one_launch else \
@@ -351,7 +363,7 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pr
             gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
             int(split_dec > 1), int(split_enc > 1), int(split_wq > 1), int(split_wkv > 1),
-            batch, sd, se, ROWS=PACK_ROWS, BLOCK=PACK_BLOCK, ITERS=PACK_ITERS, num_warps=4,
+            batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, num_warps=pack.warps,
         )
         if products == "cublas":
             for a, b, out in cublas_products:
