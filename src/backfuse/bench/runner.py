@@ -82,6 +82,10 @@ def run_problem(
                 result = results[name][-1]
                 result.latency_ms, result.event_ms = t.median_ms, t.event_median_ms
                 result.kernels = statistics.median(t.kernels_per_call)
+                if result.kernels == 0 or result.event_ms < 0.9 * result.latency_ms:
+                    # The events bracket the whole call, so they can't read much less than its span.
+                    log(f"{problem.id} {name} case {index}: CUPTI span {result.latency_ms:.4f} ms over "
+                        f"{result.kernels} kernels vs CUDA events {result.event_ms:.4f} ms; timing suspect")
                 if progress:
                     progress.update(1)
             del inputs

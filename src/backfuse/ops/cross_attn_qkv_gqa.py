@@ -310,8 +310,9 @@ class GemmConfig(NamedTuple):
 
 GEMM_CONFIG = GemmConfig(128, 256, 64, 8, 4, one_launch=True)
 # From this much product work (FLOP) on, cuBLAS's products beat ours by more than its four extra
-# launches can cost: the GPU work then outlasts the host's launching (measured: benchmarks/notes/072.md).
-CUBLAS_MIN_FLOP = 30e9
+# launches can cost, even on a slow host: the GPU work then outlasts the launching (measured:
+# benchmarks/notes/072.md). Below it, cuBLAS wins only when the host keeps up.
+CUBLAS_MIN_FLOP = 100e9
 
 
 def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pack=PACK_CONFIG, products=None,
