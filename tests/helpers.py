@@ -2,14 +2,16 @@
 
 import torch
 
-import backfuse
 from backfuse.bench import check_outputs
 
 # Small odd shapes per problem (axes in official order).
 ODD_AXES = {
     "072": [dict(batch_size=1, seq_len_dec=37, seq_len_enc=19), dict(batch_size=2, seq_len_dec=1, seq_len_enc=77)],
     "037": [dict(batch_size=1, seq_len=37), dict(batch_size=2, seq_len=19)],
-    "021": [dict(batch_size=1, num_video_tokens=37, num_text_tokens=19), dict(batch_size=2, num_video_tokens=61, num_text_tokens=77)],
+    "021": [
+        dict(batch_size=1, num_video_tokens=37, num_text_tokens=19),
+        dict(batch_size=2, num_video_tokens=61, num_text_tokens=77),
+    ],
 }
 
 

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
+from conftest import DEVICE
+from helpers import assert_official_pass, rel_err
 
 import backfuse
 from backfuse.kernels import buffers
 from backfuse.ops import cross_attn_qkv_gqa
-from conftest import DEVICE
-from helpers import assert_official_pass, rel_err
 
 FP16_REL_ERR = 2e-3  # fp16 operands with fp32 accumulation land near 3e-4
 

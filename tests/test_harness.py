@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import backfuse
-from backfuse.bench import check_outputs, leaderboard_score, sol_ms
-from backfuse.bench import report
+from backfuse.bench import check_outputs, leaderboard_score, report, sol_ms
 from backfuse.bench.timing import CALL_TAG, CLOSE_API, OPEN_API, FreshInputs, TraceEvent, call_spans, trace_events
 from backfuse.problem import Tolerance
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import ODD_AXES, assert_official_pass, autograd_backward, rel_err
 
 import backfuse
-from helpers import ODD_AXES, assert_official_pass, autograd_backward, rel_err
 
 
 @pytest.mark.parametrize("pid,axes", [(pid, a) for pid, cases in ODD_AXES.items() for a in cases])

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import ODD_AXES
 
 import backfuse
-from helpers import ODD_AXES
 
 
 def _inputs(prob):

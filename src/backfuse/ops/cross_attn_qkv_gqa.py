@@ -19,7 +19,7 @@ from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
 from ..kernels.gemm import choose_splits, gemm_tile, tile_count
 from ..kernels.launch import FastKernel
-from ..problem import Problem, Tensor
+from ..problem import Problem, Tensor, fp32_matmul
 
 HIDDEN = 1536
 CROSS_HIDDEN = 1024
@@ -116,13 +116,15 @@ class CrossAttnQKVGQABackward(Problem):
         return 2 * dec_tokens * Q_OUT * HIDDEN + 2 * enc_tokens * 2 * KV_OUT * CROSS_HIDDEN
 
     def fused(self, gq, gk, gv, dec, enc, wq, wk, wv):
+        if gk.numel() >= 2**31 or gq.numel() >= 2**31:  # the kernels count elements in int32
+            with fp32_matmul(tf32=False):
+                return self.reference_math(gq, gk, gv, dec, enc, wq, wk, wv)
         return qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv)
 
 
 PROBLEM = CrossAttnQKVGQABackward()
 
-# ---- fused path: one prologue pass to fp16 operands, then one launch of all five products --------
-
+# ---- fused path: one prologue pass to fp16 operands, then the five products ----------------------
 
 
 @triton.jit

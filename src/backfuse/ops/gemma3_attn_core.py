@@ -42,8 +42,11 @@ def rope_tables(batch: int, seq: int, device) -> tuple:
     inv_freq = ROPE_THETA ** (-torch.arange(HALF, dtype=torch.float64) / HALF)
     angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
-    expand = lambda t: t.to(torch.float32).expand(batch, seq, HEAD_DIM).contiguous().to(device)
-    return expand(angles.cos()), expand(angles.sin())
+
+    def table(t):
+        return t.to(torch.float32).expand(batch, seq, HEAD_DIM).contiguous().to(device)
+
+    return table(angles.cos()), table(angles.sin())
 
 
 class Gemma3AttnCoreBackward(Problem):
