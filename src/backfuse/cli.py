@@ -54,7 +54,8 @@ def main(argv=None) -> int:
         "Without a CUDA GPU it runs the correctness check on reduced shapes on the CPU instead.",
     )
     _add_selection(bench)
-    bench.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations (default: all)")
+    bench.add_argument("--impl", nargs="+", choices=IMPLS,
+                       help="implementations (default: all on a GPU; reference and backfuse on the CPU)")
     bench.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed calls before timing (default {WARMUP})")
     bench.add_argument("--iters", type=int, default=ITERS, help=f"timed calls per case (default {ITERS})")
     bench.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="GPU whose SOL the table compares with")
@@ -84,8 +85,7 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if args.command == "sol":
         return _sol(problems, args.gpu)
-    impls = args.impl if args.command == "bench" else [args.impl]
-    return _bench(problems, impls, args, timing=args.command == "bench")
+    return _bench(problems, args, timing=args.command == "bench")
 
 
 def _sol(problems, gpu: str) -> int:
@@ -106,16 +106,20 @@ def _sol(problems, gpu: str) -> int:
     return 0
 
 
-def _bench(problems, impls, args, *, timing: bool) -> int:
+def _bench(problems, args, *, timing: bool) -> int:
     import torch
 
     if torch.cuda.is_available():
         device = "cuda"
+        impls = args.impl or list(IMPLS)
     else:
         device = "cpu"
         timing = False
+        impls = args.impl or ["reference", "backfuse"]
         mode = "the Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "the reference fallback"
         log(f"no CUDA GPU: checking correctness on reduced shapes on the CPU ({mode} for backfuse), no timing")
+    if args.command == "check":
+        impls = [args.impl]
     try:
         from tqdm import tqdm
     except ImportError:  # progress bars are a nicety
