@@ -11,7 +11,7 @@ _poison = False
 
 @contextlib.contextmanager
 def poisoned():
-    """Fill every buffer the kernels allocate with NaN, so elements a kernel fails to write show."""
+    """Fill every buffer the kernels allocate with NaN (integers: -1), so unwritten elements show."""
     global _poison
     saved, _poison = _poison, True
     try:
@@ -23,7 +23,7 @@ def poisoned():
 def empty(shape, dtype, device) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
     if _poison:
-        t.fill_(float("nan"))
+        t.fill_(float("nan") if t.is_floating_point() else -1)
     return t
 
 

@@ -6,11 +6,19 @@ P = softmax(scale * Q K^T) over the text tokens (no mask), C = P V token-major, 
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
-from ..problem import Problem, Scalar, Tensor
+from ..kernels import buffers
+from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
+from ..kernels.gemm import choose_splits, gemm_tile, mma_tile, tile_count
+from ..kernels.launch import FastKernel
+from ..problem import Problem, Scalar, Tensor, fp32_matmul
 
 HIDDEN = 1024
 HEADS = 16
@@ -126,5 +134,488 @@ class WanTextVideoCrossAttnBackward(Problem):
         projections = (5 * video_tokens + 6 * text_tokens) * HIDDEN * HIDDEN
         return projections + 6 * axes[B] * axes[NV] * axes[NT] * HIDDEN
 
+    def fused(self, go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale):
+        if go.numel() >= 2**31 or 2 * text.numel() >= 2**31:  # the kernels count elements in int32
+            with fp32_matmul(tf32=False):
+                return self.reference_math(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale)
+        return text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale)
+
 
 PROBLEM = WanTextVideoCrossAttnBackward()
+
+# ---- fused path: four launches -------------------------------------------------------------------
+# 1. pack: fp16 copies of every product operand (Wo transposed), column sums of grad_output, zero fills;
+# 2. forward products: Q, [K | V] (bias added) and dC = grad_output Wo, all fp16;
+# 3. attention: per (batch, head, block of video tokens) C, dQ, dK/dV and the q/k/v bias gradients;
+# 4. gradient products: grad_Wq, grad_Wo, grad_Wk, grad_Wv, grad_video, grad_text.
+
+_HIDDEN = tl.constexpr(HIDDEN)
+_HEADS = tl.constexpr(HEADS)
+_HEAD_DIM = tl.constexpr(HEAD_DIM)
+_KV = tl.constexpr(2 * HIDDEN)  # width of the stacked [K | V] rows
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _grad_output_tile(go, go16, colsum_parts, tile, TV, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """go16 = fp16(grad_output) on ROWS tokens; colsum_parts[tile] = their fp32 column sums (for grad_bo)."""
+    r = tile * ROWS + tl.arange(0, ROWS)
+    ok = r[:, None] < TV
+    for c0 in tl.static_range(0, _HIDDEN, COLS):
+        c = c0 + tl.arange(0, COLS)
+        offs = r[:, None].to(tl.int64) * _HIDDEN + c[None, :]
+        x = tl.load(go + offs, mask=ok, other=0.0)
+        tl.store(go16 + offs, x.to(tl.float16), mask=ok)
+        tl.store(colsum_parts + tile * _HIDDEN + c, tl.sum(x, 0))
+
+
+@triton.jit
+def _transpose_tile(w, wt16, tile, T: tl.constexpr):
+    """wt16 = fp16(w^T) on one [T, T] tile of a [_HIDDEN, _HIDDEN] matrix."""
+    i = (tile // (_HIDDEN // T)) * T + tl.arange(0, T)
+    j = (tile % (_HIDDEN // T)) * T + tl.arange(0, T)
+    x = tl.load(w + i[:, None] * _HIDDEN + j[None, :])
+    tl.store(wt16 + j[:, None] * _HIDDEN + i[None, :], tl.trans(x).to(tl.float16))
+
+
+@triton.jit(do_not_specialize=["TV", "TT", "n_heads", "zero_dkv", "zero_wq", "zero_wo", "zero_wkv"])
+def _pack_kernel(
+    go, video, text, wq, wk, wv, wo,
+    go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
+    dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, bq, bk, bv, bias16,
+    TV, TT, n_heads, zero_dkv, zero_wq, zero_wo, zero_wkv,
+    ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):
+    """Program ranges, in order: grad_output row tiles, flat casts of video, text, Wq, Wk, Wv (as
+    [Wk; Wv]), Wo^T tiles, one program zeroing the atomically summed bias gradients and arrival
+    counters (and casting [bq | bk | bv] for cuBLAS's bias epilogue), then zero fills of dK/dV and
+    of the split-K weight gradients whose flag is set."""
+    pid = tl.program_id(0)
+    CHUNK: tl.constexpr = BLOCK * ITERS
+    W: tl.constexpr = _HIDDEN * _HIDDEN
+    W_CHUNKS: tl.constexpr = (W + CHUNK - 1) // CHUNK
+    n_video = TV * _HIDDEN
+    n_text = TT * _HIDDEN
+    n_dkv = TT * _KV
+    e_go = (TV + ROWS - 1) // ROWS
+    e_video = e_go + (n_video + CHUNK - 1) // CHUNK
+    e_text = e_video + (n_text + CHUNK - 1) // CHUNK
+    e_wq = e_text + W_CHUNKS
+    e_wk = e_wq + W_CHUNKS
+    e_wv = e_wk + W_CHUNKS
+    e_wo = e_wv + (_HIDDEN // T) * (_HIDDEN // T)
+    e_small = e_wo + 1
+    e_dkv = e_small + zero_dkv * ((n_dkv + CHUNK - 1) // CHUNK)
+    e_zwq = e_dkv + zero_wq * W_CHUNKS
+    e_zwo = e_zwq + zero_wo * W_CHUNKS
+    e_zwk = e_zwo + zero_wkv * W_CHUNKS
+    if pid < e_go:
+        _grad_output_tile(go, go16, colsum_parts, pid, TV, ROWS, COLS)
+    elif pid < e_video:
+        cast_chunk(video, video16, n_video, pid - e_go, BLOCK, ITERS)
+    elif pid < e_text:
+        cast_chunk(text, text16, n_text, pid - e_video, BLOCK, ITERS)
+    elif pid < e_wq:
+        cast_chunk(wq, wq16, W, pid - e_text, BLOCK, ITERS)
+    elif pid < e_wk:
+        cast_chunk(wk, wkv16, W, pid - e_wq, BLOCK, ITERS)
+    elif pid < e_wv:
+        cast_chunk(wv, wkv16 + W, W, pid - e_wk, BLOCK, ITERS)
+    elif pid < e_wo:
+        _transpose_tile(wo, wo_t16, pid - e_wv, T)
+    elif pid < e_small:
+        c = tl.arange(0, _HIDDEN)
+        zeros = tl.zeros((_HIDDEN,), dtype=tl.float32)
+        tl.store(grad_bq + c, zeros)
+        tl.store(grad_bk + c, zeros)
+        tl.store(grad_bv + c, zeros)
+        for c0 in range(0, n_heads, _HIDDEN):
+            tl.store(arrivals + c0 + c, zeros.to(tl.int32), mask=c0 + c < n_heads)
+        tl.store(bias16 + c, tl.load(bq + c).to(tl.float16))
+        tl.store(bias16 + _HIDDEN + c, tl.load(bk + c).to(tl.float16))
+        tl.store(bias16 + 2 * _HIDDEN + c, tl.load(bv + c).to(tl.float16))
+    elif pid < e_dkv:
+        zero_chunk(dkv32, n_dkv, pid - e_small, BLOCK, ITERS)
+    elif pid < e_zwq:
+        zero_chunk(grad_wq, W, pid - e_dkv, BLOCK, ITERS)
+    elif pid < e_zwo:
+        zero_chunk(grad_wo, W, pid - e_zwq, BLOCK, ITERS)
+    elif pid < e_zwk:
+        zero_chunk(grad_wk, W, pid - e_zwo, BLOCK, ITERS)
+    else:
+        zero_chunk(grad_wv, W, pid - e_zwk, BLOCK, ITERS)
+
+
+@triton.jit(do_not_specialize=["TV", "TT", "n_parts"])
+def _forward_products_kernel(
+    video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
+    q16, kv16, dc16, colsum_parts, grad_bo,
+    TV, TT, n_parts,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_COLS: tl.constexpr,
+):
+    """Q = video Wq^T + bq, [K | V] = text [Wk; Wv]^T + [bk | bv], dC = grad_output Wo (fp16 out),
+    then grad_bo from the pack's column sums (alone when TV = TT = 0).
+
+    All three read a row-major [tokens, 1024] A and a [N, 1024] B^T (hence Wo transposed in the
+    pack), so they share one call site and one shared-memory ring.
+    """
+    pid = tl.program_id(0)
+    t_q = ((TV + BM - 1) // BM) * (_HIDDEN // BN)
+    t_kv = ((TT + BM - 1) // BM) * (2 * _HIDDEN // BN)
+    if pid < 2 * t_q + t_kv:
+        on_q = pid < t_q
+        on_kv = (pid >= t_q) & (pid < t_q + t_kv)
+        local = tl.where(on_q, pid, tl.where(on_kv, pid - t_q, pid - t_q - t_kv))
+        width = tl.multiple_of(tl.where(on_kv, 2 * _HIDDEN, _HIDDEN), 1024)
+        rows = tl.where(on_kv, TT, TV)
+        off_m = (local // (width // BN)) * BM
+        off_n = (local % (width // BN)) * BN
+        acc = mma_tile(
+            tl.where(on_q, video16, tl.where(on_kv, text16, go16)),
+            tl.where(on_q, wq16, tl.where(on_kv, wkv16, wo_t16)),
+            off_m, off_n, rows, width, 0, _HIDDEN, _HIDDEN, 1, 1, _HIDDEN, BM, BN, BK,
+        )
+        rn = off_n + tl.arange(0, BN)
+        bias = tl.where(on_q, bq + rn, tl.where(rn < _HIDDEN, bk + rn, bv + rn - _HIDDEN))
+        acc += tl.load(bias, mask=(rn < width) & (on_q | on_kv), other=0.0)[None, :]
+        rm = off_m + tl.arange(0, BM)
+        out = tl.where(on_q, q16, tl.where(on_kv, kv16, dc16))
+        tl.store(out + rm[:, None].to(tl.int64) * width + rn[None, :], acc.to(tl.float16), mask=rm[:, None] < rows)
+    else:
+        cols = (pid - 2 * t_q - t_kv) * SUM_COLS + tl.arange(0, SUM_COLS)
+        total = tl.zeros((SUM_COLS,), dtype=tl.float32)
+        for part in range(n_parts):
+            total += tl.load(colsum_parts + part * _HIDDEN + cols)
+        tl.store(grad_bo + cols, total)
+
+
+@triton.jit
+def _kv_tile(kv16, b, h, rn, NT, column0):
+    """K (column0 = 0) or V (column0 = _HIDDEN) of head h for text tokens rn of batch b: [BN, 64] fp16."""
+    d = tl.arange(0, _HEAD_DIM)
+    ptrs = kv16 + (b * NT + rn[:, None]).to(tl.int64) * _KV + column0 + h * _HEAD_DIM + d[None, :]
+    return tl.load(ptrs, mask=rn[:, None] < NT, other=0.0)
+
+
+@triton.jit
+def _finish_kv_grads(dkv32, dkv16, grad_bk, grad_bv, b, h, NT, BN: tl.constexpr):
+    """dK, dV of head h, batch b: fp32 sums (read from L2, bypassing L1) to fp16, and their column sums."""
+    d = tl.arange(0, _HEAD_DIM)
+    sum_dk = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+    sum_dv = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+    for n0 in range(0, NT, BN):
+        rn = n0 + tl.arange(0, BN)
+        kv_off = (b * NT + rn[:, None]).to(tl.int64) * _KV + h * _HEAD_DIM + d[None, :]
+        n_ok = rn[:, None] < NT
+        dk = tl.load(dkv32 + kv_off, mask=n_ok, other=0.0, cache_modifier=".cg")
+        dv = tl.load(dkv32 + kv_off + _HIDDEN, mask=n_ok, other=0.0, cache_modifier=".cg")
+        tl.store(dkv16 + kv_off, dk.to(tl.float16), mask=n_ok)
+        tl.store(dkv16 + kv_off + _HIDDEN, dv.to(tl.float16), mask=n_ok)
+        sum_dk += tl.sum(dk, 0)
+        sum_dv += tl.sum(dv, 0)
+    tl.atomic_add(grad_bk + h * _HEAD_DIM + d, sum_dk, sem="relaxed")
+    tl.atomic_add(grad_bv + h * _HEAD_DIM + d, sum_dv, sem="relaxed")
+
+
+@triton.jit
+def _tile_grads(q, dc, v, p, delta, scale):
+    """One text tile's backward from its P (fp32): dS (fp16, for dQ += dS K), dK and dV of the tile."""
+    dp = tl.dot(dc, tl.trans(v))
+    ds = (p * (dp - delta[:, None]) * scale).to(tl.float16)
+    return ds, tl.dot(tl.trans(ds), q), tl.dot(tl.trans(p.to(tl.float16)), dc)
+
+
+@triton.jit
+def _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone):
+    """A lone block writes its tile's dK, dV in fp16; blocks sharing a head add fp32 partial sums.
+
+    Masks rather than a branch: Triton's software pipeliner rejects a branch inside the text loop.
+    """
+    d = tl.arange(0, _HEAD_DIM)
+    off = (b * NT + rn[:, None]).to(tl.int64) * _KV + h * _HEAD_DIM + d[None, :]
+    n_ok = rn[:, None] < NT
+    tl.store(dkv16 + off, dk.to(tl.float16), mask=n_ok & alone)
+    tl.store(dkv16 + off + _HIDDEN, dv.to(tl.float16), mask=n_ok & alone)
+    tl.atomic_add(dkv32 + off, dk, mask=n_ok & ~alone, sem="relaxed")
+    tl.atomic_add(dkv32 + off + _HIDDEN, dv, mask=n_ok & ~alone, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["NV", "NT", "scale"])
+def _attention_kernel(
+    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, grad_bq, grad_bk, grad_bv, arrivals,
+    NV, NT, scale,
+    BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
+):
+    """One (batch, head, block of BM video tokens): C, dQ and this block's share of dK and dV.
+
+    With P known, δ = rowsum(P∘dP) = rowsum(dC∘C), dP = dC V^T, dS = P(dP − δ)·scale, dQ = dS K,
+    dK = dS^T Q, dV = P^T dC. ONE_TILE (all NT text tokens within BN): P straight from one S tile.
+    Otherwise pass 1 runs the forward over text tiles (online softmax) for C and the log-sum-exp,
+    and pass 2 recomputes P tile by tile. A block that is its head's only one writes dK, dV in fp16;
+    otherwise blocks add fp32 partial sums and the last to arrive converts them.
+    """
+    pid = tl.program_id(0)
+    m_blocks = (NV + BM - 1) // BM
+    alone = m_blocks == 1
+    bh = pid // m_blocks
+    b = bh // _HEADS
+    h = bh % _HEADS
+    rm = (pid % m_blocks) * BM + tl.arange(0, BM)
+    d = tl.arange(0, _HEAD_DIM)
+    tok = (b * NV + rm[:, None]).to(tl.int64) * _HIDDEN + h * _HEAD_DIM + d[None, :]
+    m_ok = rm[:, None] < NV
+    q = tl.load(q16 + tok, mask=m_ok, other=0.0)
+    dc = tl.load(dc16 + tok, mask=m_ok, other=0.0)
+    qk_scale = scale * _LOG2E  # softmax in base 2
+
+    if ONE_TILE:
+        rn = tl.arange(0, BN)
+        k = _kv_tile(kv16, b, h, rn, NT, 0)
+        v = _kv_tile(kv16, b, h, rn, NT, _HIDDEN)
+        s = tl.where(rn[None, :] < NT, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        p = tl.exp2(s - tl.max(s, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+        ctx = tl.dot(p.to(tl.float16), v)
+        tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
+        delta = tl.sum(dc.to(tl.float32) * ctx, 1)
+        ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale)
+        dq = tl.dot(ds, k)
+        _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone)
+        sum_dk = tl.sum(dk, 0)
+        sum_dv = tl.sum(dv, 0)
+    else:
+        row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
+        row_sum = tl.zeros((BM,), dtype=tl.float32)
+        ctx = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
+        for n0 in range(0, NT, BN):
+            rn = n0 + tl.arange(0, BN)
+            k = _kv_tile(kv16, b, h, rn, NT, 0)
+            v = _kv_tile(kv16, b, h, rn, NT, _HIDDEN)
+            s = tl.where(rn[None, :] < NT, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            shrink = tl.exp2(row_max - new_max)
+            p = tl.exp2(s - new_max[:, None])
+            row_sum = row_sum * shrink + tl.sum(p, 1)
+            ctx = tl.dot(p.to(tl.float16), v, ctx * shrink[:, None])
+            row_max = new_max
+        ctx = ctx / row_sum[:, None]
+        lse = row_max + tl.log2(row_sum)
+        tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
+        delta = tl.sum(dc.to(tl.float32) * ctx, 1)
+
+        dq = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
+        sum_dk = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+        sum_dv = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+        for n0 in range(0, NT, BN):
+            rn = n0 + tl.arange(0, BN)
+            k = _kv_tile(kv16, b, h, rn, NT, 0)
+            v = _kv_tile(kv16, b, h, rn, NT, _HIDDEN)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            p = tl.where(rn[None, :] < NT, tl.exp2(s - lse[:, None]), 0.0)
+            ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale)
+            dq = tl.dot(ds, k, dq)
+            _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone)
+            sum_dk += tl.sum(dk, 0)
+            sum_dv += tl.sum(dv, 0)
+    tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
+    tl.atomic_add(grad_bq + h * _HEAD_DIM + d, tl.sum(dq, 0), sem="relaxed")
+
+    if alone:
+        tl.atomic_add(grad_bk + h * _HEAD_DIM + d, sum_dk, sem="relaxed")
+        tl.atomic_add(grad_bv + h * _HEAD_DIM + d, sum_dv, sem="relaxed")
+    else:
+        # Publish this block's sums; the last block of the head to arrive converts them all.
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals + bh, 1, sem="acq_rel") == m_blocks - 1:
+            _finish_kv_grads(dkv32, dkv16, grad_bk, grad_bv, b, h, NT, BN)
+
+
+@triton.jit(do_not_specialize=["TV", "TT", "split_video", "split_text"])
+def _gradient_products_kernel(
+    dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16,
+    grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv,
+    TV, TT, split_video, split_text,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Weight gradients (A read feature-contiguous): grad_Wq = dQ^T video, grad_Wo = dC_out^T C with
+    dC_out = grad_output, grad_Wk = dK^T text, grad_Wv = dV^T text; then input gradients (A
+    row-major): grad_video = dQ Wq, grad_text = [dK | dV] [Wk; Wv]. One call site per layout, so one
+    shared-memory ring each; K split `split_video` ways for products over video tokens and
+    `split_text` ways for those over text tokens (split outputs are pre-zeroed)."""
+    pid = tl.program_id(0)
+    t_w = (_HIDDEN // BM) * (_HIDDEN // BN)
+    t_wv = t_w * split_video
+    t_wt = t_w * split_text
+    n_weight = 2 * t_wv + 2 * t_wt
+    if pid < n_weight:
+        on_video = pid < 2 * t_wv  # grad_Wq, grad_Wo
+        i = tl.where(on_video, pid // t_wv, (pid - 2 * t_wv) // t_wt)  # which of the pair
+        local = tl.where(on_video, pid - i * t_wv, pid - 2 * t_wv - i * t_wt)
+        gemm_tile(
+            local,
+            tl.where(on_video, tl.where(i == 0, dq16, go16), dkv16 + i * _HIDDEN),
+            tl.where(on_video, tl.where(i == 0, video16, ctx16), text16),
+            tl.where(on_video, tl.where(i == 0, grad_wq, grad_wo), tl.where(i == 0, grad_wk, grad_wv)),
+            _HIDDEN, _HIDDEN, tl.where(on_video, TV, TT),
+            1, tl.multiple_of(tl.where(on_video, _HIDDEN, 2 * _HIDDEN), 1024), _HIDDEN, 1, _HIDDEN,
+            tl.where(on_video, split_video, split_text), BM, BN, BK,
+        )
+    else:
+        local = pid - n_weight
+        t_video = ((TV + BM - 1) // BM) * (_HIDDEN // BN)
+        on_video = local < t_video
+        depth = tl.multiple_of(tl.where(on_video, _HIDDEN, 2 * _HIDDEN), 1024)
+        gemm_tile(
+            tl.where(on_video, local, local - t_video),
+            tl.where(on_video, dq16, dkv16),
+            tl.where(on_video, wq16, wkv16),
+            tl.where(on_video, grad_video, grad_text),
+            tl.where(on_video, TV, TT), _HIDDEN, depth,
+            depth, 1, _HIDDEN, 1, _HIDDEN,
+            1, BM, BN, BK,
+        )
+
+
+PACK = FastKernel(_pack_kernel)
+FORWARD_PRODUCTS = FastKernel(_forward_products_kernel)
+ATTENTION = FastKernel(_attention_kernel)
+GRADIENT_PRODUCTS = FastKernel(_gradient_products_kernel)
+
+
+class PackConfig(NamedTuple):
+    """grad_output rows per tile and columns per step; Wo^T tile side; flat passes: elements per step, steps."""
+
+    rows: int = 16
+    cols: int = 256
+    tile: int = 64
+    block: int = 4096
+    iters: int = 16
+    warps: int = 4
+
+
+class ProductConfig(NamedTuple):
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    warps: int = 8
+    stages: int = 3
+
+
+class AttentionConfig(NamedTuple):
+    """Video tokens per program; all text tokens in one tile up to one_tile, else bn per step."""
+
+    bm: int = 128
+    bn: int = 64
+    warps: int = 8
+    stages: int = 1
+    one_tile: int = 128
+
+
+class Config(NamedTuple):
+    pack: PackConfig = PackConfig()
+    forward: ProductConfig = ProductConfig()
+    attention: AttentionConfig = AttentionConfig()
+    gradients: ProductConfig = ProductConfig()
+
+
+CONFIG = Config()
+SUM_COLS = 128  # grad_bo columns per reducing program
+# From this much product work (FLOP) on, cuBLAS's products beat ours by more than their extra
+# launches cost (measured: benchmarks/notes/021.md).
+CUBLAS_MIN_FLOP = 60e9
+
+
+def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, config=CONFIG, products=None,
+                              sms=None):
+    """The 021 outputs from the official inputs (validated by the caller; the output bias is unused).
+
+    config: shapes of the Triton launches; products: "triton" (the forward and gradient products as
+    one Triton launch each) or "cublas" (nine torch.mm on the same fp16 operands), None picks by
+    size on a GPU; sms: processors to balance the weight gradients' K splits over (the GPU's
+    count; on the CPU interpreter, 1).
+    """
+    batch, nv, _ = video.shape
+    nt = text.shape[1]
+    tv, tt = batch * nv, batch * nt
+    device = video.device
+    pk, fw, at, gr = config
+    if products is None:
+        flop = 2 * (5 * tv + 6 * tt) * HIDDEN * HIDDEN
+        products = "cublas" if device.type == "cuda" and flop >= CUBLAS_MIN_FLOP else "triton"
+    if sms is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
+    f32 = lambda *shape: buffers.empty(shape, torch.float32, device)  # noqa: E731
+    go16, video16, ctx16, q16, dc16, dq16 = (f16(tv, HIDDEN) for _ in range(6))
+    text16, kv16, dkv16 = f16(tt, HIDDEN), f16(tt, 2 * HIDDEN), f16(tt, 2 * HIDDEN)
+    wq16, wkv16, wo_t16 = f16(HIDDEN, HIDDEN), f16(2 * HIDDEN, HIDDEN), f16(HIDDEN, HIDDEN)
+    go_tiles = triton.cdiv(tv, pk.rows)
+    colsum_parts = f32(go_tiles, HIDDEN)
+    m_blocks = triton.cdiv(nv, at.bm)
+    one_tile = nt <= at.one_tile
+    text_tile = max(16, triton.next_power_of_2(nt)) if one_tile else at.bn
+    dkv32 = f32(tt if m_blocks > 1 else 1, 2 * HIDDEN)  # unused by a lone block per head
+    arrivals = buffers.empty((batch * HEADS,), torch.int32, device)
+    grad_video, grad_text = f32(batch, nv, HIDDEN), f32(batch, nt, HIDDEN)
+    grad_wq, grad_wk, grad_wv, grad_wo = (f32(HIDDEN, HIDDEN) for _ in range(4))
+    grad_bq, grad_bk, grad_bv, grad_bo = (f32(HIDDEN) for _ in range(4))
+    bias16 = f16(3 * HIDDEN)
+
+    split_video, _, split_text, _ = choose_splits(
+        [(HIDDEN, HIDDEN, tv), (HIDDEN, HIDDEN, tv), (HIDDEN, HIDDEN, tt), (HIDDEN, HIDDEN, tt)],
+        gr.bm, gr.bn, gr.bk, sms) if products == "triton" else (1, 1, 1, 1)
+    weight_tiles = 2 * tile_count(HIDDEN, HIDDEN, split_video, gr.bm, gr.bn) + \
+        2 * tile_count(HIDDEN, HIDDEN, split_text, gr.bm, gr.bn)
+    input_tiles = tile_count(tv, HIDDEN, 1, gr.bm, gr.bn) + tile_count(tt, HIDDEN, 1, gr.bm, gr.bn)
+    flat = lambda n: chunks(n, pk.block, pk.iters)  # noqa: E731
+    n_weight = flat(HIDDEN * HIDDEN)
+    n_pack = (go_tiles + flat(tv * HIDDEN) + flat(tt * HIDDEN) + 3 * n_weight + (HIDDEN // pk.tile) ** 2 + 1
+              + (m_blocks > 1) * flat(tt * 2 * HIDDEN) + (2 * (split_video > 1) + 2 * (split_text > 1)) * n_weight)
+    forward_tiles = 2 * tile_count(tv, HIDDEN, 1, fw.bm, fw.bn) + tile_count(tt, 2 * HIDDEN, 1, fw.bm, fw.bn)
+
+    with buffers.on_device(device):
+        launches = [
+            PACK.prepare(
+                (n_pack,),
+                go, video, text, wq, wk, wv, wo,
+                go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
+                dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, bq, bk, bv, bias16,
+                tv, tt, batch * HEADS, int(m_blocks > 1), int(split_video > 1), int(split_video > 1),
+                int(split_text > 1),
+                ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, num_warps=pk.warps),
+            FORWARD_PRODUCTS.prepare(
+                ((forward_tiles if products == "triton" else 0) + HIDDEN // SUM_COLS,),
+                video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
+                q16, kv16, dc16, colsum_parts, grad_bo,
+                *((tv, tt) if products == "triton" else (0, 0)), go_tiles,
+                BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_COLS=SUM_COLS, num_warps=fw.warps, num_stages=fw.stages),
+            ATTENTION.prepare(
+                (batch * HEADS * m_blocks,),
+                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, grad_bq, grad_bk, grad_bv, arrivals,
+                nv, nt, float(scale),
+                BM=at.bm, BN=text_tile, ONE_TILE=one_tile, num_warps=at.warps, num_stages=at.stages),
+            GRADIENT_PRODUCTS.prepare(
+                (weight_tiles + input_tiles,),
+                dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16,
+                grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv,
+                tv, tt, split_video, split_text,
+                BM=gr.bm, BN=gr.bn, BK=gr.bk, num_warps=gr.warps, num_stages=gr.stages),
+        ]
+        if products == "cublas":
+            mm = functools.partial(torch.mm, out_dtype=torch.float32)
+            launches[1:1] = [
+                functools.partial(torch.addmm, bias16[:HIDDEN], video16, wq16.T, out=q16),
+                functools.partial(torch.addmm, bias16[HIDDEN:], text16, wkv16.T, out=kv16),
+                functools.partial(torch.mm, go16, wo_t16.T, out=dc16),
+            ]
+            launches[-1:] = [
+                functools.partial(mm, dq16.T, video16, out=grad_wq),
+                functools.partial(mm, go16.T, ctx16, out=grad_wo),
+                functools.partial(mm, dkv16[:, :HIDDEN].T, text16, out=grad_wk),
+                functools.partial(mm, dkv16[:, HIDDEN:].T, text16, out=grad_wv),
+                functools.partial(mm, dq16, wq16, out=grad_video.view(tv, HIDDEN)),
+                functools.partial(mm, dkv16, wkv16, out=grad_text.view(tt, HIDDEN)),
+            ]
+        for launch in launches:
+            launch()
+    return grad_video, grad_text, grad_wq, grad_bq, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo

@@ -1,0 +1,89 @@
+"""Device experiment for 021: launch shapes of the four kernels, per-kernel breakdown.
+
+Run on the GPU machine from the checkout: PYTHONPATH=src python benchmarks/tune_021.py --out DIR
+Every variant is checked (official rule, 2 rounds) and timed under the official clock (CUPTI span,
+L2 flushed, fresh addresses). Prints a short table; writes everything to DIR/tune_021.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import backfuse
+from backfuse.bench import check_outputs, sol_ms, time_calls
+from backfuse.ops import wan_text_video_xattn as op
+
+C, A, G = op.Config, op.AttentionConfig, op.ProductConfig
+VARIANTS = {
+    "default": dict(config=C()),
+    "att64w4": dict(config=C(attention=A(64, 64, 4, 1, 128))),
+    "att128w4": dict(config=C(attention=A(128, 64, 4, 1, 128))),
+    "grad256s3": dict(config=C(gradients=G(128, 256, 64, 8, 3))),
+    "grad256s4": dict(config=C(gradients=G(128, 256, 64, 8, 4))),
+    "fwd256s4": dict(config=C(forward=G(128, 256, 64, 8, 4))),
+    "triton": dict(products="triton"),
+    "cublas": dict(products="cublas"),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--cases", default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    prob = backfuse.problem("021")
+    cases = range(16) if args.cases is None else [int(c) for c in args.cases.split(",")]
+    variants = {k: VARIANTS[k] for k in args.variants.split(",")}
+    rows = []
+    for i in cases:
+        w = prob.workloads[i]
+        a = w.axes
+        row = {"case": i, "axes": a, "sol_ms": sol_ms(prob, a), "variants": {}}
+        for name, kw in variants.items():
+            fn = lambda *x, kw=kw: op.text_video_xattn_backward(*x[:10], x[11], **kw)  # noqa: E731
+            worst, ok = 1.0, True
+            try:
+                for r in range(2):
+                    x = prob.make_inputs(a, seed=100 + r, device="cuda")
+                    v = check_outputs(fn(*x), prob.reference(*x), w.tolerance, prob.output_names)
+                    worst, ok = min(worst, v.min_matched), ok and v.passed
+                    if not v.passed:
+                        print(f"case {i} {name}: FAILED {v.reason}", flush=True)
+                t = time_calls(fn, x)
+            except Exception as e:  # keep measuring the other variants
+                print(f"case {i} {name}: {type(e).__name__}: {e}", flush=True)
+                continue
+            row["variants"][name] = {"ms": t.median_ms, "event_ms": t.event_median_ms, "passed": ok,
+                                     "min_matched": worst, "kernel_ms": t.kernel_ms,
+                                     "kernels": statistics.median(t.kernels_per_call)}
+            del x
+        rows.append(row)
+        torch.cuda.empty_cache()
+        cells = "  ".join(f"{k}={v['ms']:.4f}{'' if v['passed'] else '!'}" for k, v in row["variants"].items())
+        print(f"{i:2d} {a} sol={row['sol_ms']:.4f}  {cells}", flush=True)
+        first = next(iter(row["variants"].values()), None)
+        if first:
+            print("    " + "  ".join(f"{k.strip('_')}={v * 1000:.1f}us" for k, v in first["kernel_ms"].items()),
+                  flush=True)
+
+    names = [k for k in variants if all(k in r["variants"] for r in rows)]
+    means = {k: statistics.fmean(r["variants"][k]["ms"] for r in rows) for k in names}
+    best = statistics.fmean(min(v["ms"] for v in r["variants"].values()) for r in rows)
+    print("means:", "  ".join(f"{k}={v:.4f}" for k, v in means.items()), f" best-per-case={best:.4f}")
+    for k in names:
+        kernels = {}
+        for r in rows:
+            for kn, ms in r["variants"][k]["kernel_ms"].items():
+                kernels[kn] = kernels.get(kn, 0.0) + ms / len(rows)
+        print(f"  {k}: mean busy per kernel: " + "  ".join(f"{kn.strip('_')}={ms * 1000:.1f}us" for kn, ms in kernels.items()))
+    with open(f"{args.out}/tune_021.json", "w") as f:
+        json.dump({"rows": rows, "means": means}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
