@@ -20,13 +20,13 @@ from backfuse.ops import wan_text_video_xattn as op
 C, A, G = op.Config, op.AttentionConfig, op.ProductConfig
 VARIANTS = {
     "default": dict(config=C()),
-    "att64w4": dict(config=C(attention=A(64, 64, 4, 1, 128))),
-    "att128w4": dict(config=C(attention=A(128, 64, 4, 1, 128))),
-    "grad256s3": dict(config=C(gradients=G(128, 256, 64, 8, 3))),
-    "grad256s4": dict(config=C(gradients=G(128, 256, 64, 8, 4))),
-    "fwd256s4": dict(config=C(forward=G(128, 256, 64, 8, 4))),
+    "att_s2": dict(config=C(attention=A(stages=2))),
+    "att_1sm": dict(config=C(attention=A(programs_per_sm=1))),
+    "att_4sm": dict(config=C(attention=A(programs_per_sm=4))),
+    "grad_w4s3": dict(config=C(gradients=G(128, 128, 64, 4, 3))),
+    "grad_w4s4": dict(config=C(gradients=G(128, 128, 64, 4, 4))),
+    "fwd64x128": dict(config=C(forward=G(64, 128, 64, 4, 4))),
     "triton": dict(products="triton"),
-    "cublas": dict(products="cublas"),
 }
 
 

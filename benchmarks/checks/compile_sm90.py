@@ -59,11 +59,12 @@ def wan_021_kernels(cfg=None):
     f16, f32 = "fp16", "fp32"
     pack_ptrs = dict(go=f32, video=f32, text=f32, wq=f32, wk=f32, wv=f32, wo=f32, go16=f16, video16=f16,
                      text16=f16, wq16=f16, wkv16=f16, wo_t16=f16, colsum_parts=f32, dkv32=f32, grad_bq=f32,
-                     grad_bk=f32, grad_bv=f32, arrivals="i32", grad_wq=f32, grad_wo=f32, grad_wk=f32, grad_wv=f32)
+                     grad_bk=f32, grad_bv=f32, arrivals="i32", grad_wq=f32, grad_wo=f32, grad_wk=f32, grad_wv=f32,
+                     bq=f32, bk=f32, bv=f32, bias16=f16, grad_video=f32, grad_text=f32)
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     p = cfg.pack
     yield "021 pack", compile_sm90(op._pack_kernel, pack_ptrs,
-                                   ints("TV", "TT", "n_heads", "zero_dkv", "zero_wq", "zero_wo", "zero_wkv"),
+                                   ints("TV", "TT", "n_heads", "zero_dkv", "zero_wq", "zero_wo", "zero_wkv", "zero_gv", "zero_gt"),
                                    dict(ROWS=p.rows, COLS=p.cols, T=p.tile, BLOCK=p.block, ITERS=p.iters), p.warps, 1)
     fw = cfg.forward
     yield "021 forward products", compile_sm90(
@@ -77,13 +78,13 @@ def wan_021_kernels(cfg=None):
             op._attention_kernel,
             dict(q16=f16, kv16=f16, dc16=f16, ctx16=f16, dq16=f16, dkv32=f32, dkv16=f16, grad_bq=f32,
                  grad_bk=f32, grad_bv=f32, arrivals="i32"),
-            {**ints("NV", "NT"), "scale": "fp32"}, dict(BM=at.bm, BN=bn, ONE_TILE=one_tile), at.warps, at.stages)
+            {**ints("NV", "NT", "per_program"), "scale": "fp32"}, dict(BM=at.bm, BN=bn, ONE_TILE=one_tile), at.warps, at.stages)
     gr = cfg.gradients
     yield "021 gradient products", compile_sm90(
         op._gradient_products_kernel,
         dict(dq16=f16, dkv16=f16, go16=f16, video16=f16, text16=f16, ctx16=f16, wq16=f16, wkv16=f16,
              grad_video=f32, grad_text=f32, grad_wq=f32, grad_wo=f32, grad_wk=f32, grad_wv=f32),
-        ints("TV", "TT", "split_video", "split_text"), dict(BM=gr.bm, BN=gr.bn, BK=gr.bk), gr.warps, gr.stages)
+        ints("TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt"), dict(BM=gr.bm, BN=gr.bn, BK=gr.bk), gr.warps, gr.stages)
 
 
 if __name__ == "__main__":

@@ -178,18 +178,20 @@ def _transpose_tile(w, wt16, tile, T: tl.constexpr):
     tl.store(wt16 + j[:, None] * _HIDDEN + i[None, :], tl.trans(x).to(tl.float16))
 
 
-@triton.jit(do_not_specialize=["TV", "TT", "n_heads", "zero_dkv", "zero_wq", "zero_wo", "zero_wkv"])
+@triton.jit(do_not_specialize=["TV", "TT", "n_heads", "zero_dkv", "zero_wq", "zero_wo", "zero_wkv", "zero_gv",
+                                "zero_gt"])
 def _pack_kernel(
     go, video, text, wq, wk, wv, wo,
     go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
     dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, bq, bk, bv, bias16,
-    TV, TT, n_heads, zero_dkv, zero_wq, zero_wo, zero_wkv,
+    grad_video, grad_text,
+    TV, TT, n_heads, zero_dkv, zero_wq, zero_wo, zero_wkv, zero_gv, zero_gt,
     ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     """Program ranges, in order: grad_output row tiles, flat casts of video, text, Wq, Wk, Wv (as
     [Wk; Wv]), Wo^T tiles, one program zeroing the atomically summed bias gradients and arrival
     counters (and casting [bq | bk | bv] for cuBLAS's bias epilogue), then zero fills of dK/dV and
-    of the split-K weight gradients whose flag is set."""
+    of the split-K products' outputs whose flag is set."""
     pid = tl.program_id(0)
     CHUNK: tl.constexpr = BLOCK * ITERS
     W: tl.constexpr = _HIDDEN * _HIDDEN
@@ -209,6 +211,8 @@ def _pack_kernel(
     e_zwq = e_dkv + zero_wq * W_CHUNKS
     e_zwo = e_zwq + zero_wo * W_CHUNKS
     e_zwk = e_zwo + zero_wkv * W_CHUNKS
+    e_zwv = e_zwk + zero_wkv * W_CHUNKS
+    e_zgv = e_zwv + zero_gv * ((n_video + CHUNK - 1) // CHUNK)
     if pid < e_go:
         _grad_output_tile(go, go16, colsum_parts, pid, TV, ROWS, COLS)
     elif pid < e_video:
@@ -242,8 +246,12 @@ def _pack_kernel(
         zero_chunk(grad_wo, W, pid - e_zwq, BLOCK, ITERS)
     elif pid < e_zwk:
         zero_chunk(grad_wk, W, pid - e_zwo, BLOCK, ITERS)
-    else:
+    elif pid < e_zwv:
         zero_chunk(grad_wv, W, pid - e_zwk, BLOCK, ITERS)
+    elif pid < e_zgv:
+        zero_chunk(grad_video, n_video, pid - e_zwv, BLOCK, ITERS)
+    else:
+        zero_chunk(grad_text, n_text, pid - e_zgv, BLOCK, ITERS)
 
 
 @triton.jit(do_not_specialize=["TV", "TT", "n_parts"])
@@ -340,50 +348,68 @@ def _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone):
     tl.atomic_add(dkv32 + off + _HIDDEN, dv, mask=n_ok & ~alone, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["NV", "NT", "scale"])
-def _attention_kernel(
-    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, grad_bq, grad_bk, grad_bv, arrivals,
-    NV, NT, scale,
-    BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
-):
-    """One (batch, head, block of BM video tokens): C, dQ and this block's share of dK and dV.
-
-    With P known, δ = rowsum(P∘dP) = rowsum(dC∘C), dP = dC V^T, dS = P(dP − δ)·scale, dQ = dS K,
-    dK = dS^T Q, dV = P^T dC. ONE_TILE (all NT text tokens within BN): P straight from one S tile.
-    Otherwise pass 1 runs the forward over text tiles (online softmax) for C and the log-sum-exp,
-    and pass 2 recomputes P tile by tile. A block that is its head's only one writes dK, dV in fp16;
-    otherwise blocks add fp32 partial sums and the last to arrive converts them.
-    """
-    pid = tl.program_id(0)
-    m_blocks = (NV + BM - 1) // BM
-    alone = m_blocks == 1
-    bh = pid // m_blocks
-    b = bh // _HEADS
-    h = bh % _HEADS
-    rm = (pid % m_blocks) * BM + tl.arange(0, BM)
+@triton.jit
+def _video_rows(q16, dc16, b, h, rm, NV):
+    """Q and dC of head h for video tokens rm of batch b ([BM, 64] fp16), their offsets and row mask."""
     d = tl.arange(0, _HEAD_DIM)
     tok = (b * NV + rm[:, None]).to(tl.int64) * _HIDDEN + h * _HEAD_DIM + d[None, :]
     m_ok = rm[:, None] < NV
-    q = tl.load(q16 + tok, mask=m_ok, other=0.0)
-    dc = tl.load(dc16 + tok, mask=m_ok, other=0.0)
+    return tl.load(q16 + tok, mask=m_ok, other=0.0), tl.load(dc16 + tok, mask=m_ok, other=0.0), tok, m_ok
+
+
+@triton.jit(do_not_specialize=["NV", "NT", "per_program", "scale"])
+def _attention_kernel(
+    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, grad_bq, grad_bk, grad_bv, arrivals,
+    NV, NT, per_program, scale,
+    BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
+):
+    """One (batch, head, run of `per_program` blocks of BM video tokens): C, dQ and the run's share
+    of dK and dV.
+
+    With P known, δ = rowsum(P∘dP) = rowsum(dC∘C), dP = dC V^T, dS = P(dP − δ)·scale, dQ = dS K,
+    dK = dS^T Q, dV = P^T dC. ONE_TILE (all NT text tokens within BN): K and V are loaded once, P
+    comes straight from one S tile, and dK, dV add up over the run in registers. Otherwise (runs
+    of one block) pass 1 is the forward over text tiles (online softmax) for C and the
+    log-sum-exp, and pass 2 recomputes P tile by tile. A run that is its head's only one writes dK,
+    dV in fp16; otherwise runs add fp32 partial sums and the last to arrive converts them.
+    """
+    pid = tl.program_id(0)
+    m_blocks = (NV + BM - 1) // BM
+    runs = (m_blocks + per_program - 1) // per_program
+    alone = runs == 1
+    bh = pid // runs
+    b = bh // _HEADS
+    h = bh % _HEADS
+    d = tl.arange(0, _HEAD_DIM)
+    first = (pid % runs) * per_program
     qk_scale = scale * _LOG2E  # softmax in base 2
+    sum_dq = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
 
     if ONE_TILE:
         rn = tl.arange(0, BN)
         k = _kv_tile(kv16, b, h, rn, NT, 0)
         v = _kv_tile(kv16, b, h, rn, NT, _HIDDEN)
-        s = tl.where(rn[None, :] < NT, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-        p = tl.exp2(s - tl.max(s, 1)[:, None])
-        p = p / tl.sum(p, 1)[:, None]
-        ctx = tl.dot(p.to(tl.float16), v)
-        tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
-        delta = tl.sum(dc.to(tl.float32) * ctx, 1)
-        ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale)
-        dq = tl.dot(ds, k)
+        dk = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
+        dv = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
+        for block in range(first, tl.minimum(first + per_program, m_blocks)):
+            q, dc, tok, m_ok = _video_rows(q16, dc16, b, h, block * BM + tl.arange(0, BM), NV)
+            s = tl.where(rn[None, :] < NT, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+            p = tl.exp2(s - tl.max(s, 1)[:, None])
+            p = p / tl.sum(p, 1)[:, None]
+            ctx = tl.dot(p.to(tl.float16), v)
+            tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
+            delta = tl.sum(dc.to(tl.float32) * ctx, 1)
+            ds, dk_block, dv_block = _tile_grads(q, dc, v, p, delta, scale)
+            dk += dk_block
+            dv += dv_block
+            dq = tl.dot(ds, k)
+            tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
+            sum_dq += tl.sum(dq, 0)
         _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone)
         sum_dk = tl.sum(dk, 0)
         sum_dv = tl.sum(dv, 0)
     else:
+        q, dc, tok, m_ok = _video_rows(q16, dc16, b, h, first * BM + tl.arange(0, BM), NV)
         row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros((BM,), dtype=tl.float32)
         ctx = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
@@ -417,62 +443,62 @@ def _attention_kernel(
             _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone)
             sum_dk += tl.sum(dk, 0)
             sum_dv += tl.sum(dv, 0)
-    tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
-    tl.atomic_add(grad_bq + h * _HEAD_DIM + d, tl.sum(dq, 0), sem="relaxed")
+        tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
+        sum_dq = tl.sum(dq, 0)
+    tl.atomic_add(grad_bq + h * _HEAD_DIM + d, sum_dq, sem="relaxed")
 
     if alone:
         tl.atomic_add(grad_bk + h * _HEAD_DIM + d, sum_dk, sem="relaxed")
         tl.atomic_add(grad_bv + h * _HEAD_DIM + d, sum_dv, sem="relaxed")
     else:
-        # Publish this block's sums; the last block of the head to arrive converts them all.
+        # Publish this run's sums; the last run of the head to arrive converts them all.
         tl.debug_barrier()
-        if tl.atomic_add(arrivals + bh, 1, sem="acq_rel") == m_blocks - 1:
+        if tl.atomic_add(arrivals + bh, 1, sem="acq_rel") == runs - 1:
             _finish_kv_grads(dkv32, dkv16, grad_bk, grad_bv, b, h, NT, BN)
 
 
-@triton.jit(do_not_specialize=["TV", "TT", "split_video", "split_text"])
+@triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt"])
 def _gradient_products_kernel(
     dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16,
     grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv,
-    TV, TT, split_video, split_text,
+    TV, TT, split_wv, split_wt, split_gv, split_gt,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """Weight gradients (A read feature-contiguous): grad_Wq = dQ^T video, grad_Wo = dC_out^T C with
-    dC_out = grad_output, grad_Wk = dK^T text, grad_Wv = dV^T text; then input gradients (A
-    row-major): grad_video = dQ Wq, grad_text = [dK | dV] [Wk; Wv]. One call site per layout, so one
-    shared-memory ring each; K split `split_video` ways for products over video tokens and
-    `split_text` ways for those over text tokens (split outputs are pre-zeroed)."""
+    """Input gradients (A row-major): grad_video = dQ Wq, grad_text = [dK | dV] [Wk; Wv]; then weight
+    gradients (A read feature-contiguous): grad_Wq = dQ^T video, grad_Wo = grad_output^T C,
+    grad_Wk = dK^T text, grad_Wv = dV^T text. One call site per layout, so one shared-memory ring
+    each. K splits (outputs pre-zeroed when split): split_gv, split_gt for grad_video, grad_text;
+    split_wv for the weight gradients over video tokens, split_wt for those over text tokens."""
     pid = tl.program_id(0)
-    t_w = (_HIDDEN // BM) * (_HIDDEN // BN)
-    t_wv = t_w * split_video
-    t_wt = t_w * split_text
-    n_weight = 2 * t_wv + 2 * t_wt
-    if pid < n_weight:
-        on_video = pid < 2 * t_wv  # grad_Wq, grad_Wo
-        i = tl.where(on_video, pid // t_wv, (pid - 2 * t_wv) // t_wt)  # which of the pair
-        local = tl.where(on_video, pid - i * t_wv, pid - 2 * t_wv - i * t_wt)
-        gemm_tile(
-            local,
-            tl.where(on_video, tl.where(i == 0, dq16, go16), dkv16 + i * _HIDDEN),
-            tl.where(on_video, tl.where(i == 0, video16, ctx16), text16),
-            tl.where(on_video, tl.where(i == 0, grad_wq, grad_wo), tl.where(i == 0, grad_wk, grad_wv)),
-            _HIDDEN, _HIDDEN, tl.where(on_video, TV, TT),
-            1, tl.multiple_of(tl.where(on_video, _HIDDEN, 2 * _HIDDEN), 1024), _HIDDEN, 1, _HIDDEN,
-            tl.where(on_video, split_video, split_text), BM, BN, BK,
-        )
-    else:
-        local = pid - n_weight
-        t_video = ((TV + BM - 1) // BM) * (_HIDDEN // BN)
-        on_video = local < t_video
+    t_gv = ((TV + BM - 1) // BM) * (_HIDDEN // BN) * split_gv
+    t_gt = ((TT + BM - 1) // BM) * (_HIDDEN // BN) * split_gt
+    if pid < t_gv + t_gt:
+        on_video = pid < t_gv
         depth = tl.multiple_of(tl.where(on_video, _HIDDEN, 2 * _HIDDEN), 1024)
         gemm_tile(
-            tl.where(on_video, local, local - t_video),
+            tl.where(on_video, pid, pid - t_gv),
             tl.where(on_video, dq16, dkv16),
             tl.where(on_video, wq16, wkv16),
             tl.where(on_video, grad_video, grad_text),
             tl.where(on_video, TV, TT), _HIDDEN, depth,
             depth, 1, _HIDDEN, 1, _HIDDEN,
-            1, BM, BN, BK,
+            tl.where(on_video, split_gv, split_gt), BM, BN, BK,
+        )
+    else:
+        local = pid - t_gv - t_gt
+        t_w = (_HIDDEN // BM) * (_HIDDEN // BN)
+        t_wv = t_w * split_wv
+        t_wt = t_w * split_wt
+        on_video = local < 2 * t_wv  # grad_Wq, grad_Wo
+        i = tl.where(on_video, local // t_wv, (local - 2 * t_wv) // t_wt)  # which of the pair
+        gemm_tile(
+            tl.where(on_video, local - i * t_wv, local - 2 * t_wv - i * t_wt),
+            tl.where(on_video, tl.where(i == 0, dq16, go16), dkv16 + i * _HIDDEN),
+            tl.where(on_video, tl.where(i == 0, video16, ctx16), text16),
+            tl.where(on_video, tl.where(i == 0, grad_wq, grad_wo), tl.where(i == 0, grad_wk, grad_wv)),
+            _HIDDEN, _HIDDEN, tl.where(on_video, TV, TT),
+            1, tl.multiple_of(tl.where(on_video, _HIDDEN, 2 * _HIDDEN), 1024), _HIDDEN, 1, _HIDDEN,
+            tl.where(on_video, split_wv, split_wt), BM, BN, BK,
         )
 
 
@@ -502,13 +528,15 @@ class ProductConfig(NamedTuple):
 
 
 class AttentionConfig(NamedTuple):
-    """Video tokens per program; all text tokens in one tile up to one_tile, else bn per step."""
+    """Video tokens per block; all text tokens in one tile up to one_tile, else bn per step; with one
+    tile, programs per SM to aim for when runs of blocks share K and V."""
 
     bm: int = 128
     bn: int = 64
     warps: int = 8
     stages: int = 1
     one_tile: int = 128
+    programs_per_sm: int = 2
 
 
 class Config(NamedTuple):
@@ -554,23 +582,29 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     m_blocks = triton.cdiv(nv, at.bm)
     one_tile = nt <= at.one_tile
     text_tile = max(16, triton.next_power_of_2(nt)) if one_tile else at.bn
-    dkv32 = f32(tt if m_blocks > 1 else 1, 2 * HIDDEN)  # unused by a lone block per head
+    per_program = 1
+    if one_tile:  # long runs of blocks (fewer fp32 partial sums) while the grid still fills the GPU
+        runs = min(m_blocks, max(1, at.programs_per_sm * sms // (batch * HEADS)))
+        per_program = triton.cdiv(m_blocks, runs)
+    runs = triton.cdiv(m_blocks, per_program)
+    dkv32 = f32(tt if runs > 1 else 1, 2 * HIDDEN)  # unused by a lone run per head
     arrivals = buffers.empty((batch * HEADS,), torch.int32, device)
     grad_video, grad_text = f32(batch, nv, HIDDEN), f32(batch, nt, HIDDEN)
     grad_wq, grad_wk, grad_wv, grad_wo = (f32(HIDDEN, HIDDEN) for _ in range(4))
     grad_bq, grad_bk, grad_bv, grad_bo = (f32(HIDDEN) for _ in range(4))
     bias16 = f16(3 * HIDDEN)
 
-    split_video, _, split_text, _ = choose_splits(
-        [(HIDDEN, HIDDEN, tv), (HIDDEN, HIDDEN, tv), (HIDDEN, HIDDEN, tt), (HIDDEN, HIDDEN, tt)],
-        gr.bm, gr.bn, gr.bk, sms) if products == "triton" else (1, 1, 1, 1)
-    weight_tiles = 2 * tile_count(HIDDEN, HIDDEN, split_video, gr.bm, gr.bn) + \
-        2 * tile_count(HIDDEN, HIDDEN, split_text, gr.bm, gr.bn)
-    input_tiles = tile_count(tv, HIDDEN, 1, gr.bm, gr.bn) + tile_count(tt, HIDDEN, 1, gr.bm, gr.bn)
+    # grad_video, grad_text, grad_Wq, grad_Wo, grad_Wk, grad_Wv as (M, N, K).
+    gradient_products = [(tv, HIDDEN, HIDDEN), (tt, HIDDEN, 2 * HIDDEN)] + [(HIDDEN, HIDDEN, tv)] * 2 \
+        + [(HIDDEN, HIDDEN, tt)] * 2
+    splits = choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms) if products == "triton" else [1] * 6
+    split_gv, split_gt, split_wv, _, split_wt, _ = splits
+    gradient_tiles = sum(tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gradient_products, splits))
     flat = lambda n: chunks(n, pk.block, pk.iters)  # noqa: E731
     n_weight = flat(HIDDEN * HIDDEN)
     n_pack = (go_tiles + flat(tv * HIDDEN) + flat(tt * HIDDEN) + 3 * n_weight + (HIDDEN // pk.tile) ** 2 + 1
-              + (m_blocks > 1) * flat(tt * 2 * HIDDEN) + (2 * (split_video > 1) + 2 * (split_text > 1)) * n_weight)
+              + (runs > 1) * flat(tt * 2 * HIDDEN) + 2 * ((split_wv > 1) + (split_wt > 1)) * n_weight
+              + (split_gv > 1) * flat(tv * HIDDEN) + (split_gt > 1) * flat(tt * HIDDEN))
     forward_tiles = 2 * tile_count(tv, HIDDEN, 1, fw.bm, fw.bn) + tile_count(tt, 2 * HIDDEN, 1, fw.bm, fw.bn)
 
     with buffers.on_device(device):
@@ -580,8 +614,9 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 go, video, text, wq, wk, wv, wo,
                 go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
                 dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, bq, bk, bv, bias16,
-                tv, tt, batch * HEADS, int(m_blocks > 1), int(split_video > 1), int(split_video > 1),
-                int(split_text > 1),
+                grad_video, grad_text,
+                tv, tt, batch * HEADS, int(runs > 1), int(split_wv > 1), int(split_wv > 1), int(split_wt > 1),
+                int(split_gv > 1), int(split_gt > 1),
                 ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, num_warps=pk.warps),
             FORWARD_PRODUCTS.prepare(
                 ((forward_tiles if products == "triton" else 0) + HIDDEN // SUM_COLS,),
@@ -590,15 +625,15 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 *((tv, tt) if products == "triton" else (0, 0)), go_tiles,
                 BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_COLS=SUM_COLS, num_warps=fw.warps, num_stages=fw.stages),
             ATTENTION.prepare(
-                (batch * HEADS * m_blocks,),
+                (batch * HEADS * runs,),
                 q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, grad_bq, grad_bk, grad_bv, arrivals,
-                nv, nt, float(scale),
+                nv, nt, per_program, float(scale),
                 BM=at.bm, BN=text_tile, ONE_TILE=one_tile, num_warps=at.warps, num_stages=at.stages),
             GRADIENT_PRODUCTS.prepare(
-                (weight_tiles + input_tiles,),
+                (gradient_tiles,),
                 dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16,
                 grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv,
-                tv, tt, split_video, split_text,
+                tv, tt, split_wv, split_wt, split_gv, split_gt,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, num_warps=gr.warps, num_stages=gr.stages),
         ]
         if products == "cublas":
