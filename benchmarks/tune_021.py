@@ -21,11 +21,9 @@ C, A, G = op.Config, op.AttentionConfig, op.ProductConfig
 VARIANTS = {
     "default": dict(config=C()),
     "att_s2": dict(config=C(attention=A(stages=2))),
-    "att_1sm": dict(config=C(attention=A(programs_per_sm=1))),
-    "att_4sm": dict(config=C(attention=A(programs_per_sm=4))),
-    "grad_w4s3": dict(config=C(gradients=G(128, 128, 64, 4, 3))),
-    "grad_w4s4": dict(config=C(gradients=G(128, 128, 64, 4, 4))),
-    "fwd64x128": dict(config=C(forward=G(64, 128, 64, 4, 4))),
+    "att_bn128": dict(config=C(attention=A(bn=128))),
+    "att_s2_bn128": dict(config=C(attention=A(bn=128, stages=2))),
+    "fwd_w4s3": dict(config=C(forward=G(128, 128, 64, 4, 3))),
     "triton": dict(products="triton"),
 }
 

@@ -71,7 +71,8 @@ def wan_021_kernels(cfg=None):
         op._forward_products_kernel,
         dict(video16=f16, text16=f16, go16=f16, wq16=f16, wkv16=f16, wo_t16=f16, bq=f32, bk=f32, bv=f32,
              q16=f16, kv16=f16, dc16=f16, colsum_parts=f32, grad_bo=f32),
-        ints("TV", "TT", "n_parts"), dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_COLS=op.SUM_COLS), fw.warps, fw.stages)
+        ints("TV", "TT", "n_parts"),
+        dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS), fw.warps, fw.stages)
     at = cfg.attention
     for one_tile, bn in ((True, at.one_tile), (False, at.bn)):
         yield f"021 attention BN={bn}", compile_sm90(

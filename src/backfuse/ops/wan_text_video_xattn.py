@@ -259,7 +259,7 @@ def _forward_products_kernel(
     video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
     q16, kv16, dc16, colsum_parts, grad_bo,
     TV, TT, n_parts,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_COLS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
 ):
     """Q = video Wq^T + bq, [K | V] = text [Wk; Wv]^T + [bk | bv], dC = grad_output Wo (fp16 out),
     then grad_bo from the pack's column sums (alone when TV = TT = 0).
@@ -289,12 +289,14 @@ def _forward_products_kernel(
         rm = off_m + tl.arange(0, BM)
         out = tl.where(on_q, q16, tl.where(on_kv, kv16, dc16))
         tl.store(out + rm[:, None].to(tl.int64) * width + rn[None, :], acc.to(tl.float16), mask=rm[:, None] < rows)
-    else:
+    else:  # a [n_parts, SUM_COLS] column strip of the partial sums, SUM_ROWS parts at a time
         cols = (pid - 2 * t_q - t_kv) * SUM_COLS + tl.arange(0, SUM_COLS)
-        total = tl.zeros((SUM_COLS,), dtype=tl.float32)
-        for part in range(n_parts):
-            total += tl.load(colsum_parts + part * _HIDDEN + cols)
-        tl.store(grad_bo + cols, total)
+        total = tl.zeros((SUM_ROWS, SUM_COLS), dtype=tl.float32)
+        for part in range(0, n_parts, SUM_ROWS):
+            rows = part + tl.arange(0, SUM_ROWS)
+            total += tl.load(colsum_parts + rows[:, None] * _HIDDEN + cols[None, :], mask=rows[:, None] < n_parts,
+                             other=0.0)
+        tl.store(grad_bo + cols, tl.sum(total, 0))
 
 
 @triton.jit
@@ -511,12 +513,12 @@ GRADIENT_PRODUCTS = FastKernel(_gradient_products_kernel)
 class PackConfig(NamedTuple):
     """grad_output rows per tile and columns per step; Wo^T tile side; flat passes: elements per step, steps."""
 
-    rows: int = 16
+    rows: int = 32
     cols: int = 256
     tile: int = 64
     block: int = 4096
-    iters: int = 16
-    warps: int = 4
+    iters: int = 8
+    warps: int = 8
 
 
 class ProductConfig(NamedTuple):
@@ -543,14 +545,15 @@ class Config(NamedTuple):
     pack: PackConfig = PackConfig()
     forward: ProductConfig = ProductConfig()
     attention: AttentionConfig = AttentionConfig()
-    gradients: ProductConfig = ProductConfig()
+    # 4 warps: 2 programs per SM (8 warps need 144 registers a thread, which allows one)
+    gradients: ProductConfig = ProductConfig(128, 128, 64, 4, 3)
 
 
 CONFIG = Config()
-SUM_COLS = 128  # grad_bo columns per reducing program
+SUM_ROWS, SUM_COLS = 32, 64  # grad_bo: partial sums per step and columns per reducing program
 # From this much product work (FLOP) on, cuBLAS's products beat ours by more than their extra
 # launches cost (measured: benchmarks/notes/021.md).
-CUBLAS_MIN_FLOP = 60e9
+CUBLAS_MIN_FLOP = 100e9
 
 
 def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, config=CONFIG, products=None,
@@ -623,7 +626,7 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
                 q16, kv16, dc16, colsum_parts, grad_bo,
                 *((tv, tt) if products == "triton" else (0, 0)), go_tiles,
-                BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_COLS=SUM_COLS, num_warps=fw.warps, num_stages=fw.stages),
+                BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=fw.warps, num_stages=fw.stages),
             ATTENTION.prepare(
                 (batch * HEADS * runs,),
                 q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, grad_bq, grad_bk, grad_bv, arrivals,
