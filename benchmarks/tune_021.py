@@ -18,12 +18,13 @@ from backfuse.bench import check_outputs, sol_ms, time_calls
 from backfuse.ops import wan_text_video_xattn as op
 
 C, A, G = op.Config, op.AttentionConfig, op.ProductConfig
+P = op.PackConfig
 VARIANTS = {
     "default": dict(config=C()),
-    "att_s2": dict(config=C(attention=A(stages=2))),
-    "att_bn128": dict(config=C(attention=A(bn=128))),
-    "att_s2_bn128": dict(config=C(attention=A(bn=128, stages=2))),
-    "fwd_w4s3": dict(config=C(forward=G(128, 128, 64, 4, 3))),
+    "pack_32x1024_16384x1w8": dict(config=C(pack=P(32, 1024, 64, 16384, 1, 8))),
+    "pack_16x1024_8192x1w4": dict(config=C(pack=P(16, 1024, 64, 8192, 1, 4))),
+    "grad_k32s6": dict(config=C(gradients=G(128, 128, 32, 4, 6))),
+    "fwd_k32s6": dict(config=C(forward=G(128, 128, 32, 8, 6))),
     "triton": dict(products="triton"),
 }
 

@@ -14,9 +14,11 @@ from helpers import assert_official_pass, rel_err
 
 import backfuse
 from backfuse.kernels import buffers
-from backfuse.ops import cross_attn_qkv_gqa
+from backfuse.ops import cross_attn_qkv_gqa, wan_text_video_xattn
 
-FP16_REL_ERR = 2e-3  # fp16 operands with fp32 accumulation land near 3e-4
+FP16_REL_ERR = 2e-3  # fp16 operands with fp32 accumulation land near 3e-4 (021's attention chain: 1e-3)
+# Outputs that are zero in exact arithmetic (only rounding noise remains): bounded in absolute terms.
+NEAR_ZERO = {"grad_key_bias": 0.05}
 
 
 def _check_fused(prob, axes, seed, fn=None):
@@ -28,7 +30,10 @@ def _check_fused(prob, axes, seed, fn=None):
     assert_official_pass(prob, outs, refs)
     for name, o, r in zip(prob.output_names, outs, refs):
         assert o.shape == r.shape and o.dtype == torch.float32 and o.is_contiguous(), name
-        assert rel_err(o, r) < FP16_REL_ERR, name
+        if name in NEAR_ZERO:
+            assert (o - r).abs().max().item() < NEAR_ZERO[name], name
+        else:
+            assert rel_err(o, r) < FP16_REL_ERR, name
     for name, x, y in zip(prob.input_names, inputs, copies):
         assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{name} was modified"
 
@@ -47,6 +52,35 @@ def test_072_fused_split_k_and_gpu_tiles():
     config = cross_attn_qkv_gqa.GemmConfig(128, 256, 64, 8, 3, one_launch=True)
     fn = lambda *x: cross_attn_qkv_gqa.qkv_gqa_backward(*x, config=config, sms=132)  # noqa: E731
     _check_fused(prob, dict(batch_size=3, seq_len_dec=5, seq_len_enc=13), seed=5, fn=fn)
+
+
+def test_021_fused_shipped_config():
+    """One block and one text tile per head: dK/dV written directly, no partial sums."""
+    _check_fused(backfuse.problem("021"), dict(batch_size=1, num_video_tokens=37, num_text_tokens=19), seed=7)
+
+
+def _021_with(config, sms):
+    return lambda *x: wan_text_video_xattn.text_video_xattn_backward(*x[:10], x[11], config=config, sms=sms)
+
+
+@pytest.mark.parametrize("axes", [
+    dict(batch_size=2, num_video_tokens=150, num_text_tokens=77),  # one text tile, runs of blocks
+    dict(batch_size=1, num_video_tokens=130, num_text_tokens=211),  # text in tiles, one block per run
+])
+def test_021_fused_shared_heads_and_text_tiles(axes):
+    """Several programs per head (fp32 partial sums, the last to arrive converts) and K splits."""
+    w = wan_text_video_xattn
+    config = w.Config(pack=w.PackConfig(16, 256, 64, 4096, 1, 4), attention=w.AttentionConfig(64, 64, 4, 1, 128, 2))
+    _check_fused(backfuse.problem("021"), axes, seed=3, fn=_021_with(config, sms=132))
+
+
+def test_021_fused_single_tokens():
+    prob = backfuse.problem("021")
+    _check_fused(prob, dict(batch_size=3, num_video_tokens=1, num_text_tokens=2), seed=2)
+    # One text token: P = 1, so dS and every gradient through it are rounding noise; the rule still holds.
+    x = prob.make_inputs(dict(batch_size=2, num_video_tokens=3, num_text_tokens=1), seed=2, device=DEVICE)
+    with buffers.poisoned():
+        assert_official_pass(prob, prob.run(*x), prob.reference(*x))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")

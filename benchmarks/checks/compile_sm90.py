@@ -60,7 +60,7 @@ def wan_021_kernels(cfg=None):
     pack_ptrs = dict(go=f32, video=f32, text=f32, wq=f32, wk=f32, wv=f32, wo=f32, go16=f16, video16=f16,
                      text16=f16, wq16=f16, wkv16=f16, wo_t16=f16, colsum_parts=f32, dkv32=f32, grad_bq=f32,
                      grad_bk=f32, grad_bv=f32, arrivals="i32", grad_wq=f32, grad_wo=f32, grad_wk=f32, grad_wv=f32,
-                     bq=f32, bk=f32, bv=f32, bias16=f16, grad_video=f32, grad_text=f32)
+                     grad_video=f32, grad_text=f32)
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     p = cfg.pack
     yield "021 pack", compile_sm90(op._pack_kernel, pack_ptrs,
@@ -75,7 +75,7 @@ def wan_021_kernels(cfg=None):
         dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS), fw.warps, fw.stages)
     at = cfg.attention
     for one_tile, bn in ((True, at.one_tile), (False, at.bn)):
-        yield f"021 attention BN={bn}", compile_sm90(
+        yield f"021 attention {'one tile' if one_tile else 'tiles'} BN={bn}", compile_sm90(
             op._attention_kernel,
             dict(q16=f16, kv16=f16, dc16=f16, ctx16=f16, dq16=f16, dkv32=f32, dkv16=f16, grad_bq=f32,
                  grad_bk=f32, grad_bv=f32, arrivals="i32"),

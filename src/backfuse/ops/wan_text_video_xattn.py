@@ -6,7 +6,6 @@ P = softmax(scale * Q K^T) over the text tokens (no mask), C = P V token-major, 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -183,15 +182,13 @@ def _transpose_tile(w, wt16, tile, T: tl.constexpr):
 def _pack_kernel(
     go, video, text, wq, wk, wv, wo,
     go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
-    dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, bq, bk, bv, bias16,
-    grad_video, grad_text,
+    dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
     TV, TT, n_heads, zero_dkv, zero_wq, zero_wo, zero_wkv, zero_gv, zero_gt,
     ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     """Program ranges, in order: grad_output row tiles, flat casts of video, text, Wq, Wk, Wv (as
     [Wk; Wv]), Wo^T tiles, one program zeroing the atomically summed bias gradients and arrival
-    counters (and casting [bq | bk | bv] for cuBLAS's bias epilogue), then zero fills of dK/dV and
-    of the split-K products' outputs whose flag is set."""
+    counters, then zero fills of dK/dV and of the split-K products' outputs whose flag is set."""
     pid = tl.program_id(0)
     CHUNK: tl.constexpr = BLOCK * ITERS
     W: tl.constexpr = _HIDDEN * _HIDDEN
@@ -235,9 +232,6 @@ def _pack_kernel(
         tl.store(grad_bv + c, zeros)
         for c0 in range(0, n_heads, _HIDDEN):
             tl.store(arrivals + c0 + c, zeros.to(tl.int32), mask=c0 + c < n_heads)
-        tl.store(bias16 + c, tl.load(bq + c).to(tl.float16))
-        tl.store(bias16 + _HIDDEN + c, tl.load(bk + c).to(tl.float16))
-        tl.store(bias16 + 2 * _HIDDEN + c, tl.load(bv + c).to(tl.float16))
     elif pid < e_dkv:
         zero_chunk(dkv32, n_dkv, pid - e_small, BLOCK, ITERS)
     elif pid < e_zwq:
@@ -262,7 +256,7 @@ def _forward_products_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
 ):
     """Q = video Wq^T + bq, [K | V] = text [Wk; Wv]^T + [bk | bv], dC = grad_output Wo (fp16 out),
-    then grad_bo from the pack's column sums (alone when TV = TT = 0).
+    then grad_bo from the pack's column sums.
 
     All three read a row-major [tokens, 1024] A and a [N, 1024] B^T (hence Wo transposed in the
     pack), so they share one call site and one shared-memory ring.
@@ -513,12 +507,12 @@ GRADIENT_PRODUCTS = FastKernel(_gradient_products_kernel)
 class PackConfig(NamedTuple):
     """grad_output rows per tile and columns per step; Wo^T tile side; flat passes: elements per step, steps."""
 
-    rows: int = 32
-    cols: int = 256
+    rows: int = 16
+    cols: int = 1024
     tile: int = 64
-    block: int = 4096
-    iters: int = 8
-    warps: int = 8
+    block: int = 8192
+    iters: int = 1
+    warps: int = 4
 
 
 class ProductConfig(NamedTuple):
@@ -534,9 +528,9 @@ class AttentionConfig(NamedTuple):
     tile, programs per SM to aim for when runs of blocks share K and V."""
 
     bm: int = 128
-    bn: int = 64
+    bn: int = 128
     warps: int = 8
-    stages: int = 1
+    stages: int = 2
     one_tile: int = 128
     programs_per_sm: int = 2
 
@@ -546,33 +540,24 @@ class Config(NamedTuple):
     forward: ProductConfig = ProductConfig()
     attention: AttentionConfig = AttentionConfig()
     # 4 warps: 2 programs per SM (8 warps need 144 registers a thread, which allows one)
-    gradients: ProductConfig = ProductConfig(128, 128, 64, 4, 3)
+    gradients: ProductConfig = ProductConfig(128, 128, 32, 4, 6)
 
 
 CONFIG = Config()
 SUM_ROWS, SUM_COLS = 32, 64  # grad_bo: partial sums per step and columns per reducing program
-# From this much product work (FLOP) on, cuBLAS's products beat ours by more than their extra
-# launches cost (measured: benchmarks/notes/021.md).
-CUBLAS_MIN_FLOP = 100e9
 
 
-def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, config=CONFIG, products=None,
-                              sms=None):
+def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, config=CONFIG, sms=None):
     """The 021 outputs from the official inputs (validated by the caller; the output bias is unused).
 
-    config: shapes of the Triton launches; products: "triton" (the forward and gradient products as
-    one Triton launch each) or "cublas" (nine torch.mm on the same fp16 operands), None picks by
-    size on a GPU; sms: processors to balance the weight gradients' K splits over (the GPU's
-    count; on the CPU interpreter, 1).
+    config: shapes of the four launches; sms: processors to balance the products' K splits and the
+    attention's runs over (the GPU's count; on the CPU interpreter, 1).
     """
     batch, nv, _ = video.shape
     nt = text.shape[1]
     tv, tt = batch * nv, batch * nt
     device = video.device
     pk, fw, at, gr = config
-    if products is None:
-        flop = 2 * (5 * tv + 6 * tt) * HIDDEN * HIDDEN
-        products = "cublas" if device.type == "cuda" and flop >= CUBLAS_MIN_FLOP else "triton"
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
@@ -595,12 +580,11 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     grad_video, grad_text = f32(batch, nv, HIDDEN), f32(batch, nt, HIDDEN)
     grad_wq, grad_wk, grad_wv, grad_wo = (f32(HIDDEN, HIDDEN) for _ in range(4))
     grad_bq, grad_bk, grad_bv, grad_bo = (f32(HIDDEN) for _ in range(4))
-    bias16 = f16(3 * HIDDEN)
 
     # grad_video, grad_text, grad_Wq, grad_Wo, grad_Wk, grad_Wv as (M, N, K).
     gradient_products = [(tv, HIDDEN, HIDDEN), (tt, HIDDEN, 2 * HIDDEN)] + [(HIDDEN, HIDDEN, tv)] * 2 \
         + [(HIDDEN, HIDDEN, tt)] * 2
-    splits = choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms) if products == "triton" else [1] * 6
+    splits = choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms)
     split_gv, split_gt, split_wv, _, split_wt, _ = splits
     gradient_tiles = sum(tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gradient_products, splits))
     flat = lambda n: chunks(n, pk.block, pk.iters)  # noqa: E731
@@ -616,16 +600,16 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 (n_pack,),
                 go, video, text, wq, wk, wv, wo,
                 go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
-                dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, bq, bk, bv, bias16,
+                dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv,
                 grad_video, grad_text,
                 tv, tt, batch * HEADS, int(runs > 1), int(split_wv > 1), int(split_wv > 1), int(split_wt > 1),
                 int(split_gv > 1), int(split_gt > 1),
                 ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, num_warps=pk.warps),
             FORWARD_PRODUCTS.prepare(
-                ((forward_tiles if products == "triton" else 0) + HIDDEN // SUM_COLS,),
+                (forward_tiles + HIDDEN // SUM_COLS,),
                 video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
                 q16, kv16, dc16, colsum_parts, grad_bo,
-                *((tv, tt) if products == "triton" else (0, 0)), go_tiles,
+                tv, tt, go_tiles,
                 BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=fw.warps, num_stages=fw.stages),
             ATTENTION.prepare(
                 (batch * HEADS * runs,),
@@ -639,21 +623,6 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 tv, tt, split_wv, split_wt, split_gv, split_gt,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, num_warps=gr.warps, num_stages=gr.stages),
         ]
-        if products == "cublas":
-            mm = functools.partial(torch.mm, out_dtype=torch.float32)
-            launches[1:1] = [
-                functools.partial(torch.addmm, bias16[:HIDDEN], video16, wq16.T, out=q16),
-                functools.partial(torch.addmm, bias16[HIDDEN:], text16, wkv16.T, out=kv16),
-                functools.partial(torch.mm, go16, wo_t16.T, out=dc16),
-            ]
-            launches[-1:] = [
-                functools.partial(mm, dq16.T, video16, out=grad_wq),
-                functools.partial(mm, go16.T, ctx16, out=grad_wo),
-                functools.partial(mm, dkv16[:, :HIDDEN].T, text16, out=grad_wk),
-                functools.partial(mm, dkv16[:, HIDDEN:].T, text16, out=grad_wv),
-                functools.partial(mm, dq16, wq16, out=grad_video.view(tv, HIDDEN)),
-                functools.partial(mm, dkv16, wkv16, out=grad_text.view(tt, HIDDEN)),
-            ]
         for launch in launches:
             launch()
     return grad_video, grad_text, grad_wq, grad_bq, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo
