@@ -199,3 +199,20 @@ def test_cli_bench_without_gpu_checks_reduced_shapes(tmp_path):
     case = entry["impls"]["backfuse"]["cases"][0]
     assert set(case) == {"uuid", "axes", "latency_ms", "passed", "min_matched"}
     assert case["passed"] and case["latency_ms"] is None and case["axes"]["batch_size"] == 2
+
+
+def test_cli_merge_keeps_other_entries(tmp_path):
+    from backfuse.cli import main
+
+    def doc(date, problems):
+        return {"device": "NVIDIA H200", "torch": "t", "triton": "t", "date": date, "problems": problems}
+
+    into, new = tmp_path / "into.json", tmp_path / "new.json"
+    into.write_text(json.dumps(doc("old", {"072": {"impls": {"reference": {"mean_ms": 3.0}, "backfuse": {"mean_ms": 1.0}}},
+                                           "021": {"impls": {"reference": {"mean_ms": 2.0}}}})))
+    new.write_text(json.dumps(doc("new", {"072": {"impls": {"backfuse": {"mean_ms": 0.5}}}})))
+    assert main(["merge", str(into), str(new)]) == 0
+    merged = json.loads(into.read_text())
+    assert merged["date"] == "new"
+    assert merged["problems"]["072"]["impls"] == {"reference": {"mean_ms": 3.0}, "backfuse": {"mean_ms": 0.5}}
+    assert merged["problems"]["021"]["impls"] == {"reference": {"mean_ms": 2.0}}

@@ -78,7 +78,19 @@ def main(argv=None) -> int:
     sol.add_argument("problems", nargs="*", metavar="PROBLEM", help="072, 037, 021 or an official name (default: all)")
     sol.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="GPU peaks to use (default h200)")
 
+    merge = sub.add_parser("merge", help="merge results files (from `bench --json` on a GPU) into one",
+                           description="Copies every problem's implementations from each FROM file into INTO, "
+                           "replacing entries of the same problem and implementation; FROM's device, versions and "
+                           "date replace INTO's.")
+    merge.add_argument("into", metavar="INTO", help="results file to update, e.g. benchmarks/results/h200.json")
+    merge.add_argument("sources", nargs="+", metavar="FROM", help="results files written by `backfuse bench --json`")
+
     args = parser.parse_args(argv)
+    if args.command == "merge":
+        for source in args.sources:
+            with open(source) as f:
+                _write_json(json.load(f), args.into, merge=True)
+        return 0
     try:
         problems = _problems(args.problems)
     except ValueError as e:
