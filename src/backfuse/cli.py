@@ -13,6 +13,7 @@ from .bench import report
 from .bench.impls import IMPLS
 from .bench.runner import ITERS, ROUNDS, WARMUP, environment, log, run_problem, to_json
 from .bench.sol import GPUS, sol_ms
+from .export import solution
 
 
 def _cases(text: str | None):
@@ -85,7 +86,23 @@ def main(argv=None) -> int:
     merge.add_argument("into", metavar="INTO", help="results file to update, e.g. benchmarks/results/h200.json")
     merge.add_argument("sources", nargs="+", metavar="FROM", help="results files written by `backfuse bench --json`")
 
+    export = sub.add_parser("export", help="write a SOL-ExecBench solution package (JSON)",
+                            description="Packs the operator's fused implementation (sources, entry point "
+                            "`solution.py::run`, target hardware B200 and LOCAL) as a solution JSON file.")
+    export.add_argument("problem", metavar="PROBLEM", help="072, 037, 021 or an official name")
+    export.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the JSON")
+    export.add_argument("--author", default="backfuse", help="author field (default backfuse)")
+
     args = parser.parse_args(argv)
+    if args.command == "export":
+        try:
+            doc = solution(_problems([args.problem])[0], author=args.author)
+        except ValueError as e:
+            parser.error(str(e))
+        with open(args.output, "w") as f:
+            json.dump(doc, f, indent=1)
+        log(f"wrote {args.output}: {doc['definition']}, {len(doc['sources'])} source files")
+        return 0
     if args.command == "merge":
         for source in args.sources:
             with open(source) as f:
