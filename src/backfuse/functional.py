@@ -1,0 +1,102 @@
+"""Differentiable forwards whose backward is backfuse's (the fused kernels where an operator has them).
+
+Each function is a `torch.library` custom op (`torch.ops.backfuse.<name>`) with a registered
+autograd formula, so `torch.compile` keeps it in one graph and activation checkpointing simply
+re-runs it. The forward is plain PyTorch; autograd saves only the forward's inputs, and the
+backward recomputes what it needs (less memory than autograd through the plain forward, which
+keeps the attention probabilities).
+
+Schemas are derived from each operator's input specs, so the ops take exactly the official
+forward inputs, in official order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import problem as _problem
+from .problem import Scalar
+
+_LIB = torch.library.Library("backfuse", "DEF")  # noqa: TOR901 (the ops are defined below)
+
+
+def _forward_specs(prob):
+    return [s for s in prob.inputs if s.name not in prob.upstream_grads]
+
+
+def _schema(specs, outputs: str) -> str:
+    args = ", ".join(f"{'float' if isinstance(s, Scalar) else 'Tensor'} {s.name}" for s in specs)
+    return f"({args}) -> {outputs}"
+
+
+def _define(name: str, pid: str, n_out: int):
+    """backfuse::<name> (forward) and backfuse::<name>_backward for operator `pid`; returns the op."""
+    prob = _problem(pid)
+    specs = _forward_specs(prob)
+    grad_specs = [s for s in prob.inputs if s.name in prob.upstream_grads]
+    _LIB.define(name + _schema(specs, "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"))
+    _LIB.define(f"{name}_backward" + _schema(grad_specs + specs, "Tensor[]"))
+
+    def forward(*inputs):
+        with torch.no_grad():
+            out = prob.forward(*inputs)
+        # custom ops may not return views of their inputs or of each other
+        return tuple(o.contiguous() for o in out) if isinstance(out, tuple) else out.contiguous()
+
+    def backward_fake(*args):
+        named = dict(zip([s.name for s in grad_specs + specs], args))
+        return [torch.empty_like(named[n], memory_format=torch.contiguous_format) for n in prob.differentiates]
+
+    _LIB.impl(name, forward, "CompositeExplicitAutograd")
+    _LIB.impl(f"{name}_backward", lambda *args: list(prob.run(*args)), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"backfuse::{name}", forward, lib=_LIB)
+    torch.library.register_fake(f"backfuse::{name}_backward", backward_fake, lib=_LIB)
+    backward_op = getattr(torch.ops.backfuse, f"{name}_backward")
+    tensor_at = [i for i, s in enumerate(specs) if not isinstance(s, Scalar)]
+    differentiated_at = [i for i, s in enumerate(specs) if s.name in prob.differentiates]
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*(inputs[i] for i in tensor_at))
+        ctx.inputs = [None if isinstance(x, torch.Tensor) else x for x in inputs]  # the scalars
+        outputs = output if isinstance(output, tuple) else (output,)
+        ctx.output_like = [(o.shape, o.dtype, o.device) for o in outputs]
+
+    def backward(ctx, *grads):
+        inputs = list(ctx.inputs)
+        for i, t in zip(tensor_at, ctx.saved_tensors):
+            inputs[i] = t.contiguous()
+        # an output that did not reach the loss has no gradient: it contributes zero
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
+                 for g, (shape, dtype, device) in zip(grads, ctx.output_like)]
+        result = [None] * len(specs)
+        for i, g in zip(differentiated_at, backward_op(*grads, *inputs)):
+            result[i] = g if ctx.needs_input_grad[i] else None
+        return tuple(result)
+
+    torch.library.register_autograd(f"backfuse::{name}", backward, setup_context=setup_context, lib=_LIB)
+    return getattr(torch.ops.backfuse, name)
+
+
+_QKV_GQA = _define("cross_attn_qkv_gqa", "072", 3)
+_GEMMA3 = _define("gemma3_attention_core", "037", 1)
+_WAN = _define("wan_text_video_cross_attention", "021", 1)
+
+
+def cross_attn_qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight):
+    """Parakeet cross-attention projections: (query_states [B,16,Sd,256], key_states and value_states
+    [B,16,Se,256], the 4 KV heads repeated to 16). Backward: the fused 072 kernels."""
+    return _QKV_GQA(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight)
+
+
+def gemma3_attention_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight,
+                          scaling, softcap, eps):
+    """Gemma 3 attention core (QK RMSNorm with 1 + w, RoPE, soft-capped causal GQA, output
+    projection): output [B,S,3072]. Backward: backfuse's 037 backward (cos and sin get none)."""
+    return _GEMMA3(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight,
+                   float(scaling), float(softcap), float(eps))
+
+
+def wan_text_video_cross_attention(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight,
+                                   o_bias, scale):
+    """Wan 2.2 text-to-video cross-attention: output [B,Nv,1024]. Backward: the fused 021 kernels."""
+    return _WAN(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, float(scale))

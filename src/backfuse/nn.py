@@ -1,0 +1,120 @@
+"""Modules holding the parameters of the three attention blocks; forward and backward via `functional`.
+
+Parameters carry the operators' official input names (`q_weight`, `query_bias`, ...), so
+`load_state_dict` takes our own state dicts; `from_state_dict` also accepts the key names of the
+model families' reference code (NeMo's `linear_q`, Hugging Face Gemma's `q_proj` / `q_norm`, Wan's
+`q` / `o` linears) and builds the module on the tensors' device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import functional as F
+from .ops import cross_attn_qkv_gqa as _qkv
+from .ops import gemma3_attn_core as _gemma
+from .ops import wan_text_video_xattn as _wan
+
+
+def _linear_default(w):  # torch.nn.Linear's own initialisation (kaiming uniform, a = sqrt(5))
+    torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+
+
+class _Block(torch.nn.Module):
+    PARAMS: tuple = ()  # (name, shape, init)
+    ALIASES: dict = {}  # parameter name -> key names used by the model family's reference code
+
+    def __init__(self, *, device=None, dtype=torch.float32):
+        super().__init__()
+        for name, shape, _ in self.PARAMS:
+            self.register_parameter(name, torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for name, _, init in self.PARAMS:
+                init(getattr(self, name))
+
+    @classmethod
+    def from_state_dict(cls, state_dict: dict, prefix: str = "", **kwargs):
+        """A module holding `state_dict`'s tensors (our names or the family's, after `prefix`)."""
+        values = {}
+        for name, shape, _ in cls.PARAMS:
+            keys = [prefix + k for k in (name, *cls.ALIASES.get(name, ()))]
+            found = [k for k in keys if k in state_dict]
+            if not found:
+                raise KeyError(f"{cls.__name__}.from_state_dict: no entry for '{name}' (looked for {keys})")
+            value = state_dict[found[0]]
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{cls.__name__}.from_state_dict: '{found[0]}' has shape {tuple(value.shape)}, "
+                                 f"expected {shape}")
+            values[name] = value
+        first = next(iter(values.values()))
+        module = cls(device=first.device, **kwargs)
+        module.load_state_dict(values)
+        return module
+
+
+class CrossAttnQKVGQA(_Block):
+    """Parakeet TDT cross-attention projections: decoder states to 16 query heads of 256, encoder
+    states to 4 KV heads repeated to 16. Initialised like NeMo's `nn.Linear` layers."""
+
+    PARAMS = (
+        ("q_weight", (_qkv.Q_OUT, _qkv.HIDDEN), _linear_default),
+        ("k_weight", (_qkv.KV_OUT, _qkv.CROSS_HIDDEN), _linear_default),
+        ("v_weight", (_qkv.KV_OUT, _qkv.CROSS_HIDDEN), _linear_default),
+    )
+    ALIASES = {"q_weight": ("linear_q.weight", "q_proj.weight"), "k_weight": ("linear_k.weight", "k_proj.weight"),
+               "v_weight": ("linear_v.weight", "v_proj.weight")}
+
+    def forward(self, decoder_hidden, encoder_hidden):
+        return F.cross_attn_qkv_gqa(decoder_hidden, encoder_hidden, self.q_weight, self.k_weight, self.v_weight)
+
+
+class Gemma3AttentionCore(_Block):
+    """Gemma 3 4B attention core: QK RMSNorm (weight applied as 1 + w), RoPE, soft-capped causal GQA,
+    output projection. Initialised like Hugging Face Gemma 3: projections N(0, 0.02²), norms 0."""
+
+    PARAMS = tuple((n, shape, lambda w: torch.nn.init.normal_(w, std=0.02)) for n, shape in (
+        ("q_weight", (_gemma.Q_OUT, _gemma.HIDDEN)), ("k_weight", (_gemma.KV_OUT, _gemma.HIDDEN)),
+        ("v_weight", (_gemma.KV_OUT, _gemma.HIDDEN)), ("o_weight", (_gemma.HIDDEN, _gemma.Q_OUT)))) + (
+        ("q_norm_weight", (_gemma.HEAD_DIM,), torch.nn.init.zeros_),
+        ("k_norm_weight", (_gemma.HEAD_DIM,), torch.nn.init.zeros_),
+    )
+    ALIASES = {"q_weight": ("q_proj.weight",), "k_weight": ("k_proj.weight",), "v_weight": ("v_proj.weight",),
+               "o_weight": ("o_proj.weight",), "q_norm_weight": ("q_norm.weight",),
+               "k_norm_weight": ("k_norm.weight",)}
+
+    def __init__(self, *, scaling: float = 1 / math.sqrt(_gemma.HEAD_DIM), softcap: float = 50.0,
+                 eps: float = 1e-6, device=None, dtype=torch.float32):
+        super().__init__(device=device, dtype=dtype)
+        self.scaling, self.softcap, self.eps = scaling, softcap, eps
+
+    def forward(self, hidden, cos, sin):
+        """hidden [B,S,3072]; cos, sin [B,S,128] (RoPE tables)."""
+        return F.gemma3_attention_core(hidden, cos, sin, self.q_weight, self.k_weight, self.v_weight, self.o_weight,
+                                       self.q_norm_weight, self.k_norm_weight, self.scaling, self.softcap, self.eps)
+
+
+class WanTextVideoCrossAttention(_Block):
+    """Wan 2.2 text-to-video cross-attention (16 heads of 64). Initialised like Wan: weights
+    Xavier-uniform, biases 0."""
+
+    PARAMS = tuple(p for n in ("query", "key", "value", "output") for p in (
+        (f"{n}_weight", (_wan.HIDDEN, _wan.HIDDEN), torch.nn.init.xavier_uniform_),
+        (f"{n}_bias", (_wan.HIDDEN,), torch.nn.init.zeros_)))
+    ALIASES = {f"{n}_{kind}": (f"{wan}.{kind}", f"{diffusers}.{kind}")  # Wan's own names, then diffusers'
+               for n, wan, diffusers in (("query", "q", "to_q"), ("key", "k", "to_k"), ("value", "v", "to_v"),
+                                         ("output", "o", "to_out.0"))
+               for kind in ("weight", "bias")}
+
+    def __init__(self, *, scale: float = 1 / math.sqrt(_wan.HEAD_DIM), device=None, dtype=torch.float32):
+        super().__init__(device=device, dtype=dtype)
+        self.scale = scale
+
+    def forward(self, video, text):
+        """video [B,Nv,1024], text [B,Nt,1024] -> [B,Nv,1024]."""
+        return F.wan_text_video_cross_attention(video, text, *(getattr(self, n) for n, _, _ in self.PARAMS),
+                                                self.scale)

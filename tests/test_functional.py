@@ -1,0 +1,113 @@
+"""backfuse.functional and backfuse.nn: gradients equal autograd through the plain forward."""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import rel_err
+
+import backfuse
+from backfuse import functional as F
+from backfuse import nn as bnn
+
+SHAPES = {
+    "072": dict(batch_size=2, seq_len_dec=5, seq_len_enc=3),
+    "021": dict(batch_size=1, num_video_tokens=7, num_text_tokens=3),
+    "037": dict(batch_size=1, seq_len=5),
+}
+FUNCTIONS = {"072": F.cross_attn_qkv_gqa, "021": F.wan_text_video_cross_attention, "037": F.gemma3_attention_core}
+
+
+def _forward_inputs(pid, seed=0, requires_grad=True):
+    prob = backfuse.problem(pid)
+    inputs = prob.make_inputs(SHAPES[pid], seed=seed, device=DEVICE)
+    named = dict(zip(prob.input_names, inputs))
+    grads = [named[n] for n in prob.upstream_grads]
+    fwd = [(v.clone().requires_grad_(requires_grad and n in prob.differentiates) if isinstance(v, torch.Tensor) else v)
+           for n, v in named.items() if n not in prob.upstream_grads]
+    return prob, grads, fwd
+
+
+def _backward(outs, grads, leaves):
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return torch.autograd.grad(outs, leaves, grads)
+
+
+@pytest.mark.parametrize("pid", ["072", "021", "037"])
+def test_gradients_match_autograd_of_the_plain_forward(pid):
+    prob, grads, fwd = _forward_inputs(pid)
+    leaves = [x for x in fwd if isinstance(x, torch.Tensor) and x.requires_grad]
+    ours = FUNCTIONS[pid](*fwd)
+    plain = prob.forward(*fwd)
+    for o, p in zip(ours if isinstance(ours, tuple) else (ours,), plain if isinstance(plain, tuple) else (plain,)):
+        assert o.shape == p.shape and torch.allclose(o, p, atol=1e-5, rtol=1e-5)
+    for name, a, b in zip(prob.differentiates, _backward(ours, grads, leaves), _backward(plain, grads, leaves)):
+        if name == "key_bias":  # zero in exact arithmetic
+            assert (a - b).abs().max() < 0.05
+        else:
+            assert rel_err(a, b) < 3e-3, name
+
+
+def test_only_requested_gradients_come_back():
+    prob, grads, fwd = _forward_inputs("037")
+    fwd[0].requires_grad_(False)  # hidden_states
+    out = F.gemma3_attention_core(*fwd)
+    out.backward(grads[0])
+    assert fwd[0].grad is None and all(x.grad is not None for x in fwd[3:9])
+
+
+def test_unused_outputs_get_zero_gradient():
+    prob, grads, fwd = _forward_inputs("072")
+    q, _, _ = F.cross_attn_qkv_gqa(*fwd)
+    (q * grads[0]).sum().backward()
+    plain = [x.detach().requires_grad_(True) for x in fwd]
+    (prob.forward(*plain)[0] * grads[0]).sum().backward()
+    assert rel_err(fwd[2].grad, plain[2].grad) < 3e-3  # q_weight
+    assert fwd[3].grad.abs().max() == 0 and fwd[4].grad.abs().max() == 0  # k, v weights reach only k, v
+
+
+def test_torch_compile_keeps_one_graph_and_checkpointing_works():
+    prob, grads, fwd = _forward_inputs("037")
+    leaves = [x for x in fwd if isinstance(x, torch.Tensor) and x.requires_grad]
+    eager = _backward(F.gemma3_attention_core(*fwd), grads, leaves)
+    compiled = torch.compile(F.gemma3_attention_core, fullgraph=True, backend="aot_eager")
+    for a, b in zip(_backward(compiled(*fwd), grads, leaves), eager):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    ckpt = torch.utils.checkpoint.checkpoint(F.gemma3_attention_core, *fwd, use_reentrant=False)
+    for a, b in zip(_backward(ckpt, grads, leaves), eager):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_op_registration_is_consistent():
+    _, _, fwd = _forward_inputs("037")
+    torch.library.opcheck(torch.ops.backfuse.gemma3_attention_core.default, tuple(fwd),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("cls, keys", [
+    (bnn.CrossAttnQKVGQA, {"linear_q.weight": (4096, 1536), "linear_k.weight": (1024, 1024),
+                           "linear_v.weight": (1024, 1024)}),
+    (bnn.WanTextVideoCrossAttention, {f"{k}.{kind}": (1024, 1024) if kind == "weight" else (1024,)
+                                      for k in ("to_q", "to_k", "to_v", "to_out.0") for kind in ("weight", "bias")}),
+    (bnn.Gemma3AttentionCore, {"q_proj.weight": (3072, 3072), "k_proj.weight": (1024, 3072),
+                               "v_proj.weight": (1024, 3072), "o_proj.weight": (3072, 3072),
+                               "q_norm.weight": (128,), "k_norm.weight": (128,)}),
+])
+def test_modules_load_family_state_dicts(cls, keys):
+    sd = {"layer." + k: torch.randn(shape) for k, shape in keys.items()}
+    module = cls.from_state_dict(sd, prefix="layer.")
+    assert len(list(module.parameters())) == len(keys)
+    for (name, _, _), key in zip(module.PARAMS, keys):
+        assert torch.equal(getattr(module, name), sd["layer." + key])
+    with pytest.raises(KeyError, match="no entry"):
+        cls.from_state_dict({})
+
+
+def test_module_initialisation():
+    wan = bnn.WanTextVideoCrossAttention()
+    assert wan.query_bias.abs().max() == 0 and abs(wan.query_weight.std().item() - math.sqrt(2 / 2048)) < 2e-3
+    gemma = bnn.Gemma3AttentionCore()
+    assert gemma.q_norm_weight.abs().max() == 0 and abs(gemma.q_weight.std().item() - 0.02) < 1e-3
+    parakeet = bnn.CrossAttnQKVGQA()
+    assert parakeet.q_weight.abs().max() <= 1 / math.sqrt(1536)
