@@ -21,11 +21,9 @@ C, A, G = op.Config, op.AttentionConfig, op.ProductConfig
 P = op.PackConfig
 VARIANTS = {
     "default": dict(config=C()),
-    "pack_32x1024_16384x1w8": dict(config=C(pack=P(32, 1024, 64, 16384, 1, 8))),
-    "pack_16x1024_8192x1w4": dict(config=C(pack=P(16, 1024, 64, 8192, 1, 4))),
-    "grad_k32s6": dict(config=C(gradients=G(128, 128, 32, 4, 6))),
-    "fwd_k32s6": dict(config=C(forward=G(128, 128, 32, 8, 6))),
-    "triton": dict(products="triton"),
+    "pack_8x1024_4096": dict(config=C(pack=P(8, 1024, 64, 4096, 1, 4))),
+    "pack_16x1024_8192w8": dict(config=C(pack=P(16, 1024, 64, 8192, 1, 8))),
+    "att_1sm": dict(config=C(attention=A(programs_per_sm=1))),
 }
 
 

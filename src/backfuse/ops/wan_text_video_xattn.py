@@ -322,11 +322,12 @@ def _finish_kv_grads(dkv32, dkv16, grad_bk, grad_bv, b, h, NT, BN: tl.constexpr)
 
 
 @triton.jit
-def _tile_grads(q, dc, v, p, delta, scale):
-    """One text tile's backward from its P (fp32): dS (fp16, for dQ += dS K), dK and dV of the tile."""
+def _tile_grads(q, dc, v, p, delta, scale, dk, dv):
+    """One text tile's backward from its P (fp32): dS (fp16, for dQ += dS K), and dK += dS^T Q,
+    dV += P^T dC."""
     dp = tl.dot(dc, tl.trans(v))
     ds = (p * (dp - delta[:, None]) * scale).to(tl.float16)
-    return ds, tl.dot(tl.trans(ds), q), tl.dot(tl.trans(p.to(tl.float16)), dc)
+    return ds, tl.dot(tl.trans(ds), q, dk), tl.dot(tl.trans(p.to(tl.float16)), dc, dv)
 
 
 @triton.jit
@@ -395,9 +396,7 @@ def _attention_kernel(
             ctx = tl.dot(p.to(tl.float16), v)
             tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
             delta = tl.sum(dc.to(tl.float32) * ctx, 1)
-            ds, dk_block, dv_block = _tile_grads(q, dc, v, p, delta, scale)
-            dk += dk_block
-            dv += dv_block
+            ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale, dk, dv)
             dq = tl.dot(ds, k)
             tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
             sum_dq += tl.sum(dq, 0)
@@ -434,7 +433,8 @@ def _attention_kernel(
             v = _kv_tile(kv16, b, h, rn, NT, _HIDDEN)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             p = tl.where(rn[None, :] < NT, tl.exp2(s - lse[:, None]), 0.0)
-            ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale)
+            zero = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
+            ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale, zero, zero)
             dq = tl.dot(ds, k, dq)
             _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone)
             sum_dk += tl.sum(dk, 0)
