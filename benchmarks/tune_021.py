@@ -18,12 +18,10 @@ from backfuse.bench import check_outputs, sol_ms, time_calls
 from backfuse.ops import wan_text_video_xattn as op
 
 C, A, G = op.Config, op.AttentionConfig, op.ProductConfig
-P = op.PackConfig
 VARIANTS = {
     "default": dict(config=C()),
-    "pack_8x1024_4096": dict(config=C(pack=P(8, 1024, 64, 4096, 1, 4))),
-    "pack_16x1024_8192w8": dict(config=C(pack=P(16, 1024, 64, 8192, 1, 8))),
-    "att_1sm": dict(config=C(attention=A(programs_per_sm=1))),
+    "att_half_sm": dict(config=C(attention=A(programs_per_sm=0.5))),
+    "att_2sm": dict(config=C(attention=A(programs_per_sm=2))),
 }
 
 

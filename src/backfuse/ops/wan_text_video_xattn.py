@@ -532,7 +532,7 @@ class AttentionConfig(NamedTuple):
     warps: int = 8
     stages: int = 2
     one_tile: int = 128
-    programs_per_sm: int = 2
+    programs_per_sm: float = 1.0
 
 
 class Config(NamedTuple):
@@ -572,7 +572,7 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     text_tile = max(16, triton.next_power_of_2(nt)) if one_tile else at.bn
     per_program = 1
     if one_tile:  # long runs of blocks (fewer fp32 partial sums) while the grid still fills the GPU
-        runs = min(m_blocks, max(1, at.programs_per_sm * sms // (batch * HEADS)))
+        runs = min(m_blocks, max(1, int(at.programs_per_sm * sms) // (batch * HEADS)))
         per_program = triton.cdiv(m_blocks, runs)
     runs = triton.cdiv(m_blocks, per_program)
     dkv32 = f32(tt if runs > 1 else 1, 2 * HIDDEN)  # unused by a lone run per head
