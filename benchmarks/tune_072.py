@@ -25,8 +25,7 @@ P = op.PackConfig
 VARIANTS = {
     "triton_1launch": dict(products="triton", config=G(128, 256, 64, 8, 4, True)),
     "triton_2launch": dict(products="triton", config=G(128, 256, 64, 8, 4)),
-    "cublas": dict(products="cublas", side_stream=False),
-    "cublas_side_stream": dict(products="cublas", side_stream=True),
+    "cublas": dict(products="cublas"),
     # prologue shapes, products chosen by size
     "pack_r32_b4096_i16_w4": dict(pack=P(32, 4096, 16, 4)),
     "pack_r16_b2048_i16_w4": dict(pack=P(16, 2048, 16, 4)),

@@ -158,13 +158,12 @@ def _group_sum_tile(g, gkv16, tile, SE, column0, ROWS: tl.constexpr):
     tl.store(dst, acc.to(tl.float16), mask=rows_ok)
 
 
-@triton.jit(do_not_specialize=["query_side", "kv_side", "zero_dec", "zero_enc", "zero_wq", "zero_wkv", "B", "SD",
-                                "SE"])
+@triton.jit(do_not_specialize=["zero_dec", "zero_enc", "zero_wq", "zero_wkv", "B", "SD", "SE"])
 def _pack_kernel(
     gq, gk, gv, dec, enc, wq, wk, wv,
     gq16, gkv16, dec16, enc16, wq16, wkv16,
     grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
-    query_side, kv_side, zero_dec, zero_enc, zero_wq, zero_wkv,
+    zero_dec, zero_enc, zero_wq, zero_wkv,
     B, SD, SE,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -173,8 +172,7 @@ def _pack_kernel(
     """Every fp16 operand of the five products, and the zeroed outputs that split-K accumulates into.
 
     Program ranges, in order: GQ head-tiles, GK and GV group sums, flat casts of dec, enc, Wq, Wk,
-    Wv (Wk and Wv stacked as [Wk; Wv]), then zero fills of the outputs whose flag is set. The
-    query side (GQ, dec, Wq) and the key/value side (the rest) can be packed by separate launches.
+    Wv (Wk and Wv stacked as [Wk; Wv]), then zero fills of the outputs whose flag is set.
     """
     pid = tl.program_id(0)
     n_gq = B * _HEADS * ((SD + ROWS - 1) // ROWS)
@@ -183,19 +181,19 @@ def _pack_kernel(
     n_enc = B * SE * _CROSS
     n_wq = _Q_OUT * _HIDDEN
     n_wk = _KV_OUT * _CROSS
-    e_gq = query_side * n_gq
-    e_gk = e_gq + kv_side * n_gk
-    e_gv = e_gk + kv_side * n_gk
+    e_gq = n_gq
+    e_gk = e_gq + n_gk
+    e_gv = e_gk + n_gk
     CHUNK: tl.constexpr = BLOCK * ITERS
     c_dec = (n_dec + CHUNK - 1) // CHUNK
     c_enc = (n_enc + CHUNK - 1) // CHUNK
     c_wq = (n_wq + CHUNK - 1) // CHUNK
     c_wk = (n_wk + CHUNK - 1) // CHUNK
-    e_dec = e_gv + query_side * c_dec
-    e_enc = e_dec + kv_side * c_enc
-    e_wq = e_enc + query_side * c_wq
-    e_wk = e_wq + kv_side * c_wk
-    e_wv = e_wk + kv_side * c_wk
+    e_dec = e_gv + c_dec
+    e_enc = e_dec + c_enc
+    e_wq = e_enc + c_wq
+    e_wk = e_wq + c_wk
+    e_wv = e_wk + c_wk
     e_zdec = e_wv + zero_dec * c_dec
     e_zenc = e_zdec + zero_enc * c_enc
     e_zwq = e_zenc + zero_wq * c_wq
@@ -287,13 +285,6 @@ def _projection_grads_kernel(
 
 PACK = FastKernel(_pack_kernel)
 PRODUCTS = FastKernel(_projection_grads_kernel)
-_SIDE_STREAMS: dict = {}  # a second stream per device (a resource, like the compiled kernels)
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 class PackConfig(NamedTuple):
@@ -327,15 +318,13 @@ CUBLAS_MIN_FLOP = 100e9
 
 
 def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pack=PACK_CONFIG, products=None,
-                     side_stream=None, sms=None):
+                     sms=None):
     """The 072 outputs from the official inputs (validated by the caller).
 
     products: "triton" (one launch of our tiles) or "cublas" (five torch.mm on our fp16 operands);
-    None picks by size on a GPU. side_stream (cuBLAS products only; default: with them): pack and
-    multiply the key/value side on a second stream, so that its memory-bound pack runs under the
-    query side's products. config: tile shape and schedule of the Triton products; pack: the
-    prologue's shape; sms: processors to balance their K splits over (the GPU's count; on the CPU
-    interpreter, 1).
+    None picks by size on a GPU. config: tile shape and schedule of the Triton products; pack: the
+    prologue's shape; sms:
+    processors to balance their K splits over (the GPU's count; on the CPU interpreter, 1).
     """
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
@@ -344,8 +333,6 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pa
     if products is None:
         flop = 4 * (td * Q_OUT * HIDDEN + te * 2 * KV_OUT * CROSS_HIDDEN)
         products = "cublas" if device.type == "cuda" and flop >= CUBLAS_MIN_FLOP else "triton"
-    if side_stream is None:
-        side_stream = products == "cublas"
     f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
     f32 = lambda *shape: buffers.empty(shape, torch.float32, device)  # noqa: E731
     gq16, gkv16, dec16, enc16 = f16(td, Q_OUT), f16(te, 2 * KV_OUT), f16(td, HIDDEN), f16(te, CROSS_HIDDEN)
@@ -364,44 +351,25 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pa
     input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, splits[3:]))
 
     flat = lambda n: chunks(n, pack.block, pack.iters)  # noqa: E731
-    zero = dict(dec=split_dec > 1, enc=split_enc > 1, wq=split_wq > 1, wkv=split_wkv > 1)
-
-    def pack_launch(query_side: bool, kv_side: bool):
-        programs = (query_side * (batch * HEADS * triton.cdiv(sd, pack.rows) + (1 + zero["dec"]) * flat(td * HIDDEN)
-                                  + (1 + zero["wq"]) * flat(Q_OUT * HIDDEN))
-                    + kv_side * (2 * batch * KV_HEADS * triton.cdiv(se, pack.rows)
-                                 + (1 + zero["enc"]) * flat(te * CROSS_HIDDEN)
-                                 + 2 * (1 + zero["wkv"]) * flat(KV_OUT * CROSS_HIDDEN)))
-        PACK((programs,),
-             gq, gk, gv, dec, enc, wq, wk, wv,
-             gq16, gkv16, dec16, enc16, wq16, wkv16,
-             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
-             int(query_side), int(kv_side), int(query_side and zero["dec"]), int(kv_side and zero["enc"]),
-             int(query_side and zero["wq"]), int(kv_side and zero["wkv"]),
-             batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, num_warps=pack.warps)
-
+    n_pack = (batch * HEADS * triton.cdiv(sd, pack.rows) + 2 * batch * KV_HEADS * triton.cdiv(se, pack.rows)
+              + (1 + (split_dec > 1)) * flat(td * HIDDEN) + (1 + (split_enc > 1)) * flat(te * CROSS_HIDDEN)
+              + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
     launches = [(True, True, weight_tiles + input_tiles)] if config.one_launch else \
         [(True, False, weight_tiles), (False, True, input_tiles)]
     if products == "cublas":  # operand views made before the first launch, so they add no gaps
-        query_products = [(gq16, wq16, grad_dec.view(td, HIDDEN)), (gq16.T, dec16, grad_wq)]
-        kv_products = [(gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN)), (gkv16[:, :KV_OUT].T, enc16, grad_wk),
-                       (gkv16[:, KV_OUT:].T, enc16, grad_wv)]
+        cublas_products = [(gq16, wq16, grad_dec.view(td, HIDDEN)), (gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN)),
+                           (gq16.T, dec16, grad_wq), (gkv16[:, :KV_OUT].T, enc16, grad_wk),
+                           (gkv16[:, KV_OUT:].T, enc16, grad_wv)]
     with buffers.on_device(device):
-        if products == "cublas" and side_stream:
-            main, side = torch.cuda.current_stream(device), _side_stream(device)
-            side.wait_stream(main)  # the inputs are ready
-            with torch.cuda.stream(side):
-                pack_launch(False, True)
-                for a, b, out in kv_products:
-                    torch.mm(a, b, out_dtype=torch.float32, out=out)
-            pack_launch(True, False)
-            for a, b, out in query_products:
-                torch.mm(a, b, out_dtype=torch.float32, out=out)
-            main.wait_stream(side)  # outputs complete, and scratch freed after this is safe to reuse
-            return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
-        pack_launch(True, True)
+        PACK((n_pack,),
+            gq, gk, gv, dec, enc, wq, wk, wv,
+            gq16, gkv16, dec16, enc16, wq16, wkv16,
+            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+            int(split_dec > 1), int(split_enc > 1), int(split_wq > 1), int(split_wkv > 1),
+            batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, num_warps=pack.warps,
+        )
         if products == "cublas":
-            for a, b, out in query_products + kv_products:
+            for a, b, out in cublas_products:
                 torch.mm(a, b, out_dtype=torch.float32, out=out)
             return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
         for weight_grads, input_grads, tiles in launches:
