@@ -57,6 +57,16 @@ def test_only_requested_gradients_come_back():
     assert fwd[0].grad is None and all(x.grad is not None for x in fwd[3:9])
 
 
+def test_frozen_weights_skip_weight_gradients():
+    prob, grads, fwd = _forward_inputs("021")
+    for x in fwd[2:10]:
+        x.requires_grad_(False)  # the projections' weights and biases
+    ours = torch.autograd.grad(F.wan_text_video_cross_attention(*fwd), fwd[:2], grads)
+    plain = torch.autograd.grad(prob.forward(*fwd), fwd[:2], grads)
+    for a, b in zip(ours, plain):
+        assert rel_err(a, b) < 3e-3
+
+
 def test_unused_outputs_get_zero_gradient():
     prob, grads, fwd = _forward_inputs("072")
     q, _, _ = F.cross_attn_qkv_gqa(*fwd)

@@ -4,7 +4,8 @@ Each function is a `torch.library` custom op (`torch.ops.backfuse.<name>`) with 
 autograd formula, so `torch.compile` keeps it in one graph and activation checkpointing simply
 re-runs it. The forward is plain PyTorch; autograd saves only the forward's inputs, and the
 backward recomputes what it needs (less memory than autograd through the plain forward, which
-keeps the attention probabilities).
+keeps the attention probabilities). Gradients of inputs that do not require grad are not
+computed: the fused kernels skip their products (e.g. all weight gradients for frozen weights).
 
 Schemas are derived from each operator's input specs, so the ops take exactly the official
 forward inputs, in official order.
@@ -35,7 +36,9 @@ def _define(name: str, pid: str, n_out: int):
     specs = _forward_specs(prob)
     grad_specs = [s for s in prob.inputs if s.name in prob.upstream_grads]
     _LIB.define(name + _schema(specs, "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"))
-    _LIB.define(f"{name}_backward" + _schema(grad_specs + specs, "Tensor[]"))
+    # The backward takes one bool per gradient it could return (autograd's needs_input_grad); an
+    # unwanted gradient comes back as an empty tensor and its products are skipped.
+    _LIB.define(f"{name}_backward" + _schema(grad_specs + specs, "Tensor[]").replace(") ->", ", bool[] needs) ->"))
 
     def forward(*inputs):
         with torch.no_grad():
@@ -43,12 +46,19 @@ def _define(name: str, pid: str, n_out: int):
         # custom ops may not return views of their inputs or of each other
         return tuple(o.contiguous() for o in out) if isinstance(out, tuple) else out.contiguous()
 
+    def backward_impl(*args):
+        *inputs, needs = args
+        empty = inputs[0].new_empty(0)
+        return [empty if g is None else g for g in prob.backward(*inputs, needs=needs)]
+
     def backward_fake(*args):
-        named = dict(zip([s.name for s in grad_specs + specs], args))
-        return [torch.empty_like(named[n], memory_format=torch.contiguous_format) for n in prob.differentiates]
+        *inputs, needs = args
+        named = dict(zip([s.name for s in grad_specs + specs], inputs))
+        return [torch.empty_like(named[n], memory_format=torch.contiguous_format) if need else inputs[0].new_empty(0)
+                for n, need in zip(prob.differentiates, needs)]
 
     _LIB.impl(name, forward, "CompositeExplicitAutograd")
-    _LIB.impl(f"{name}_backward", lambda *args: list(prob.run(*args)), "CompositeExplicitAutograd")
+    _LIB.impl(f"{name}_backward", backward_impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"backfuse::{name}", forward, lib=_LIB)
     torch.library.register_fake(f"backfuse::{name}_backward", backward_fake, lib=_LIB)
     backward_op = getattr(torch.ops.backfuse, f"{name}_backward")
@@ -68,9 +78,10 @@ def _define(name: str, pid: str, n_out: int):
         # an output that did not reach the loss has no gradient: it contributes zero
         grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
                  for g, (shape, dtype, device) in zip(grads, ctx.output_like)]
+        needs = [bool(ctx.needs_input_grad[i]) for i in differentiated_at]
         result = [None] * len(specs)
-        for i, g in zip(differentiated_at, backward_op(*grads, *inputs)):
-            result[i] = g if ctx.needs_input_grad[i] else None
+        for i, g, need in zip(differentiated_at, backward_op(*grads, *inputs, needs), needs):
+            result[i] = g if need else None
         return tuple(result)
 
     torch.library.register_autograd(f"backfuse::{name}", backward, setup_context=setup_context, lib=_LIB)

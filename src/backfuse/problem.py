@@ -108,7 +108,9 @@ class Problem:
         """Multiply-accumulates of the matrix products the backward needs at minimum."""
         raise NotImplementedError
 
-    fused = None  # set by operators that have fused kernels: fused(*inputs) -> tuple
+    # Set by operators that have fused kernels: fused(*inputs, needs=None) -> tuple, where needs (one
+    # bool per output) lets the kernels skip work for outputs nobody wants; those come back as None.
+    fused = None
 
     # ---- signature -----------------------------------------------------------------------
     @property
@@ -230,12 +232,24 @@ class Problem:
 
     def run(self, *inputs) -> tuple:
         """The fastest implementation available for the inputs' device."""
+        return self.backward(*inputs)
+
+    def backward(self, *inputs, needs=None) -> tuple:
+        """`run`, computing only the outputs flagged in `needs` (one bool per output; None: all).
+
+        Outputs not needed come back as None; the fused kernels skip the products that only they need.
+        """
         self.validate(inputs)
+        if needs is not None and len(needs) != len(self.outputs):
+            raise ValueError(f"{self.name}: needs has {len(needs)} flags, expected one per output "
+                             f"{list(self.output_names)}")
         first = next(x for x in inputs if isinstance(x, torch.Tensor))
         if self.fused is not None and fused_kernels_usable(first.device):
-            return tuple(self.fused(*inputs))
-        with fp32_matmul(tf32=False):
-            return tuple(self.reference_math(*inputs))
+            outs = self.fused(*inputs) if needs is None else self.fused(*inputs, needs=tuple(needs))
+        else:
+            with fp32_matmul(tf32=False):
+                outs = self.reference_math(*inputs)
+        return tuple(o if needs is None or n else None for o, n in zip(outs, needs or [True] * len(outs)))
 
     # ---- cost model ----------------------------------------------------------------------
     def io_bytes(self, axes: dict) -> int:

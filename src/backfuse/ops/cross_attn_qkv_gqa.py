@@ -115,11 +115,11 @@ class CrossAttnQKVGQABackward(Problem):
         # grad_dec and grad_Wq; grad_enc (K = 2048 over [Wk; Wv]) and [grad_Wk; grad_Wv].
         return 2 * dec_tokens * Q_OUT * HIDDEN + 2 * enc_tokens * 2 * KV_OUT * CROSS_HIDDEN
 
-    def fused(self, gq, gk, gv, dec, enc, wq, wk, wv):
+    def fused(self, gq, gk, gv, dec, enc, wq, wk, wv, needs=None):
         if gk.numel() >= 2**31 or gq.numel() >= 2**31:  # the kernels count elements in int32
             with fp32_matmul(tf32=False):
                 return self.reference_math(gq, gk, gv, dec, enc, wq, wk, wv)
-        return qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv)
+        return qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, needs=needs)
 
 
 PROBLEM = CrossAttnQKVGQABackward()
@@ -317,9 +317,12 @@ GEMM_CONFIG = GemmConfig(128, 256, 64, 8, 4, one_launch=True)
 CUBLAS_MIN_FLOP = 100e9
 
 
-def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pack=PACK_CONFIG, products=None,
-                     sms=None):
+def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, config=GEMM_CONFIG, pack=PACK_CONFIG,
+                     products=None, sms=None):
     """The 072 outputs from the official inputs (validated by the caller).
+
+    needs: one bool per output (None: all); the products of outputs not needed are skipped (with
+    our products: grad_dec and grad_enc together, and the three weight gradients together).
 
     products: "triton" (one launch of our tiles) or "cublas" (five torch.mm on our fp16 operands);
     None picks by size on a GPU. config: tile shape and schedule of the Triton products; pack: the
@@ -340,6 +343,8 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pa
     grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
     grad_wq, grad_wk, grad_wv = f32(Q_OUT, HIDDEN), f32(KV_OUT, CROSS_HIDDEN), f32(KV_OUT, CROSS_HIDDEN)
 
+    needs = needs or (True,) * 5
+    input_grads, weight_grads = any(needs[:2]), any(needs[2:])
     bm, bn, bk = config.bm, config.bn, config.bk
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -354,12 +359,14 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pa
     n_pack = (batch * HEADS * triton.cdiv(sd, pack.rows) + 2 * batch * KV_HEADS * triton.cdiv(se, pack.rows)
               + (1 + (split_dec > 1)) * flat(td * HIDDEN) + (1 + (split_enc > 1)) * flat(te * CROSS_HIDDEN)
               + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
-    launches = [(True, True, weight_tiles + input_tiles)] if config.one_launch else \
-        [(True, False, weight_tiles), (False, True, input_tiles)]
+    launches = [(weight_grads, input_grads, weight_grads * weight_tiles + input_grads * input_tiles)] \
+        if config.one_launch else [(True, False, weight_tiles), (False, True, input_tiles)]
+    launches = [(w, i, t) for w, i, t in launches if (w and weight_grads) or (i and input_grads)]
     if products == "cublas":  # operand views made before the first launch, so they add no gaps
-        cublas_products = [(gq16, wq16, grad_dec.view(td, HIDDEN)), (gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN)),
-                           (gq16.T, dec16, grad_wq), (gkv16[:, :KV_OUT].T, enc16, grad_wk),
-                           (gkv16[:, KV_OUT:].T, enc16, grad_wv)]
+        cublas_products = [(gq16, wq16, grad_dec.view(td, HIDDEN), needs[0]),
+                           (gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN), needs[1]),
+                           (gq16.T, dec16, grad_wq, needs[2]), (gkv16[:, :KV_OUT].T, enc16, grad_wk, needs[3]),
+                           (gkv16[:, KV_OUT:].T, enc16, grad_wv, needs[4])]
     with buffers.on_device(device):
         PACK((n_pack,),
             gq, gk, gv, dec, enc, wq, wk, wv,
@@ -369,15 +376,16 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, config=GEMM_CONFIG, pa
             batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, num_warps=pack.warps,
         )
         if products == "cublas":
-            for a, b, out in cublas_products:
-                torch.mm(a, b, out_dtype=torch.float32, out=out)
+            for a, b, out, needed in cublas_products:
+                if needed:
+                    torch.mm(a, b, out_dtype=torch.float32, out=out)
             return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
-        for weight_grads, input_grads, tiles in launches:
+        for with_weights, with_inputs, tiles in launches:
             PRODUCTS((tiles,),
                 gq16, gkv16, dec16, enc16, wq16, wkv16,
                 grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
                 td, te, split_wq, split_wkv, split_dec, split_enc,
-                WEIGHT_GRADS=weight_grads, INPUT_GRADS=input_grads,
+                WEIGHT_GRADS=with_weights, INPUT_GRADS=with_inputs,
                 BM=bm, BN=bn, BK=bk, num_warps=config.warps, num_stages=config.stages,
             )
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv

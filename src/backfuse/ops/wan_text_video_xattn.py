@@ -133,11 +133,11 @@ class WanTextVideoCrossAttnBackward(Problem):
         projections = (5 * video_tokens + 6 * text_tokens) * HIDDEN * HIDDEN
         return projections + 6 * axes[B] * axes[NV] * axes[NT] * HIDDEN
 
-    def fused(self, go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale):
+    def fused(self, go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, needs=None):
         if go.numel() >= 2**31 or 2 * text.numel() >= 2**31:  # the kernels count elements in int32
             with fp32_matmul(tf32=False):
                 return self.reference_math(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale)
-        return text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale)
+        return text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, needs=needs)
 
 
 PROBLEM = WanTextVideoCrossAttnBackward()
@@ -463,8 +463,9 @@ def _gradient_products_kernel(
     """Input gradients (A row-major): grad_video = dQ Wq, grad_text = [dK | dV] [Wk; Wv]; then weight
     gradients (A read feature-contiguous): grad_Wq = dQ^T video, grad_Wo = grad_output^T C,
     grad_Wk = dK^T text, grad_Wv = dV^T text. One call site per layout, so one shared-memory ring
-    each. K splits (outputs pre-zeroed when split): split_gv, split_gt for grad_video, grad_text;
-    split_wv for the weight gradients over video tokens, split_wt for those over text tokens."""
+    each. K splits (outputs pre-zeroed when split; 0 skips the products): split_gv, split_gt for
+    grad_video, grad_text; split_wv for the weight gradients over video tokens, split_wt for those
+    over text tokens."""
     pid = tl.program_id(0)
     t_gv = ((TV + BM - 1) // BM) * (_HIDDEN // BN) * split_gv
     t_gt = ((TT + BM - 1) // BM) * (_HIDDEN // BN) * split_gt
@@ -486,7 +487,7 @@ def _gradient_products_kernel(
         t_wv = t_w * split_wv
         t_wt = t_w * split_wt
         on_video = local < 2 * t_wv  # grad_Wq, grad_Wo
-        i = tl.where(on_video, local // t_wv, (local - 2 * t_wv) // t_wt)  # which of the pair
+        i = tl.where(on_video, local // tl.maximum(t_wv, 1), (local - 2 * t_wv) // tl.maximum(t_wt, 1))  # of the pair
         gemm_tile(
             tl.where(on_video, local - i * t_wv, local - 2 * t_wv - i * t_wt),
             tl.where(on_video, tl.where(i == 0, dq16, go16), dkv16 + i * _HIDDEN),
@@ -547,8 +548,13 @@ CONFIG = Config()
 SUM_ROWS, SUM_COLS = 32, 64  # grad_bo: partial sums per step and columns per reducing program
 
 
-def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, config=CONFIG, sms=None):
+def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, needs=None, config=CONFIG,
+                              sms=None):
     """The 021 outputs from the official inputs (validated by the caller; the output bias is unused).
+
+    needs: one bool per output (None: all); without input gradients (grad_video, grad_text) or
+    without weight gradients (the four grad_W) their products are skipped; the bias gradients are
+    column sums taken along the way.
 
     config: shapes of the four launches; sms: processors to balance the products' K splits and the
     attention's runs over (the GPU's count; on the CPU interpreter, 1).
@@ -584,8 +590,10 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     # grad_video, grad_text, grad_Wq, grad_Wo, grad_Wk, grad_Wv as (M, N, K).
     gradient_products = [(tv, HIDDEN, HIDDEN), (tt, HIDDEN, 2 * HIDDEN)] + [(HIDDEN, HIDDEN, tv)] * 2 \
         + [(HIDDEN, HIDDEN, tt)] * 2
-    splits = choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms)
-    split_gv, split_gt, split_wv, _, split_wt, _ = splits
+    needs = needs or (True,) * 10
+    wanted = [any(needs[:2])] * 2 + [any(needs[2::2])] * 4  # input products, weight products
+    splits = [s * w for s, w in zip(choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms), wanted)]
+    split_gv, split_gt, split_wv, _, split_wt, _ = splits  # 0: skipped
     gradient_tiles = sum(tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gradient_products, splits))
     flat = lambda n: chunks(n, pk.block, pk.iters)  # noqa: E731
     n_weight = flat(HIDDEN * HIDDEN)
@@ -616,13 +624,14 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, grad_bq, grad_bk, grad_bv, arrivals,
                 nv, nt, per_program, float(scale),
                 BM=at.bm, BN=text_tile, ONE_TILE=one_tile, num_warps=at.warps, num_stages=at.stages),
-            GRADIENT_PRODUCTS.prepare(
+        ]
+        if gradient_tiles:  # none when only bias gradients are wanted
+            launches.append(GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles,),
                 dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16,
                 grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv,
                 tv, tt, split_wv, split_wt, split_gv, split_gt,
-                BM=gr.bm, BN=gr.bn, BK=gr.bk, num_warps=gr.warps, num_stages=gr.stages),
-        ]
+                BM=gr.bm, BN=gr.bn, BK=gr.bk, num_warps=gr.warps, num_stages=gr.stages))
         for launch in launches:
             launch()
     return grad_video, grad_text, grad_wq, grad_bq, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo
