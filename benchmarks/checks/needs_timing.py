@@ -1,0 +1,29 @@
+"""What skipping unneeded gradients saves: official-clock time of the backward with all outputs,
+with input gradients only (frozen weights) and with weight gradients only (frozen inputs).
+
+    python3 benchmarks/checks/needs_timing.py 021 1 6 --problem 072 0 6
+"""
+
+import argparse
+
+import backfuse
+from backfuse.bench import time_calls
+
+ap = argparse.ArgumentParser()
+ap.add_argument("cases", nargs="+", help="PROBLEM CASE... groups, e.g. 021 1 6 072 0")
+args = ap.parse_args()
+pid = None
+for token in args.cases:
+    if len(token) == 3 and token.isdigit() and token in backfuse.PROBLEM_IDS:
+        pid = token
+        continue
+    prob = backfuse.problem(pid)
+    w = prob.workloads[int(token)]
+    x = prob.make_inputs(w.axes, seed=0, device="cuda")
+    n_inputs = 2  # both operators differentiate two activations first, then parameters
+    cells = []
+    for label, needs in (("all", None), ("inputs only", [i < n_inputs for i in range(len(prob.outputs))]),
+                         ("weights only", [i >= n_inputs for i in range(len(prob.outputs))])):
+        t = time_calls(lambda *a, needs=needs: prob.backward(*a, needs=needs), x)
+        cells.append(f"{label} {t.median_ms:.4f}")
+    print(f"{pid} case {token} {w.axes}: " + "  ".join(cells), flush=True)
