@@ -117,3 +117,34 @@ def test_backward_computes_only_what_is_needed(pid, axes, wanted):
             assert (o - r).abs().max().item() < NEAR_ZERO[name], name
         else:
             assert rel_err(o, r) < FP16_REL_ERR, name
+
+
+@pytest.mark.parametrize("pid, axes, fn", [
+    ("021", dict(batch_size=2, num_video_tokens=150, num_text_tokens=77),
+     lambda *x: wan_text_video_xattn.text_video_xattn_backward(
+         *x[:10], x[11], deterministic=True, sms=132,
+         config=wan_text_video_xattn.Config(attention=wan_text_video_xattn.AttentionConfig(64, 64, 4, 1, 128, 2)))),
+    ("072", dict(batch_size=3, seq_len_dec=5, seq_len_enc=13),
+     lambda *x: cross_attn_qkv_gqa.qkv_gqa_backward(*x, deterministic=True, sms=132)),
+])
+def test_deterministic_mode(pid, axes, fn):
+    """Partial sums stored per program and added in a fixed order: correct, and the same bits twice
+    (a real check on the GPU; the interpreter runs programs in order anyway)."""
+    prob = backfuse.problem(pid)
+    _check_fused(prob, axes, seed=8, fn=fn)
+    x = prob.make_inputs(axes, seed=9, device=DEVICE)
+    for a, b in zip(fn(*x), fn(*x)):
+        assert torch.equal(a, b)
+
+
+def test_deterministic_algorithms_flag_reaches_the_kernels(monkeypatch):
+    prob = backfuse.problem("072")
+    seen = {}
+    monkeypatch.setattr(cross_attn_qkv_gqa, "qkv_gqa_backward", lambda *x, **kw: seen.update(kw) or prob.reference(*x))
+    x = prob.make_inputs(dict(batch_size=1, seq_len_dec=2, seq_len_enc=2), seed=0, device=DEVICE)
+    torch.use_deterministic_algorithms(True)
+    try:
+        prob.run(*x)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen.get("deterministic") is True

@@ -108,8 +108,9 @@ class Problem:
         """Multiply-accumulates of the matrix products the backward needs at minimum."""
         raise NotImplementedError
 
-    # Set by operators that have fused kernels: fused(*inputs, needs=None) -> tuple, where needs (one
-    # bool per output) lets the kernels skip work for outputs nobody wants; those come back as None.
+    # Set by operators that have fused kernels: fused(*inputs, needs=None, deterministic=False) ->
+    # tuple, where needs (one bool per output) lets the kernels skip work for outputs nobody wants
+    # (those come back as None) and deterministic asks for the same bits on every call.
     fused = None
 
     # ---- signature -----------------------------------------------------------------------
@@ -238,6 +239,7 @@ class Problem:
         """`run`, computing only the outputs flagged in `needs` (one bool per output; None: all).
 
         Outputs not needed come back as None; the fused kernels skip the products that only they need.
+        Under `torch.use_deterministic_algorithms(True)` the fused kernels give the same bits every call.
         """
         self.validate(inputs)
         if needs is not None and len(needs) != len(self.outputs):
@@ -245,7 +247,10 @@ class Problem:
                              f"{list(self.output_names)}")
         first = next(x for x in inputs if isinstance(x, torch.Tensor))
         if self.fused is not None and fused_kernels_usable(first.device):
-            outs = self.fused(*inputs) if needs is None else self.fused(*inputs, needs=tuple(needs))
+            extra = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
+            if needs is not None:
+                extra["needs"] = tuple(needs)
+            outs = self.fused(*inputs, **extra)
         else:
             with fp32_matmul(tf32=False):
                 outs = self.reference_math(*inputs)

@@ -115,11 +115,11 @@ class CrossAttnQKVGQABackward(Problem):
         # grad_dec and grad_Wq; grad_enc (K = 2048 over [Wk; Wv]) and [grad_Wk; grad_Wv].
         return 2 * dec_tokens * Q_OUT * HIDDEN + 2 * enc_tokens * 2 * KV_OUT * CROSS_HIDDEN
 
-    def fused(self, gq, gk, gv, dec, enc, wq, wk, wv, needs=None):
+    def fused(self, gq, gk, gv, dec, enc, wq, wk, wv, needs=None, deterministic=False):
         if gk.numel() >= 2**31 or gq.numel() >= 2**31:  # the kernels count elements in int32
             with fp32_matmul(tf32=False):
                 return self.reference_math(gq, gk, gv, dec, enc, wq, wk, wv)
-        return qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, needs=needs)
+        return qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, needs=needs, deterministic=deterministic)
 
 
 PROBLEM = CrossAttnQKVGQABackward()
@@ -317,12 +317,14 @@ GEMM_CONFIG = GemmConfig(128, 256, 64, 8, 4, one_launch=True)
 CUBLAS_MIN_FLOP = 100e9
 
 
-def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, config=GEMM_CONFIG, pack=PACK_CONFIG,
-                     products=None, sms=None):
+def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=False, config=GEMM_CONFIG,
+                     pack=PACK_CONFIG, products=None, sms=None):
     """The 072 outputs from the official inputs (validated by the caller).
 
     needs: one bool per output (None: all); the products of outputs not needed are skipped (with
     our products: grad_dec and grad_enc together, and the three weight gradients together).
+    deterministic: the same outputs bit for bit on every call (our products without K splits; cuBLAS
+    products are reproducible on one GPU model as they are).
 
     products: "triton" (one launch of our tiles) or "cublas" (five torch.mm on our fp16 operands);
     None picks by size on a GPU. config: tile shape and schedule of the Triton products; pack: the
@@ -350,7 +352,8 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, config=GEM
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     weight_products = [(Q_OUT, HIDDEN, td), (KV_OUT, CROSS_HIDDEN, te), (KV_OUT, CROSS_HIDDEN, te)]
     input_products = [(td, HIDDEN, Q_OUT), (te, CROSS_HIDDEN, 2 * KV_OUT)]
-    splits = choose_splits(weight_products + input_products, bm, bn, bk, sms) if products == "triton" else [1] * 5
+    splits = choose_splits(weight_products + input_products, bm, bn, bk, sms) \
+        if products == "triton" and not deterministic else [1] * 5
     split_wq, split_wkv, _, split_dec, split_enc = splits
     weight_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(weight_products, splits[:3]))
     input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, splits[3:]))

@@ -133,11 +133,12 @@ class WanTextVideoCrossAttnBackward(Problem):
         projections = (5 * video_tokens + 6 * text_tokens) * HIDDEN * HIDDEN
         return projections + 6 * axes[B] * axes[NV] * axes[NT] * HIDDEN
 
-    def fused(self, go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, needs=None):
+    def fused(self, go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, needs=None, deterministic=False):
         if go.numel() >= 2**31 or 2 * text.numel() >= 2**31:  # the kernels count elements in int32
             with fp32_matmul(tf32=False):
                 return self.reference_math(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale)
-        return text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, needs=needs)
+        return text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, needs=needs,
+                                         deterministic=deterministic)
 
 
 PROBLEM = WanTextVideoCrossAttnBackward()
@@ -182,13 +183,13 @@ def _transpose_tile(w, wt16, tile, T: tl.constexpr):
 def _pack_kernel(
     go, video, text, wq, wk, wv, wo,
     go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
-    dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
+    dkv32, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
     TV, TT, n_heads, zero_dkv, zero_wq, zero_wo, zero_wkv, zero_gv, zero_gt,
     ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     """Program ranges, in order: grad_output row tiles, flat casts of video, text, Wq, Wk, Wv (as
-    [Wk; Wv]), Wo^T tiles, one program zeroing the atomically summed bias gradients and arrival
-    counters, then zero fills of dK/dV and of the split-K products' outputs whose flag is set."""
+    [Wk; Wv]), Wo^T tiles, one program zeroing the attention's arrival counters, then zero fills of
+    dK/dV and of the split-K products' outputs whose flag is set."""
     pid = tl.program_id(0)
     CHUNK: tl.constexpr = BLOCK * ITERS
     W: tl.constexpr = _HIDDEN * _HIDDEN
@@ -226,12 +227,8 @@ def _pack_kernel(
         _transpose_tile(wo, wo_t16, pid - e_wv, T)
     elif pid < e_small:
         c = tl.arange(0, _HIDDEN)
-        zeros = tl.zeros((_HIDDEN,), dtype=tl.float32)
-        tl.store(grad_bq + c, zeros)
-        tl.store(grad_bk + c, zeros)
-        tl.store(grad_bv + c, zeros)
         for c0 in range(0, n_heads, _HIDDEN):
-            tl.store(arrivals + c0 + c, zeros.to(tl.int32), mask=c0 + c < n_heads)
+            tl.store(arrivals + c0 + c, tl.zeros((_HIDDEN,), dtype=tl.int32), mask=c0 + c < n_heads)
     elif pid < e_dkv:
         zero_chunk(dkv32, n_dkv, pid - e_small, BLOCK, ITERS)
     elif pid < e_zwq:
@@ -246,6 +243,17 @@ def _pack_kernel(
         zero_chunk(grad_video, n_video, pid - e_zwv, BLOCK, ITERS)
     else:
         zero_chunk(grad_text, n_text, pid - e_zgv, BLOCK, ITERS)
+
+
+@triton.jit
+def _column_sums(parts, n_parts, width, cols, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr):
+    """Column sums over the n_parts rows of parts[n_parts, width] for columns cols ([SUM_COLS]), in a
+    fixed order (so the result is the same every call), SUM_ROWS rows at a time."""
+    total = tl.zeros((SUM_ROWS, SUM_COLS), dtype=tl.float32)
+    for part in range(0, n_parts, SUM_ROWS):
+        rows = part + tl.arange(0, SUM_ROWS)
+        total += tl.load(parts + rows[:, None] * width + cols[None, :], mask=rows[:, None] < n_parts, other=0.0)
+    return tl.sum(total, 0)
 
 
 @triton.jit(do_not_specialize=["TV", "TT", "n_parts"])
@@ -283,14 +291,9 @@ def _forward_products_kernel(
         rm = off_m + tl.arange(0, BM)
         out = tl.where(on_q, q16, tl.where(on_kv, kv16, dc16))
         tl.store(out + rm[:, None].to(tl.int64) * width + rn[None, :], acc.to(tl.float16), mask=rm[:, None] < rows)
-    else:  # a [n_parts, SUM_COLS] column strip of the partial sums, SUM_ROWS parts at a time
+    else:
         cols = (pid - 2 * t_q - t_kv) * SUM_COLS + tl.arange(0, SUM_COLS)
-        total = tl.zeros((SUM_ROWS, SUM_COLS), dtype=tl.float32)
-        for part in range(0, n_parts, SUM_ROWS):
-            rows = part + tl.arange(0, SUM_ROWS)
-            total += tl.load(colsum_parts + rows[:, None] * _HIDDEN + cols[None, :], mask=rows[:, None] < n_parts,
-                             other=0.0)
-        tl.store(grad_bo + cols, tl.sum(total, 0))
+        tl.store(grad_bo + cols, _column_sums(colsum_parts, n_parts, _HIDDEN, cols, SUM_ROWS, SUM_COLS))
 
 
 @triton.jit
@@ -302,8 +305,9 @@ def _kv_tile(kv16, b, h, rn, NT, column0):
 
 
 @triton.jit
-def _finish_kv_grads(dkv32, dkv16, grad_bk, grad_bv, b, h, NT, BN: tl.constexpr):
-    """dK, dV of head h, batch b: fp32 sums (read from L2, bypassing L1) to fp16, and their column sums."""
+def _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """dK, dV of head h, batch b: the runs' fp32 sums (read from L2, bypassing L1) to fp16; returns
+    their column sums. DETERMINISTIC: one partial per run, added in run order; else one atomic sum."""
     d = tl.arange(0, _HEAD_DIM)
     sum_dk = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
     sum_dv = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
@@ -313,12 +317,16 @@ def _finish_kv_grads(dkv32, dkv16, grad_bk, grad_bv, b, h, NT, BN: tl.constexpr)
         n_ok = rn[:, None] < NT
         dk = tl.load(dkv32 + kv_off, mask=n_ok, other=0.0, cache_modifier=".cg")
         dv = tl.load(dkv32 + kv_off + _HIDDEN, mask=n_ok, other=0.0, cache_modifier=".cg")
+        if DETERMINISTIC:
+            for run in range(1, runs):
+                part = dkv32 + run * (TT * _KV).to(tl.int64) + kv_off
+                dk += tl.load(part, mask=n_ok, other=0.0, cache_modifier=".cg")
+                dv += tl.load(part + _HIDDEN, mask=n_ok, other=0.0, cache_modifier=".cg")
         tl.store(dkv16 + kv_off, dk.to(tl.float16), mask=n_ok)
         tl.store(dkv16 + kv_off + _HIDDEN, dv.to(tl.float16), mask=n_ok)
         sum_dk += tl.sum(dk, 0)
         sum_dv += tl.sum(dv, 0)
-    tl.atomic_add(grad_bk + h * _HEAD_DIM + d, sum_dk, sem="relaxed")
-    tl.atomic_add(grad_bv + h * _HEAD_DIM + d, sum_dv, sem="relaxed")
+    return sum_dk, sum_dv
 
 
 @triton.jit
@@ -331,8 +339,9 @@ def _tile_grads(q, dc, v, p, delta, scale, dk, dv):
 
 
 @triton.jit
-def _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone):
-    """A lone block writes its tile's dK, dV in fp16; blocks sharing a head add fp32 partial sums.
+def _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, TT, run, dk, dv, alone, DETERMINISTIC: tl.constexpr):
+    """A lone run writes its tile's dK, dV in fp16; runs sharing a head add fp32 partial sums
+    (DETERMINISTIC: each run stores its own partial, summed in order by the last to arrive).
 
     Masks rather than a branch: Triton's software pipeliner rejects a branch inside the text loop.
     """
@@ -341,8 +350,13 @@ def _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone):
     n_ok = rn[:, None] < NT
     tl.store(dkv16 + off, dk.to(tl.float16), mask=n_ok & alone)
     tl.store(dkv16 + off + _HIDDEN, dv.to(tl.float16), mask=n_ok & alone)
-    tl.atomic_add(dkv32 + off, dk, mask=n_ok & ~alone, sem="relaxed")
-    tl.atomic_add(dkv32 + off + _HIDDEN, dv, mask=n_ok & ~alone, sem="relaxed")
+    if DETERMINISTIC:
+        part = dkv32 + run * (TT * _KV).to(tl.int64) + off
+        tl.store(part, dk, mask=n_ok & ~alone)
+        tl.store(part + _HIDDEN, dv, mask=n_ok & ~alone)
+    else:
+        tl.atomic_add(dkv32 + off, dk, mask=n_ok & ~alone, sem="relaxed")
+        tl.atomic_add(dkv32 + off + _HIDDEN, dv, mask=n_ok & ~alone, sem="relaxed")
 
 
 @triton.jit
@@ -354,11 +368,11 @@ def _video_rows(q16, dc16, b, h, rm, NV):
     return tl.load(q16 + tok, mask=m_ok, other=0.0), tl.load(dc16 + tok, mask=m_ok, other=0.0), tok, m_ok
 
 
-@triton.jit(do_not_specialize=["NV", "NT", "per_program", "scale"])
+@triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "scale"])
 def _attention_kernel(
-    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, grad_bq, grad_bk, grad_bv, arrivals,
-    NV, NT, per_program, scale,
-    BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr,
+    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals,
+    NV, NT, TT, per_program, scale,
+    BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
     """One (batch, head, run of `per_program` blocks of BM video tokens): C, dQ and the run's share
     of dK and dV.
@@ -369,6 +383,8 @@ def _attention_kernel(
     of one block) pass 1 is the forward over text tiles (online softmax) for C and the
     log-sum-exp, and pass 2 recomputes P tile by tile. A run that is its head's only one writes dK,
     dV in fp16; otherwise runs add fp32 partial sums and the last to arrive converts them.
+    Column sums of dQ, dK, dV (the bias gradients) go to this program's row of bias_parts
+    ([programs / 16, 3 * 1024]: batch-major, then run), summed later in a fixed order.
     """
     pid = tl.program_id(0)
     m_blocks = (NV + BM - 1) // BM
@@ -400,7 +416,7 @@ def _attention_kernel(
             dq = tl.dot(ds, k)
             tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
             sum_dq += tl.sum(dq, 0)
-        _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone)
+        _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, TT, pid % runs, dk, dv, alone, DETERMINISTIC)
         sum_dk = tl.sum(dk, 0)
         sum_dv = tl.sum(dv, 0)
     else:
@@ -436,39 +452,49 @@ def _attention_kernel(
             zero = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
             ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale, zero, zero)
             dq = tl.dot(ds, k, dq)
-            _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, dk, dv, alone)
+            _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, TT, pid % runs, dk, dv, alone, DETERMINISTIC)
             sum_dk += tl.sum(dk, 0)
             sum_dv += tl.sum(dv, 0)
         tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
         sum_dq = tl.sum(dq, 0)
-    tl.atomic_add(grad_bq + h * _HEAD_DIM + d, sum_dq, sem="relaxed")
-
+    row = bias_parts + (b * runs + pid % runs) * (3 * _HIDDEN) + h * _HEAD_DIM + d
+    tl.store(row, sum_dq)
     if alone:
-        tl.atomic_add(grad_bk + h * _HEAD_DIM + d, sum_dk, sem="relaxed")
-        tl.atomic_add(grad_bv + h * _HEAD_DIM + d, sum_dv, sem="relaxed")
+        tl.store(row + _HIDDEN, sum_dk)
+        tl.store(row + 2 * _HIDDEN, sum_dv)
     else:
+        # dK, dV column sums come from the run that converts the head's sums; the others leave 0.
+        tl.store(row + _HIDDEN, tl.zeros((_HEAD_DIM,), dtype=tl.float32))
+        tl.store(row + 2 * _HIDDEN, tl.zeros((_HEAD_DIM,), dtype=tl.float32))
         # Publish this run's sums; the last run of the head to arrive converts them all.
         tl.debug_barrier()
         if tl.atomic_add(arrivals + bh, 1, sem="acq_rel") == runs - 1:
-            _finish_kv_grads(dkv32, dkv16, grad_bk, grad_bv, b, h, NT, BN)
+            sum_dk, sum_dv = _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN, DETERMINISTIC)
+            tl.store(row + _HIDDEN, sum_dk)
+            tl.store(row + 2 * _HIDDEN, sum_dv)
 
 
-@triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt"])
+@triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "n_parts"])
 def _gradient_products_kernel(
-    dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16,
-    grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv,
-    TV, TT, split_wv, split_wt, split_gv, split_gt,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
+    grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
+    TV, TT, split_wv, split_wt, split_gv, split_gt, n_parts,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
 ):
     """Input gradients (A row-major): grad_video = dQ Wq, grad_text = [dK | dV] [Wk; Wv]; then weight
     gradients (A read feature-contiguous): grad_Wq = dQ^T video, grad_Wo = grad_output^T C,
     grad_Wk = dK^T text, grad_Wv = dV^T text. One call site per layout, so one shared-memory ring
     each. K splits (outputs pre-zeroed when split; 0 skips the products): split_gv, split_gt for
     grad_video, grad_text; split_wv for the weight gradients over video tokens, split_wt for those
-    over text tokens."""
+    over text tokens. Then 3 * 1024 / SUM_COLS programs sum the attention's bias_parts into grad_bq,
+    grad_bk, grad_bv."""
     pid = tl.program_id(0)
     t_gv = ((TV + BM - 1) // BM) * (_HIDDEN // BN) * split_gv
     t_gt = ((TT + BM - 1) // BM) * (_HIDDEN // BN) * split_gt
+    local = pid - t_gv - t_gt
+    t_w = (_HIDDEN // BM) * (_HIDDEN // BN)
+    t_wv = t_w * split_wv
+    t_wt = t_w * split_wt
     if pid < t_gv + t_gt:
         on_video = pid < t_gv
         depth = tl.multiple_of(tl.where(on_video, _HIDDEN, 2 * _HIDDEN), 1024)
@@ -481,11 +507,7 @@ def _gradient_products_kernel(
             depth, 1, _HIDDEN, 1, _HIDDEN,
             tl.where(on_video, split_gv, split_gt), BM, BN, BK,
         )
-    else:
-        local = pid - t_gv - t_gt
-        t_w = (_HIDDEN // BM) * (_HIDDEN // BN)
-        t_wv = t_w * split_wv
-        t_wt = t_w * split_wt
+    elif local < 2 * t_wv + 2 * t_wt:
         on_video = local < 2 * t_wv  # grad_Wq, grad_Wo
         i = tl.where(on_video, local // tl.maximum(t_wv, 1), (local - 2 * t_wv) // tl.maximum(t_wt, 1))  # of the pair
         gemm_tile(
@@ -497,6 +519,12 @@ def _gradient_products_kernel(
             1, tl.multiple_of(tl.where(on_video, _HIDDEN, 2 * _HIDDEN), 1024), _HIDDEN, 1, _HIDDEN,
             tl.where(on_video, split_wv, split_wt), BM, BN, BK,
         )
+    else:
+        strip = local - 2 * t_wv - 2 * t_wt
+        cols = strip * SUM_COLS + tl.arange(0, SUM_COLS)
+        which = (strip * SUM_COLS) // _HIDDEN  # 0: q, 1: k, 2: v
+        out = tl.where(which == 0, grad_bq, tl.where(which == 1, grad_bk, grad_bv)) + cols - which * _HIDDEN
+        tl.store(out, _column_sums(bias_parts, n_parts, 3 * _HIDDEN, cols, SUM_ROWS, SUM_COLS))
 
 
 PACK = FastKernel(_pack_kernel)
@@ -545,19 +573,21 @@ class Config(NamedTuple):
 
 
 CONFIG = Config()
-SUM_ROWS, SUM_COLS = 32, 64  # grad_bo: partial sums per step and columns per reducing program
+SUM_ROWS, SUM_COLS = 32, 64  # bias gradients: partial sums per step, columns per reducing program
 
 
-def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, needs=None, config=CONFIG,
-                              sms=None):
+def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, needs=None,
+                              deterministic=False, config=CONFIG, sms=None):
     """The 021 outputs from the official inputs (validated by the caller; the output bias is unused).
 
     needs: one bool per output (None: all); without input gradients (grad_video, grad_text) or
     without weight gradients (the four grad_W) their products are skipped; the bias gradients are
     column sums taken along the way.
 
-    config: shapes of the four launches; sms: processors to balance the products' K splits and the
-    attention's runs over (the GPU's count; on the CPU interpreter, 1).
+    deterministic: the same outputs bit for bit on every call (no K splits; the attention's partial
+    dK/dV are stored per run and added in order instead of by atomics). config: shapes of the four
+    launches; sms: processors to balance the products' K splits and the attention's runs over (the
+    GPU's count; on the CPU interpreter, 1).
     """
     batch, nv, _ = video.shape
     nt = text.shape[1]
@@ -581,8 +611,9 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
         runs = min(m_blocks, max(1, int(at.programs_per_sm * sms) // (batch * HEADS)))
         per_program = triton.cdiv(m_blocks, runs)
     runs = triton.cdiv(m_blocks, per_program)
-    dkv32 = f32(tt if runs > 1 else 1, 2 * HIDDEN)  # unused by a lone run per head
+    dkv32 = f32((runs if deterministic else 1) * tt if runs > 1 else 1, 2 * HIDDEN)  # unused by lone runs
     arrivals = buffers.empty((batch * HEADS,), torch.int32, device)
+    bias_parts = f32(batch * runs, 3 * HIDDEN)
     grad_video, grad_text = f32(batch, nv, HIDDEN), f32(batch, nt, HIDDEN)
     grad_wq, grad_wk, grad_wv, grad_wo = (f32(HIDDEN, HIDDEN) for _ in range(4))
     grad_bq, grad_bk, grad_bv, grad_bo = (f32(HIDDEN) for _ in range(4))
@@ -592,13 +623,14 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
         + [(HIDDEN, HIDDEN, tt)] * 2
     needs = needs or (True,) * 10
     wanted = [any(needs[:2])] * 2 + [any(needs[2::2])] * 4  # input products, weight products
-    splits = [s * w for s, w in zip(choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms), wanted)]
+    splits = [1] * 6 if deterministic else choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms)
+    splits = [s * w for s, w in zip(splits, wanted)]
     split_gv, split_gt, split_wv, _, split_wt, _ = splits  # 0: skipped
     gradient_tiles = sum(tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gradient_products, splits))
     flat = lambda n: chunks(n, pk.block, pk.iters)  # noqa: E731
     n_weight = flat(HIDDEN * HIDDEN)
     n_pack = (go_tiles + flat(tv * HIDDEN) + flat(tt * HIDDEN) + 3 * n_weight + (HIDDEN // pk.tile) ** 2 + 1
-              + (runs > 1) * flat(tt * 2 * HIDDEN) + 2 * ((split_wv > 1) + (split_wt > 1)) * n_weight
+              + (runs > 1 and not deterministic) * flat(tt * 2 * HIDDEN) + 2 * ((split_wv > 1) + (split_wt > 1)) * n_weight
               + (split_gv > 1) * flat(tv * HIDDEN) + (split_gt > 1) * flat(tt * HIDDEN))
     forward_tiles = 2 * tile_count(tv, HIDDEN, 1, fw.bm, fw.bn) + tile_count(tt, 2 * HIDDEN, 1, fw.bm, fw.bn)
 
@@ -608,9 +640,9 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 (n_pack,),
                 go, video, text, wq, wk, wv, wo,
                 go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
-                dkv32, grad_bq, grad_bk, grad_bv, arrivals, grad_wq, grad_wo, grad_wk, grad_wv,
+                dkv32, arrivals, grad_wq, grad_wo, grad_wk, grad_wv,
                 grad_video, grad_text,
-                tv, tt, batch * HEADS, int(runs > 1), int(split_wv > 1), int(split_wv > 1), int(split_wt > 1),
+                tv, tt, batch * HEADS, int(runs > 1 and not deterministic), int(split_wv > 1), int(split_wv > 1), int(split_wt > 1),
                 int(split_gv > 1), int(split_gt > 1),
                 ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, num_warps=pk.warps),
             FORWARD_PRODUCTS.prepare(
@@ -621,17 +653,18 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=fw.warps, num_stages=fw.stages),
             ATTENTION.prepare(
                 (batch * HEADS * runs,),
-                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, grad_bq, grad_bk, grad_bv, arrivals,
-                nv, nt, per_program, float(scale),
-                BM=at.bm, BN=text_tile, ONE_TILE=one_tile, num_warps=at.warps, num_stages=at.stages),
+                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals,
+                nv, nt, tt, per_program, float(scale),
+                BM=at.bm, BN=text_tile, ONE_TILE=one_tile, DETERMINISTIC=deterministic, num_warps=at.warps,
+                num_stages=at.stages),
+            GRADIENT_PRODUCTS.prepare(
+                (gradient_tiles + 3 * HIDDEN // SUM_COLS,),
+                dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
+                grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
+                tv, tt, split_wv, split_wt, split_gv, split_gt, batch * runs,
+                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=gr.warps,
+                num_stages=gr.stages),
         ]
-        if gradient_tiles:  # none when only bias gradients are wanted
-            launches.append(GRADIENT_PRODUCTS.prepare(
-                (gradient_tiles,),
-                dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16,
-                grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv,
-                tv, tt, split_wv, split_wt, split_gv, split_gt,
-                BM=gr.bm, BN=gr.bn, BK=gr.bk, num_warps=gr.warps, num_stages=gr.stages))
         for launch in launches:
             launch()
     return grad_video, grad_text, grad_wq, grad_bq, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo
