@@ -1,10 +1,12 @@
-"""What skipping unneeded gradients saves: official-clock time of the backward with all outputs,
-with input gradients only (frozen weights) and with weight gradients only (frozen inputs).
+"""What the backward's options cost or save, on the official clock: all outputs; input gradients
+only (frozen weights); weight gradients only (frozen inputs); deterministic mode.
 
-    python3 benchmarks/checks/needs_timing.py 021 1 6 --problem 072 0 6
+    python3 benchmarks/checks/option_timing.py 021 1 6 072 0 6
 """
 
 import argparse
+
+import torch
 
 import backfuse
 from backfuse.bench import time_calls
@@ -26,4 +28,7 @@ for token in args.cases:
                          ("weights only", [i >= n_inputs for i in range(len(prob.outputs))])):
         t = time_calls(lambda *a, needs=needs: prob.backward(*a, needs=needs), x)
         cells.append(f"{label} {t.median_ms:.4f}")
+    torch.use_deterministic_algorithms(True)
+    cells.append(f"deterministic {time_calls(prob.run, x).median_ms:.4f}")
+    torch.use_deterministic_algorithms(False)
     print(f"{pid} case {token} {w.axes}: " + "  ".join(cells), flush=True)
