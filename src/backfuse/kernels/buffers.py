@@ -21,7 +21,14 @@ def poisoned():
 
 
 def empty(shape, dtype, device) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype, device=device)
+    # Our kernels write every element they later read (the poisoned tests check it), so torch's
+    # deterministic-mode fill of fresh memory would only add a kernel per buffer.
+    deterministic = torch.utils.deterministic
+    fill, deterministic.fill_uninitialized_memory = deterministic.fill_uninitialized_memory, False
+    try:
+        t = torch.empty(shape, dtype=dtype, device=device)
+    finally:
+        deterministic.fill_uninitialized_memory = fill
     if _poison:
         t.fill_(float("nan") if t.is_floating_point() else -1)
     return t
