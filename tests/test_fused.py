@@ -36,6 +36,8 @@ def _check_fused(prob, axes, seed, fn=None):
             assert rel_err(o, r) < FP16_REL_ERR, name
     for name, x, y in zip(prob.input_names, inputs, copies):
         assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"{name} was modified"
+    storages = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
+    assert not any(o.untyped_storage().data_ptr() in storages for o in outs), "an output aliases an input"
 
 
 @pytest.mark.parametrize("axes", [
