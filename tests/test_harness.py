@@ -216,3 +216,14 @@ def test_cli_merge_keeps_other_entries(tmp_path):
     assert merged["date"] == "new"
     assert merged["problems"]["072"]["impls"] == {"reference": {"mean_ms": 3.0}, "backfuse": {"mean_ms": 0.5}}
     assert merged["problems"]["021"]["impls"] == {"reference": {"mean_ms": 2.0}}
+
+
+def test_cli_report_writes_markdown_and_plots(tmp_path):
+    from backfuse.cli import main
+
+    results = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200.json")
+    assert main(["report", "--results", results, "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    for pid in ("072", "037", "021"):
+        assert f"## {pid}" in text and (tmp_path / "plots" / f"{pid}.png").stat().st_size > 10_000
+        assert f"![{pid}" in text

@@ -86,6 +86,13 @@ def main(argv=None) -> int:
     merge.add_argument("into", metavar="INTO", help="results file to update, e.g. benchmarks/results/h200.json")
     merge.add_argument("sources", nargs="+", metavar="FROM", help="results files written by `backfuse bench --json`")
 
+    rpt = sub.add_parser("report", help="Markdown report and per-problem plots from a results file",
+                         description="Writes DIR/report.md (summary, per-case tables, links to the notes) and "
+                         "DIR/plots/<problem>.png (per-case latency of each implementation against SOL).")
+    rpt.add_argument("--results", default="benchmarks/results/h200.json", help="results file (default %(default)s)")
+    rpt.add_argument("--out", default="benchmarks", metavar="DIR", help="where to write (default %(default)s)")
+    rpt.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="GPU whose SOL the report compares with")
+
     export = sub.add_parser("export", help="write a SOL-ExecBench solution package (JSON)",
                             description="Packs the operator's fused implementation (sources, entry point "
                             "`solution.py::run`, target hardware B200 and LOCAL) as a solution JSON file.")
@@ -94,6 +101,8 @@ def main(argv=None) -> int:
     export.add_argument("--author", default="backfuse", help="author field (default backfuse)")
 
     args = parser.parse_args(argv)
+    if args.command == "report":
+        return _report(args.results, args.out, args.gpu)
     if args.command == "export":
         try:
             doc = solution(_problems([args.problem])[0], author=args.author)
@@ -180,6 +189,22 @@ def _bench(problems, args, *, timing: bool) -> int:
     if getattr(args, "plot", None):
         report.plot(doc, args.plot, gpu=args.gpu)
     return 0 if all_passed else 1
+
+
+def _report(results_path: str, out: str, gpu: str) -> int:
+    with open(results_path) as f:
+        results = json.load(f)
+    os.makedirs(os.path.join(out, "plots"), exist_ok=True)
+    plots = {}
+    for pid, entry in results["problems"].items():
+        if any(i["mean_ms"] is not None for i in entry["impls"].values()):
+            plots[pid] = f"plots/{pid}.png"
+            report.plot(results, os.path.join(out, plots[pid]), gpu=gpu, only=pid)
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as f:
+        f.write(report.markdown_report(results, plots, gpu=gpu))
+    log(f"wrote {path} and {len(plots)} plots")
+    return 0
 
 
 def _write_json(doc: dict, path: str, *, merge: bool) -> None:
