@@ -1,0 +1,46 @@
+"""Property tests: the fused operators against the reference on random small shapes.
+
+Shapes stay tiny because CI runs the kernels in the Triton interpreter; set
+BACKFUSE_PROPERTY_EXAMPLES (and run on a GPU) for a wider sweep.
+"""
+
+import os
+
+import torch
+from conftest import DEVICE
+from helpers import assert_official_pass
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_fused import _021_with
+
+import backfuse
+from backfuse.kernels import buffers
+
+EXAMPLES = int(os.environ.get("BACKFUSE_PROPERTY_EXAMPLES", "3"))
+LIMIT = 300 if DEVICE == "cuda" else 40
+# Lengths mix primes, one, and powers of two around the tile sizes.
+lengths = st.one_of(st.sampled_from([1, 2, 3, 7, 13, 31, 37, 64, 127, 128, 129, 211, 293]).filter(lambda n: n <= LIMIT),
+                    st.integers(1, LIMIT))
+batches = st.integers(1, 4 if DEVICE == "cuda" else 2)
+
+
+def _passes(prob, axes, seed, fn=None):
+    x = prob.make_inputs(axes, seed=seed, device=DEVICE)
+    with buffers.poisoned():
+        outs = (fn or prob.run)(*x)
+    assert all(torch.isfinite(o).all() for o in outs)
+    assert_official_pass(prob, outs, prob.reference(*x))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=DEVICE != "cuda")
+@given(batch=batches, sd=lengths, se=lengths, seed=st.integers(0, 2**16))
+def test_072_random_shapes(batch, sd, se, seed):
+    _passes(backfuse.problem("072"), dict(batch_size=batch, seq_len_dec=sd, seq_len_enc=se), seed)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=DEVICE != "cuda")
+@given(batch=batches, nv=lengths, nt=lengths, seed=st.integers(0, 2**16))
+def test_021_random_shapes(batch, nv, nt, seed):
+    prob = backfuse.problem("021")
+    _passes(prob, dict(batch_size=batch, num_video_tokens=nv, num_text_tokens=nt), seed,
+            fn=None if DEVICE == "cuda" else _021_with())
