@@ -1,4 +1,4 @@
-"""Compile backfuse's kernels for sm_90 on a machine without a GPU and report what they need.
+"""Compile backfuse's kernels (072, 021) for sm_90 on a machine without a GPU and report what they need.
 
 Shared memory over the 227 KB a block may use, register spills or missing HGMMA instructions
 show here, before any device time is spent. Pointers are taken as 16-byte aligned (as the
@@ -75,8 +75,22 @@ def wan_021_kernels(cfg=None):
         dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS), gr.warps, gr.stages)
 
 
+def qkv_gqa_072_kernels():
+    from backfuse.ops import cross_attn_qkv_gqa as op
+
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    p, g = op.PACK_CONFIG, op.GEMM_CONFIG
+    yield "072 pack", compile_sm90(
+        op._pack_kernel, ints("zero_dec", "zero_enc", "zero_wq", "zero_wkv", "B", "SD", "SE"),
+        dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters), p.warps, 1)
+    yield "072 products", compile_sm90(
+        op._projection_grads_kernel, ints("TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc"),
+        dict(WEIGHT_GRADS=True, INPUT_GRADS=g.one_launch, BM=g.bm, BN=g.bn, BK=g.bk), g.warps, g.stages)
+
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
-    for name, kernel in wan_021_kernels():
-        print(report(name, kernel))
-        sys.stdout.flush()
+    for kernels in (qkv_gqa_072_kernels(), wan_021_kernels()):
+        for name, kernel in kernels:
+            print(report(name, kernel))
+            sys.stdout.flush()
