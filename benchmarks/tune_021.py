@@ -17,7 +17,7 @@ import backfuse
 from backfuse.bench import check_outputs, sol_ms, time_calls
 from backfuse.ops import wan_text_video_xattn as op
 
-C, A, G = op.Config, op.AttentionConfig, op.ProductConfig
+C, A = op.Config, op.AttentionConfig
 VARIANTS = {
     "default": dict(config=C()),
     "att_half_sm": dict(config=C(attention=A(programs_per_sm=0.5))),

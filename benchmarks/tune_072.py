@@ -18,13 +18,14 @@ import torch
 
 import backfuse
 from backfuse.bench import check_outputs, sol_ms, time_calls
+from backfuse.kernels.gemm import TileConfig
 from backfuse.ops import cross_attn_qkv_gqa as op
 
-G = op.GemmConfig
+G = TileConfig
 P = op.PackConfig
 VARIANTS = {
-    "triton_1launch": dict(products="triton", config=G(128, 256, 64, 8, 4, True)),
-    "triton_2launch": dict(products="triton", config=G(128, 256, 64, 8, 4)),
+    "triton_1launch": dict(products="triton", config=G(128, 256, 64, 8, 4)),
+    "triton_2launch": dict(products="triton", config=G(128, 256, 64, 8, 4), one_launch=False),
     "cublas": dict(products="cublas"),
     # prologue shapes, products chosen by size
     "pack_r32_b4096_i16_w4": dict(pack=P(32, 4096, 16, 4)),

@@ -14,6 +14,7 @@ from helpers import assert_official_pass, rel_err
 
 import backfuse
 from backfuse.kernels import buffers
+from backfuse.kernels.gemm import TileConfig
 from backfuse.ops import cross_attn_qkv_gqa, wan_text_video_xattn
 
 FP16_REL_ERR = 2e-3  # fp16 operands with fp32 accumulation land near 3e-4 (021's attention chain: 1e-3)
@@ -53,7 +54,7 @@ def test_072_fused_odd_shapes(axes):
 def test_072_fused_split_k_and_gpu_tiles():
     """Many processors force K splits (atomics into pre-zeroed outputs); the GPU's tile shape."""
     prob = backfuse.problem("072")
-    config = cross_attn_qkv_gqa.GemmConfig(128, 256, 64, 8, 3, one_launch=True)
+    config = TileConfig(128, 256, 64, 8, 3)
     fn = lambda *x: cross_attn_qkv_gqa.qkv_gqa_backward(*x, config=config, sms=132)  # noqa: E731
     _check_fused(prob, dict(batch_size=3, seq_len_dec=5, seq_len_enc=13), seed=5, fn=fn)
 
@@ -66,8 +67,8 @@ def test_021_fused_shipped_config():
 _W = wan_text_video_xattn
 # Fewer, larger programs than on the GPU (the interpreter's cost is per program), 64-token attention
 # blocks so that small shapes still give several programs per head.
-FAST_021 = _W.Config(pack=_W.PackConfig(64, 1024, 64, 65536, 1, 4), forward=_W.ProductConfig(128, 256, 64, 8, 3),
-                     attention=_W.AttentionConfig(64, 64, 4, 1, 128, 2), gradients=_W.ProductConfig(256, 256, 64, 8, 3))
+FAST_021 = _W.Config(pack=_W.PackConfig(64, 1024, 64, 65536, 1, 4), forward=TileConfig(128, 256, 64, 8, 3),
+                     attention=_W.AttentionConfig(64, 64, 4, 1, 128, 2), gradients=TileConfig(256, 256, 64, 8, 3))
 
 
 def _021_with(config=FAST_021, sms=132, **kw):

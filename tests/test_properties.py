@@ -15,6 +15,7 @@ from test_fused import _021_with
 
 import backfuse
 from backfuse.kernels import buffers
+from backfuse.kernels.gemm import TileConfig
 from backfuse.ops import cross_attn_qkv_gqa as qkv
 
 EXAMPLES = int(os.environ.get("BACKFUSE_PROPERTY_EXAMPLES", "3"))
@@ -37,7 +38,7 @@ def _passes(prob, axes, seed, fn=None):
 @given(batch=batches, sd=lengths, se=lengths, seed=st.integers(0, 2**16))
 def test_072_random_shapes(batch, sd, se, seed):
     fast = lambda *x: qkv.qkv_gqa_backward(  # noqa: E731  (fewer, larger programs for the interpreter)
-        *x, config=qkv.GemmConfig(256, 256, 64, 8, 3, True), pack=qkv.PackConfig(32, 65536, 1, 4), sms=132)
+        *x, config=TileConfig(256, 256, 64, 8, 3), pack=qkv.PackConfig(32, 65536, 1, 4), sms=132)
     _passes(backfuse.problem("072"), dict(batch_size=batch, seq_len_dec=sd, seq_len_enc=se), seed,
             fn=None if DEVICE == "cuda" else fast)
 

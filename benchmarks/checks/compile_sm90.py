@@ -85,7 +85,7 @@ def qkv_gqa_072_kernels():
         dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters), p.warps, 1)
     yield "072 products", compile_sm90(
         op._projection_grads_kernel, ints("TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc"),
-        dict(WEIGHT_GRADS=True, INPUT_GRADS=g.one_launch, BM=g.bm, BN=g.bn, BK=g.bk), g.warps, g.stages)
+        dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk), g.warps, g.stages)
 
 
 if __name__ == "__main__":

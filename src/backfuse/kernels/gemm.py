@@ -7,8 +7,20 @@ the contiguous dimension and alignment of every operand (16-byte loads, wgmma on
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
+
+
+class TileConfig(NamedTuple):
+    """Shape and schedule of a launch of product tiles: BM x BN outputs per program, BK deep per step."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    warps: int = 8
+    stages: int = 3
 
 
 @triton.jit

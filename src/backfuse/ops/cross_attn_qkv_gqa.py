@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
-from ..kernels.gemm import choose_splits, gemm_tile, tile_count
+from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, tile_count
 from ..kernels.launch import FastKernel
 from ..problem import Problem, Tensor, fp32_matmul
 
@@ -299,18 +299,8 @@ class PackConfig(NamedTuple):
 PACK_CONFIG = PackConfig()
 
 
-class GemmConfig(NamedTuple):
-    """Tile shape and schedule of the products; one_launch puts both operand layouts in one grid."""
-
-    bm: int = 128
-    bn: int = 256
-    bk: int = 64
-    warps: int = 8
-    stages: int = 3
-    one_launch: bool = False
-
-
-GEMM_CONFIG = GemmConfig(128, 256, 64, 8, 4, one_launch=True)
+# Our products' tiles (both operand layouts in one launch; measured: benchmarks/notes/072.md).
+GEMM_CONFIG = TileConfig(128, 256, 64, 8, 4)
 # From this much product work (FLOP) on, cuBLAS's products beat ours by more than its four extra
 # launches can cost, even on a slow host: the GPU work then outlasts the launching (measured:
 # benchmarks/notes/072.md). Below it, cuBLAS wins only when the host keeps up.
@@ -318,7 +308,7 @@ CUBLAS_MIN_FLOP = 100e9
 
 
 def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=False, config=GEMM_CONFIG,
-                     pack=PACK_CONFIG, products=None, sms=None):
+                     one_launch=True, pack=PACK_CONFIG, products=None, sms=None):
     """The 072 outputs from the official inputs (validated by the caller).
 
     needs: one bool per output (None: all); the products of outputs not needed are skipped (with
@@ -326,10 +316,10 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
     deterministic: the same outputs bit for bit on every call (our products without K splits; cuBLAS
     products are reproducible on one GPU model as they are).
 
-    products: "triton" (one launch of our tiles) or "cublas" (five torch.mm on our fp16 operands);
-    None picks by size on a GPU. config: tile shape and schedule of the Triton products; pack: the
-    prologue's shape; sms:
-    processors to balance their K splits over (the GPU's count; on the CPU interpreter, 1).
+    products: "triton" (our tiles) or "cublas" (five torch.mm on our fp16 operands); None picks by
+    size on a GPU. config: tile shape and schedule of the Triton products; one_launch: both operand
+    layouts in one grid (else one launch each); pack: the prologue's shape; sms: processors to
+    balance their K splits over (the GPU's count; on the CPU interpreter, 1).
     """
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
@@ -363,7 +353,7 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
               + (1 + (split_dec > 1)) * flat(td * HIDDEN) + (1 + (split_enc > 1)) * flat(te * CROSS_HIDDEN)
               + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
     launches = [(weight_grads, input_grads, weight_grads * weight_tiles + input_grads * input_tiles)] \
-        if config.one_launch else [(True, False, weight_tiles), (False, True, input_tiles)]
+        if one_launch else [(True, False, weight_tiles), (False, True, input_tiles)]
     launches = [(w, i, t) for w, i, t in launches if (w and weight_grads) or (i and input_grads)]
     if products == "cublas":  # operand views made before the first launch, so they add no gaps
         cublas_products = [(gq16, wq16, grad_dec.view(td, HIDDEN), needs[0]),

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
-from ..kernels.gemm import choose_splits, gemm_tile, mma_tile, tile_count
+from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, mma_tile, tile_count
 from ..kernels.launch import FastKernel
 from ..problem import Problem, Scalar, Tensor, fp32_matmul
 
@@ -544,14 +544,6 @@ class PackConfig(NamedTuple):
     warps: int = 4
 
 
-class ProductConfig(NamedTuple):
-    bm: int = 128
-    bn: int = 128
-    bk: int = 64
-    warps: int = 8
-    stages: int = 3
-
-
 class AttentionConfig(NamedTuple):
     """Video tokens per block; all text tokens in one tile up to one_tile, else bn per step; with one
     tile, programs per SM to aim for when runs of blocks share K and V."""
@@ -566,10 +558,10 @@ class AttentionConfig(NamedTuple):
 
 class Config(NamedTuple):
     pack: PackConfig = PackConfig()
-    forward: ProductConfig = ProductConfig()
+    forward: TileConfig = TileConfig()
     attention: AttentionConfig = AttentionConfig()
     # 4 warps: 2 programs per SM (8 warps need 144 registers a thread, which allows one)
-    gradients: ProductConfig = ProductConfig(128, 128, 32, 4, 6)
+    gradients: TileConfig = TileConfig(128, 128, 32, 4, 6)
 
 
 CONFIG = Config()
