@@ -15,7 +15,7 @@ from helpers import assert_official_pass, rel_err
 import backfuse
 from backfuse.kernels import buffers
 from backfuse.kernels.gemm import TileConfig
-from backfuse.ops import cross_attn_qkv_gqa, wan_text_video_xattn
+from backfuse.ops import cross_attn_qkv_gqa, gemma3_attn_core, wan_text_video_xattn
 
 FP16_REL_ERR = 2e-3  # fp16 operands with fp32 accumulation land near 3e-4 (021's attention chain: 1e-3)
 # Outputs that are zero in exact arithmetic (only rounding noise remains): bounded in absolute terms.
@@ -93,6 +93,45 @@ def test_021_fused_single_tokens():
         assert_official_pass(prob, _021_with()(*x), prob.reference(*x))
 
 
+def test_037_fused_shipped_path():
+    """Problem.run as users call it: one attention block per head, no K splits on the CPU."""
+    _check_fused(backfuse.problem("037"), dict(batch_size=2, seq_len=19), seed=4)
+
+
+def _037_with(sms=132, **kw):
+    return lambda *x: gemma3_attn_core.gemma3_attention_backward(*x, sms=sms, **kw)
+
+
+def test_037_fused_causal_blocks_and_split_k():
+    """37 tokens: several query and key blocks per head (causal skipping, diagonal masks, padded rows
+    and columns), and K splits from a GPU's processor count."""
+    _check_fused(backfuse.problem("037"), dict(batch_size=1, seq_len=37), seed=9, fn=_037_with())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's fp16 products run on the GPU only")
+@pytest.mark.parametrize("needs", [None, (True, False, False, False, True, True, True)])
+def test_037_cublas_products(needs):
+    """Projection products by cuBLAS, our launches around them (forward: only norm and RoPE)."""
+    prob = backfuse.problem("037")
+    if needs is None:
+        _check_fused(prob, dict(batch_size=2, seq_len=37), seed=12, fn=_037_with(products="cublas"))
+        return
+    x = prob.make_inputs(dict(batch_size=1, seq_len=29), seed=12, device=DEVICE)
+    with buffers.poisoned():
+        outs = gemma3_attn_core.gemma3_attention_backward(*x, products="cublas", needs=needs)
+    for name, need, o, r in zip(prob.output_names, needs, outs, prob.reference(*x)):
+        assert not need or rel_err(o, r) < FP16_REL_ERR, name
+
+
+def test_037_scalars_are_honoured():
+    """Other scaling, soft cap and eps than the suite's: the kernels take them as given."""
+    prob = backfuse.problem("037")
+    x = prob.make_inputs(dict(batch_size=1, seq_len=21), seed=5, device=DEVICE, scalars=dict(
+        scaling=0.3, attn_logit_softcapping=2.0, rms_norm_eps=0.5))
+    with buffers.poisoned():
+        assert_official_pass(prob, prob.run(*x), prob.reference(*x))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_cpu_without_interpreter_falls_back_to_reference():
     code = (
@@ -111,6 +150,7 @@ def test_cpu_without_interpreter_falls_back_to_reference():
     ("021", dict(batch_size=1, num_video_tokens=9, num_text_tokens=5), ("video_latents",)),
     ("021", dict(batch_size=1, num_video_tokens=9, num_text_tokens=5), ("query_weight", "value_bias")),
     ("021", dict(batch_size=1, num_video_tokens=9, num_text_tokens=5), ("key_bias", "output_bias")),
+    ("037", dict(batch_size=1, seq_len=5), ("hidden_states", "o_weight")),
 ])
 def test_backward_computes_only_what_is_needed(pid, axes, wanted):
     """Skipped products leave their outputs as None; the wanted ones still match the reference."""
@@ -133,6 +173,7 @@ def test_backward_computes_only_what_is_needed(pid, axes, wanted):
     ("021", dict(batch_size=1, num_video_tokens=70, num_text_tokens=77), _021_with(deterministic=True)),
     ("072", dict(batch_size=3, seq_len_dec=5, seq_len_enc=13),
      lambda *x: cross_attn_qkv_gqa.qkv_gqa_backward(*x, deterministic=True, sms=132)),
+    ("037", dict(batch_size=1, seq_len=7), _037_with(deterministic=True)),
 ])
 def test_deterministic_mode(pid, axes, fn):
     """Partial sums stored per program and added in a fixed order: correct, and the same bits twice

@@ -1,10 +1,11 @@
-"""Compile backfuse's kernels (072, 021) for sm_90 on a machine without a GPU and report what they need.
+"""Compile backfuse's kernels (072, 021, 037) for sm_90 on a machine without a GPU and report what they need.
 
 Shared memory over the 227 KB a block may use, register spills or missing HGMMA instructions
 show here, before any device time is spent. Pointers are taken as 16-byte aligned (as the
 allocator gives them); integers as unspecialized.
 
     python benchmarks/checks/compile_sm90.py            # every configured kernel
+    python benchmarks/checks/compile_sm90.py 037        # one operator's
 """
 
 from __future__ import annotations
@@ -88,9 +89,33 @@ def qkv_gqa_072_kernels():
         dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk), g.warps, g.stages)
 
 
+def gemma3_037_kernels(cfg=None):
+    from backfuse.ops import gemma3_attn_core as op
+
+    cfg = cfg or op.CONFIG
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    p, fw, at, gr = cfg
+    yield "037 pack", compile_sm90(
+        op._pack_kernel, ints("T", "zero_gx", "zero_wqkv", "zero_wo"),
+        dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters), p.warps, 1)
+    yield "037 forward products", compile_sm90(
+        op._forward_products_kernel, {**ints("T"), "eps": "fp32"}, dict(BM=fw.bm, BK=fw.bk), fw.warps, fw.stages)
+    yield "037 attention forward", compile_sm90(
+        op._attention_forward_kernel, {**ints("S"), "scaling": "fp32", "cap": "fp32"},
+        dict(BM=at.fwd_bm, BN=at.fwd_bn), at.fwd_warps, at.stages)
+    yield "037 attention backward", compile_sm90(
+        op._attention_backward_kernel, {**ints("S", "kv_programs"), "scaling": "fp32", "cap": "fp32", "eps": "fp32"},
+        dict(KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn), at.warps, at.stages)
+    yield "037 gradient products", compile_sm90(
+        op._gradient_products_kernel, ints("T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"),
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS), gr.warps, gr.stages)
+
+
+KERNELS = {"072": qkv_gqa_072_kernels, "021": wan_021_kernels, "037": gemma3_037_kernels}
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
-    for kernels in (qkv_gqa_072_kernels(), wan_021_kernels()):
+    for kernels in (KERNELS[op]() for op in (sys.argv[1:] or KERNELS)):
         for name, kernel in kernels:
             print(report(name, kernel))
             sys.stdout.flush()

@@ -1,4 +1,5 @@
-"""Flat memory passes used inside operators' prologue kernels: fp32 -> fp16 casts and zero fills.
+"""Memory passes used inside operators' prologue kernels: fp32 -> fp16 casts (flat or transposing),
+zero fills, and fixed-order column sums of per-program partial rows.
 
 A program handles one chunk of BLOCK * ITERS elements, BLOCK at a time, so that a pass over a
 large tensor needs few programs.
@@ -27,6 +28,26 @@ def zero_chunk(dst, n, chunk, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     for i in tl.static_range(ITERS):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
         tl.store(dst + offs, tl.zeros((BLOCK,), dtype=dst.dtype.element_ty), mask=offs < n)
+
+
+@triton.jit
+def transpose_tile(w, wt16, tile, N: tl.constexpr, T: tl.constexpr):
+    """wt16 = fp16(w^T) on one [T, T] tile of a square [N, N] matrix (tiles row-major)."""
+    i = (tile // (N // T)) * T + tl.arange(0, T)
+    j = (tile % (N // T)) * T + tl.arange(0, T)
+    x = tl.load(w + i[:, None] * N + j[None, :])
+    tl.store(wt16 + j[:, None] * N + i[None, :], tl.trans(x).to(tl.float16))
+
+
+@triton.jit
+def column_sums(parts, n_parts, width, cols, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr):
+    """Column sums over the n_parts rows of parts[n_parts, width] for columns cols ([SUM_COLS]), in a
+    fixed order (so the result is the same every call), SUM_ROWS rows at a time."""
+    total = tl.zeros((SUM_ROWS, SUM_COLS), dtype=tl.float32)
+    for part in range(0, n_parts, SUM_ROWS):
+        rows = part + tl.arange(0, SUM_ROWS)
+        total += tl.load(parts + rows[:, None] * width + cols[None, :], mask=rows[:, None] < n_parts, other=0.0)
+    return tl.sum(total, 0)
 
 
 def chunks(n: int, block: int, iters: int) -> int:

@@ -77,6 +77,23 @@ def store_tile(c_ptr, acc, off_m, off_n, M, N, stride_cm, stride_cn, accumulate,
 
 
 @triton.jit
+def tile_coords(local, M, N, K, splits, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """(off_m, off_n, k_lo, k_hi) of tile `local` of C[M, N] = A[M, K] @ B[K, N] split `splits` ways.
+
+    Tiles run n fastest, then m, then split, so neighbouring programs share A's row block; each
+    split owns a BK-aligned slice of K.
+    """
+    tiles_m = (M + BM - 1) // BM
+    tiles_n = (N + BN - 1) // BN
+    tn = local % tiles_n
+    tm = (local // tiles_n) % tiles_m
+    split = local // (tiles_n * tiles_m)
+    per_split = ((K + splits - 1) // splits + BK - 1) // BK * BK
+    k_lo = split * per_split
+    return tm * BM, tn * BN, k_lo, tl.minimum(K, k_lo + per_split)
+
+
+@triton.jit
 def gemm_tile(
     local,
     a_ptr,
@@ -95,22 +112,12 @@ def gemm_tile(
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """Tile `local` of C[M, N] (+)= A[M, K] @ B[K, N], K split `splits` ways (C pre-zeroed if splits > 1).
-
-    Tiles run n fastest, then m, then split, so neighbouring programs share A's row block; each
-    split owns a BK-aligned slice of K.
-    """
-    tiles_m = (M + BM - 1) // BM
-    tiles_n = (N + BN - 1) // BN
-    tn = local % tiles_n
-    tm = (local // tiles_n) % tiles_m
-    split = local // (tiles_n * tiles_m)
-    per_split = ((K + splits - 1) // splits + BK - 1) // BK * BK
-    k_lo = split * per_split
-    k_hi = tl.minimum(K, k_lo + per_split)
-    acc = mma_tile(a_ptr, b_ptr, tm * BM, tn * BN, M, N, k_lo, k_hi,
+    """Tile `local` (numbered as in tile_coords) of C[M, N] (+)= A[M, K] @ B[K, N], K split `splits`
+    ways (C pre-zeroed if splits > 1)."""
+    off_m, off_n, k_lo, k_hi = tile_coords(local, M, N, K, splits, BM, BN, BK)
+    acc = mma_tile(a_ptr, b_ptr, off_m, off_n, M, N, k_lo, k_hi,
                    stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK)
-    store_tile(c_ptr, acc, tm * BM, tn * BN, M, N, stride_cm, 1, splits > 1, BM, BN)
+    store_tile(c_ptr, acc, off_m, off_n, M, N, stride_cm, 1, splits > 1, BM, BN)
 
 
 def tile_count(M: int, N: int, splits: int, BM: int, BN: int) -> int:

@@ -8,11 +8,19 @@ six projection products.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
-from ..problem import Problem, Scalar, Tensor
+from ..kernels import buffers
+from ..kernels.elementwise import cast_chunk, chunks, column_sums, transpose_tile, zero_chunk
+from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, mma_tile, store_tile, tile_coords, tile_count
+from ..kernels.launch import FastKernel
+from ..problem import Problem, Scalar, Tensor, fp32_matmul
 
 HIDDEN = 3072
 HEADS = 24
@@ -22,6 +30,8 @@ HEAD_DIM = 128
 HALF = HEAD_DIM // 2
 Q_OUT = HEADS * HEAD_DIM  # 3072
 KV_OUT = KV_HEADS * HEAD_DIM  # 1024
+QK = Q_OUT + KV_OUT  # 4096: the q and k heads, which are normed and rotated
+QKV = QK + KV_OUT  # 5120: width of the stacked [q | k | v] projection
 ROPE_THETA = 10000.0
 
 B, S = "batch_size", "seq_len"
@@ -184,5 +194,517 @@ class Gemma3AttnCoreBackward(Problem):
         causal_pairs = axes[S] * (axes[S] + 1) // 2
         return projections + 6 * axes[B] * HEADS * causal_pairs * HEAD_DIM
 
+    def fused(self, go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, needs=None, deterministic=False):
+        if x.shape[0] * x.shape[1] * QKV >= 2**31:  # the kernels count elements in int32
+            with fp32_matmul(tf32=False):
+                return self.reference_math(go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps)
+        return gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, needs=needs,
+                                         deterministic=deterministic)
+
 
 PROBLEM = Gemma3AttnCoreBackward()
+
+# ---- fused path: five launches -------------------------------------------------------------------
+# 1. pack: fp16 copies of X, grad_output, [Wq; Wk; Wv] and Wo^T; zero fills for split-K outputs;
+# 2. forward products: [q | k | v] = X [Wq; Wk; Wv]^T with RMSNorm and RoPE in the epilogue of the
+#    q and k heads, and dA = grad_output Wo;
+# 3. attention forward: per (batch, head, query block) the context A, the log-sum-exp of each row
+#    and delta = rowsum(A * dA);
+# 4. attention backward: dK/dV programs per (batch, KV head, key block) looping over the group's 3
+#    query heads, dQ programs per (batch, head, query block); RoPE and RMSNorm backward in their
+#    epilogues write G = [dq | dk | dv] token-major, plus partial norm-weight gradients;
+# 5. gradient products: grad_hidden = G [Wq; Wk; Wv], grad_[Wq; Wk; Wv] = G^T X, grad_Wo =
+#    grad_output^T A, and the norm-weight gradients from their partials.
+
+_HIDDEN = tl.constexpr(HIDDEN)
+_HEADS = tl.constexpr(HEADS)
+_KV_HEADS = tl.constexpr(KV_HEADS)
+_GROUP = tl.constexpr(GROUP)
+_HEAD_DIM = tl.constexpr(HEAD_DIM)
+_HALF = tl.constexpr(HALF)
+_Q_OUT = tl.constexpr(Q_OUT)
+_KV_OUT = tl.constexpr(KV_OUT)
+_QKV = tl.constexpr(QKV)
+_QK = tl.constexpr(QK)
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit(do_not_specialize=["T", "zero_gx", "zero_wqkv", "zero_wo"])
+def _pack_kernel(
+    go, x, wq, wk, wv, wo,
+    go16, x16, wqkv16, wo_t16, grad_x, grad_wq, grad_wk, grad_wv, grad_wo,
+    T, zero_gx, zero_wqkv, zero_wo,
+    TILE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):
+    """Program ranges, in order: flat casts of grad_output, X, Wq, Wk, Wv (into [Wq; Wk; Wv]), Wo^T
+    tiles, then zero fills of the split-K products' outputs whose flag is set."""
+    pid = tl.program_id(0)
+    CHUNK: tl.constexpr = BLOCK * ITERS
+    WQ: tl.constexpr = _Q_OUT * _HIDDEN
+    WKV: tl.constexpr = _KV_OUT * _HIDDEN
+    WQ_CHUNKS: tl.constexpr = (WQ + CHUNK - 1) // CHUNK
+    WKV_CHUNKS: tl.constexpr = (WKV + CHUNK - 1) // CHUNK
+    n_act = T * _HIDDEN
+    act_chunks = (n_act + CHUNK - 1) // CHUNK
+    e_go = act_chunks
+    e_x = e_go + act_chunks
+    e_wq = e_x + WQ_CHUNKS
+    e_wk = e_wq + WKV_CHUNKS
+    e_wv = e_wk + WKV_CHUNKS
+    e_wo = e_wv + (_HIDDEN // TILE) * (_Q_OUT // TILE)
+    e_gx = e_wo + zero_gx * act_chunks
+    e_zwq = e_gx + zero_wqkv * WQ_CHUNKS
+    e_zwk = e_zwq + zero_wqkv * WKV_CHUNKS
+    e_zwv = e_zwk + zero_wqkv * WKV_CHUNKS
+    if pid < e_go:
+        cast_chunk(go, go16, n_act, pid, BLOCK, ITERS)
+    elif pid < e_x:
+        cast_chunk(x, x16, n_act, pid - e_go, BLOCK, ITERS)
+    elif pid < e_wq:
+        cast_chunk(wq, wqkv16, WQ, pid - e_x, BLOCK, ITERS)
+    elif pid < e_wk:
+        cast_chunk(wk, wqkv16 + WQ, WKV, pid - e_wq, BLOCK, ITERS)
+    elif pid < e_wv:
+        cast_chunk(wv, wqkv16 + WQ + WKV, WKV, pid - e_wk, BLOCK, ITERS)
+    elif pid < e_wo:
+        transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, TILE)
+    elif pid < e_gx:
+        zero_chunk(grad_x, n_act, pid - e_wo, BLOCK, ITERS)
+    elif pid < e_zwq:
+        zero_chunk(grad_wq, WQ, pid - e_gx, BLOCK, ITERS)
+    elif pid < e_zwk:
+        zero_chunk(grad_wk, WKV, pid - e_zwq, BLOCK, ITERS)
+    elif pid < e_zwv:
+        zero_chunk(grad_wv, WKV, pid - e_zwk, BLOCK, ITERS)
+    else:
+        zero_chunk(grad_wo, WQ, pid - e_zwv, BLOCK, ITERS)
+
+
+@triton.jit
+def _halves(x):
+    """[R, 128] -> its feature halves [R, 64], [R, 64] (the pairs RoPE rotates together)."""
+    R: tl.constexpr = x.shape[0]
+    return tl.split(tl.permute(tl.reshape(x, (R, 2, _HALF)), (0, 2, 1)))
+
+
+@triton.jit
+def _whole(lo, hi):
+    """Inverse of _halves."""
+    R: tl.constexpr = lo.shape[0]
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (R, _HEAD_DIM))
+
+
+@triton.jit
+def _rope_table(table, tok, ok):
+    """cos or sin rows of tokens tok ([R]) as halves [R, 64], [R, 64]."""
+    d = tl.arange(0, _HALF)
+    row = table + tok[:, None].to(tl.int64) * _HEAD_DIM + d[None, :]
+    return tl.load(row, mask=ok, other=0.0), tl.load(row + _HALF, mask=ok, other=0.0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _forward_products_kernel(
+    x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
+    raw16, rot16, d_attn16,
+    T, eps,
+    BM: tl.constexpr, BK: tl.constexpr, PRODUCTS: tl.constexpr,
+):
+    """One head (128 columns) per tile. PRODUCTS: raw16 = [q | k | v] = X [Wq; Wk; Wv]^T and
+    dA = grad_output Wo (fp16); both read a row-major A and a [N, 3072] B^T (hence Wo transposed in
+    the pack), so they share one call site and one shared-memory ring. Without PRODUCTS (cuBLAS made
+    raw16; the grid covers [q | k | v] only) just the epilogue runs. Epilogue of a q or k head:
+    rot16 = RoPE(RMSNorm(q) * (1 + w))."""
+    pid = tl.program_id(0)
+    t_qkv = ((T + BM - 1) // BM) * (_QKV // _HEAD_DIM)
+    on_qkv = pid < t_qkv
+    local = tl.where(on_qkv, pid, pid - t_qkv)
+    width = tl.multiple_of(tl.where(on_qkv, _QKV, _Q_OUT), 1024)
+    off_m = (local // (width // _HEAD_DIM)) * BM
+    off_n = (local % (width // _HEAD_DIM)) * _HEAD_DIM
+    tok = off_m + tl.arange(0, BM)
+    ok = tok[:, None] < T
+    d = tl.arange(0, _HEAD_DIM)
+    raw_offs = tok[:, None].to(tl.int64) * width + off_n + d[None, :]
+    if PRODUCTS:
+        acc = mma_tile(
+            tl.where(on_qkv, x16, go16), tl.where(on_qkv, wqkv16, wo_t16),
+            off_m, off_n, T, width, 0, _HIDDEN, _HIDDEN, 1, 1, _HIDDEN, BM, _HEAD_DIM, BK,
+        )
+        tl.store(tl.where(on_qkv, raw16, d_attn16) + raw_offs, acc.to(tl.float16), mask=ok)
+    if on_qkv & (off_n < _QK):
+        if PRODUCTS:
+            raw = acc
+        else:
+            raw = tl.load(raw16 + raw_offs, mask=ok, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(raw * raw, 1) / _HEAD_DIM + eps)
+        w = tl.load(tl.where(off_n < _Q_OUT, q_norm_w, k_norm_w) + d)
+        lo, hi = _halves(raw * r[:, None] * (1 + w)[None, :])
+        cos_lo, cos_hi = _rope_table(cos, tok, ok)
+        sin_lo, sin_hi = _rope_table(sin, tok, ok)
+        rot = _whole(lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi)
+        tl.store(rot16 + tok[:, None].to(tl.int64) * _QK + off_n + d[None, :], rot.to(tl.float16), mask=ok)
+
+
+@triton.jit
+def _head_rows(buf16, width, column0, tok, ok):
+    """The [R, 128] fp16 slice of a token-major buffer for tokens tok at column column0."""
+    d = tl.arange(0, _HEAD_DIM)
+    return tl.load(buf16 + tok[:, None].to(tl.int64) * width + column0 + d[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
+def _capped(z, cap):
+    """t = tanh(z / cap) (written with exp2: the soft cap keeps logits in (-cap, cap))."""
+    return 1.0 - 2.0 / (tl.exp2(z * (2.0 * _LOG2E / cap)) + 1.0)
+
+
+@triton.jit(do_not_specialize=["S"])
+def _attention_forward_kernel(
+    rot16, raw16, d_attn16, attn16, lse, delta,
+    S, scaling, cap,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    """Per (batch, head, block of BM queries), the last blocks (most keys) first: softmax over the
+    capped, causal logits (online, in base 2), A = P v (fp16, token-major), the row log-sum-exp and
+    delta = rowsum(A * dA)."""
+    pid = tl.program_id(0)
+    n_heads = tl.num_programs(0) // ((S + BM - 1) // BM)
+    block = (S + BM - 1) // BM - 1 - pid // n_heads
+    bh = pid % n_heads
+    b = bh // _HEADS
+    h = bh % _HEADS
+    kv = h // _GROUP
+    rows = block * BM + tl.arange(0, BM)
+    row_ok = rows < S
+    q = _head_rows(rot16, _QK, h * _HEAD_DIM, b * S + rows, row_ok[:, None])
+    row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
+    for n0 in range(0, tl.minimum((block + 1) * BM, S), BN):
+        cols = n0 + tl.arange(0, BN)
+        col_ok = (cols < S)[:, None]
+        k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
+        v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, b * S + cols, col_ok)
+        c = _capped(tl.dot(q, tl.trans(k)) * scaling, cap) * (cap * _LOG2E)
+        c = tl.where(cols[None, :] <= rows[:, None], c, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(c, 1))
+        shrink = tl.exp2(row_max - new_max)
+        p = tl.exp2(c - new_max[:, None])
+        row_sum = row_sum * shrink + tl.sum(p, 1)
+        acc = tl.dot(p.to(tl.float16), v, acc * shrink[:, None])
+        row_max = new_max
+    attn = acc / row_sum[:, None]
+    tok = b * S + rows
+    d = tl.arange(0, _HEAD_DIM)
+    offs = tok[:, None].to(tl.int64) * _Q_OUT + h * _HEAD_DIM + d[None, :]
+    tl.store(attn16 + offs, attn.to(tl.float16), mask=row_ok[:, None])
+    d_attn = tl.load(d_attn16 + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    tl.store(lse + bh * S + rows, row_max + tl.log2(row_sum), mask=row_ok)
+    tl.store(delta + bh * S + rows, tl.sum(attn * d_attn, 1), mask=row_ok)
+
+
+@triton.jit
+def _rope_norm_backward(d_rot, raw16, cos, sin, norm_w, g16, tok, ok, raw_column, g_column, eps):
+    """RoPE, then RMSNorm backward of one head's rows: writes d(raw projection) to G in fp16 and
+    returns this tile's share of the norm-weight gradient, sum over rows of d(qhat) * qn."""
+    lo, hi = _halves(d_rot)
+    cos_lo, cos_hi = _rope_table(cos, tok, ok)
+    sin_lo, sin_hi = _rope_table(sin, tok, ok)
+    d_hat = _whole(lo * cos_lo + hi * sin_hi, hi * cos_hi - lo * sin_lo)
+    raw = _head_rows(raw16, _QKV, raw_column, tok, ok).to(tl.float32)
+    r = tl.rsqrt(tl.sum(raw * raw, 1) / _HEAD_DIM + eps)
+    normed = raw * r[:, None]
+    m = d_hat * (1 + tl.load(norm_w + tl.arange(0, _HEAD_DIM)))[None, :]
+    d_raw = r[:, None] * (m - normed * (tl.sum(m * normed, 1) / _HEAD_DIM)[:, None])
+    d = tl.arange(0, _HEAD_DIM)
+    tl.store(g16 + tok[:, None].to(tl.int64) * _QKV + g_column + d[None, :], d_raw.to(tl.float16), mask=ok)
+    return tl.sum(d_hat * normed, 0)
+
+
+@triton.jit(do_not_specialize=["S", "kv_programs"])
+def _attention_backward_kernel(
+    rot16, raw16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
+    g16, q_norm_parts, k_norm_parts,
+    S, kv_programs, scaling, cap, eps,
+    KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
+):
+    """The first kv_programs programs: dK, dV of one (batch, KV head, block of KV_BN keys), summed
+    over the group's query heads and the causal query blocks (KV_BM at a time). The rest: dQ of one
+    (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time). Heaviest blocks run
+    first. P is recomputed from the forward's log-sum-exp;
+    dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included."""
+    pid = tl.program_id(0)
+    log2_scale = cap * _LOG2E
+    if pid < kv_programs:
+        n_kv = kv_programs // ((S + KV_BN - 1) // KV_BN)
+        block = pid // n_kv
+        b = (pid % n_kv) // _KV_HEADS
+        kv = (pid % n_kv) % _KV_HEADS
+        cols = block * KV_BN + tl.arange(0, KV_BN)
+        key_tok = b * S + cols
+        col_ok = (cols < S)[:, None]
+        k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, key_tok, col_ok)
+        v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, key_tok, col_ok)
+        dk = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
+        dv = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
+        for g in range(_GROUP):
+            bh = b * _HEADS + kv * _GROUP + g
+            for m0 in range((block * KV_BN) // KV_BM * KV_BM, S, KV_BM):
+                rows = m0 + tl.arange(0, KV_BM)
+                row_ok = rows < S
+                q = _head_rows(rot16, _QK, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
+                d_attn = _head_rows(d_attn16, _Q_OUT, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
+                row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=0.0)
+                row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
+                t = _capped(tl.dot(k, tl.trans(q)) * scaling, cap)  # [keys, queries]
+                visible = (cols[:, None] <= rows[None, :]) & row_ok[None, :]
+                p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[None, :]), 0.0)
+                dv = tl.dot(p.to(tl.float16), d_attn, dv)
+                dp = tl.dot(v, tl.trans(d_attn))
+                ds = p * (dp - row_delta[None, :]) * (1.0 - t * t) * scaling
+                dk = tl.dot(ds.to(tl.float16), q, dk)
+        part = _rope_norm_backward(dk, raw16, cos, sin, k_norm_w, g16, key_tok, col_ok, _Q_OUT + kv * _HEAD_DIM,
+                                   _Q_OUT + kv * _HEAD_DIM, eps)
+        tl.store(k_norm_parts + pid * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
+        d = tl.arange(0, _HEAD_DIM)
+        tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
+                 mask=col_ok)
+    else:
+        local = pid - kv_programs
+        n_blocks = (S + Q_BM - 1) // Q_BM
+        n_heads = (tl.num_programs(0) - kv_programs) // n_blocks
+        block = n_blocks - 1 - local // n_heads
+        bh = local % n_heads
+        b = bh // _HEADS
+        h = bh % _HEADS
+        kv = h // _GROUP
+        rows = block * Q_BM + tl.arange(0, Q_BM)
+        row_ok = rows < S
+        tok = b * S + rows
+        q = _head_rows(rot16, _QK, h * _HEAD_DIM, tok, row_ok[:, None])
+        d_attn = _head_rows(d_attn16, _Q_OUT, h * _HEAD_DIM, tok, row_ok[:, None])
+        row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=0.0)
+        row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
+        dq = tl.zeros((Q_BM, _HEAD_DIM), dtype=tl.float32)
+        for n0 in range(0, tl.minimum((block + 1) * Q_BM, S), Q_BN):
+            cols = n0 + tl.arange(0, Q_BN)
+            col_ok = (cols < S)[:, None]
+            k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
+            v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, b * S + cols, col_ok)
+            t = _capped(tl.dot(q, tl.trans(k)) * scaling, cap)
+            visible = (cols[None, :] <= rows[:, None]) & row_ok[:, None]
+            p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[:, None]), 0.0)
+            dp = tl.dot(d_attn, tl.trans(v))
+            ds = p * (dp - row_delta[:, None]) * (1.0 - t * t) * scaling
+            dq = tl.dot(ds.to(tl.float16), k, dq)
+        part = _rope_norm_backward(dq, raw16, cos, sin, q_norm_w, g16, tok, row_ok[:, None], h * _HEAD_DIM,
+                                   h * _HEAD_DIM, eps)
+        tl.store(q_norm_parts + local * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
+
+
+@triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])
+def _gradient_products_kernel(
+    g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
+    grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm_w, grad_k_norm_w,
+    T, split_gx, split_wqkv, split_wo, n_q_parts, n_k_parts,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr,
+):
+    """grad_hidden = G [Wq; Wk; Wv] (A row-major); then, A read feature-contiguous, the weight
+    gradients grad_[Wq; Wk; Wv] = G^T X (each tile inside one of the three) and grad_Wo =
+    grad_output^T A. K splits per product (outputs pre-zeroed when split; 0 skips the product).
+    The last two programs sum the norm-weight partials in a fixed order."""
+    pid = tl.program_id(0)
+    t_gx = ((T + BM - 1) // BM) * (_HIDDEN // BN) * split_gx
+    t_wqkv = (_QKV // BM) * (_HIDDEN // BN) * split_wqkv
+    t_wo = (_Q_OUT // BM) * (_HIDDEN // BN) * split_wo
+    local = pid - t_gx
+    if pid < t_gx:
+        gemm_tile(pid, g16, wqkv16, grad_x, T, _HIDDEN, _QKV, _QKV, 1, _HIDDEN, 1, _HIDDEN, split_gx, BM, BN, BK)
+    elif local < t_wqkv + t_wo:
+        on_qkv = local < t_wqkv
+        rows = tl.where(on_qkv, _QKV, _Q_OUT)
+        splits = tl.where(on_qkv, split_wqkv, split_wo)
+        off_m, off_n, k_lo, k_hi = tile_coords(tl.where(on_qkv, local, local - t_wqkv), rows, _HIDDEN, T, splits,
+                                               BM, BN, BK)
+        acc = mma_tile(tl.where(on_qkv, g16, go16), tl.where(on_qkv, x16, attn16), off_m, off_n, rows, _HIDDEN,
+                       k_lo, k_hi, 1, tl.multiple_of(rows, 1024), _HIDDEN, 1, BM, BN, BK)
+        # The rows of grad_[Wq; Wk; Wv] are three outputs; BM divides their heights.
+        out = tl.where(on_qkv, tl.where(off_m < _Q_OUT, grad_wq, tl.where(off_m < _QK, grad_wk, grad_wv)), grad_wo)
+        first = tl.where(on_qkv, tl.where(off_m < _Q_OUT, 0, tl.where(off_m < _QK, _Q_OUT, _QK)), 0)
+        store_tile(out, acc, off_m - first, off_n, rows - first, _HIDDEN, _HIDDEN, 1, splits > 1, BM, BN)
+    else:
+        on_q = local == t_wqkv + t_wo
+        cols = tl.arange(0, _HEAD_DIM)
+        total = column_sums(tl.where(on_q, q_norm_parts, k_norm_parts), tl.where(on_q, n_q_parts, n_k_parts),
+                            _HEAD_DIM, cols, SUM_ROWS, _HEAD_DIM)
+        tl.store(tl.where(on_q, grad_q_norm_w, grad_k_norm_w) + cols, total)
+
+
+PACK = FastKernel(_pack_kernel)
+FORWARD_PRODUCTS = FastKernel(_forward_products_kernel)
+ATTENTION_FORWARD = FastKernel(_attention_forward_kernel)
+ATTENTION_BACKWARD = FastKernel(_attention_backward_kernel)
+GRADIENT_PRODUCTS = FastKernel(_gradient_products_kernel)
+
+
+class PackConfig(NamedTuple):
+    """Wo^T tile side; flat passes: elements per step, steps per program."""
+
+    tile: int = 64
+    block: int = 8192
+    iters: int = 1
+    warps: int = 4
+
+
+class AttentionConfig(NamedTuple):
+    """Forward: fwd_bm queries per program, fwd_bn keys per step. Backward: kv_bn keys per dK/dV
+    program, kv_bm queries per step; q_bm queries per dQ program, q_bn keys per step."""
+
+    fwd_bm: int = 64
+    fwd_bn: int = 64
+    fwd_warps: int = 4
+    fwd_stages: int = 2
+    kv_bn: int = 64
+    kv_bm: int = 32
+    q_bm: int = 64
+    q_bn: int = 32
+    warps: int = 4
+    stages: int = 3
+
+
+class Config(NamedTuple):
+    pack: PackConfig = PackConfig()
+    forward: TileConfig = TileConfig(256, HEAD_DIM, 64, 8, 3)  # bn: one head per tile (the norm is per head)
+    attention: AttentionConfig = AttentionConfig()
+    gradients: TileConfig = TileConfig(128, 128, 32, 4, 6)
+
+
+CONFIG = Config()
+
+
+@contextlib.contextmanager
+def fp32_sums_in_fp16_products():
+    """cuBLAS products with fp16 output keep fp32 sums throughout (no fp16 split-K reductions)."""
+    matmul = torch.backends.cuda.matmul
+    saved, matmul.allow_fp16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction, False
+    try:
+        yield
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction = saved
+# The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
+INTERPRETER_CONFIG = Config(pack=PackConfig(256, 1 << 20, 1, 4), forward=TileConfig(128, HEAD_DIM, 512, 4, 1),
+                            attention=AttentionConfig(32, 16, 4, 1, 32, 16, 32, 16, 4, 1),
+                            gradients=TileConfig(512, 512, 128, 4, 1))
+SUM_ROWS = 32  # norm-weight gradients: partial rows summed per step
+# From this much product work (FLOP) on, the products go to cuBLAS (measured: benchmarks/notes/037.md).
+CUBLAS_MIN_FLOP = 40e9
+
+
+def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, eps, *,
+                              needs=None, deterministic=False, config=None, products=None, sms=None):
+    """The 037 outputs from the official inputs (validated by the caller).
+
+    needs: one bool per output (None: all); grad_hidden's product, the three projection weights'
+    products and grad_Wo's product are skipped when nobody needs them.
+    deterministic: the same outputs bit for bit on every call (no K splits; nothing else uses
+    atomics; cuBLAS products are reproducible on one GPU model as they are). config: shapes of the
+    five launches (None: CONFIG on a GPU, INTERPRETER_CONFIG on the CPU). products: the projection
+    products as our tiles ("triton") or as torch.mm on our fp16 operands ("cublas": our forward
+    products launch then only norms and rotates); None picks by size on a GPU. sms: processors to
+    balance the products' K splits over (the GPU's count; on the CPU, 1).
+    """
+    batch, seq, _ = x.shape
+    tokens = batch * seq
+    device = x.device
+    pk, fw, at, gr = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
+    if fw.bn != HEAD_DIM:
+        raise ValueError(f"037 forward products: tile width must be one head ({HEAD_DIM}), got {fw.bn}")
+    if sms is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
+    f32 = lambda *shape: buffers.empty(shape, torch.float32, device)  # noqa: E731
+    go16, x16, d_attn16, attn16 = (f16(tokens, HIDDEN) for _ in range(4))
+    raw16, rot16, g16 = f16(tokens, QKV), f16(tokens, QK), f16(tokens, QKV)
+    wqkv16, wo_t16 = f16(QKV, HIDDEN), f16(HIDDEN, Q_OUT)
+    lse, delta = f32(batch * HEADS * seq), f32(batch * HEADS * seq)
+    kv_programs = batch * KV_HEADS * triton.cdiv(seq, at.kv_bn)
+    q_programs = batch * HEADS * triton.cdiv(seq, at.q_bm)
+    q_norm_parts, k_norm_parts = f32(q_programs, HEAD_DIM), f32(kv_programs, HEAD_DIM)
+    grad_x = f32(batch, seq, HIDDEN)
+    grad_wq, grad_wk, grad_wv, grad_wo = f32(Q_OUT, HIDDEN), f32(KV_OUT, HIDDEN), f32(KV_OUT, HIDDEN), f32(HIDDEN, Q_OUT)
+    grad_q_norm_w, grad_k_norm_w = f32(HEAD_DIM), f32(HEAD_DIM)
+
+    # grad_hidden, grad_[Wq; Wk; Wv], grad_Wo as (M, N, K).
+    gradient_products = [(tokens, HIDDEN, QKV), (QKV, HIDDEN, tokens), (Q_OUT, HIDDEN, tokens)]
+    if products is None:
+        flop = 2 * sum(m * n * k for m, n, k in gradient_products)
+        products = "cublas" if device.type == "cuda" and flop >= CUBLAS_MIN_FLOP else "triton"
+    on_cublas = products == "cublas"
+    needs = needs or (True,) * 7
+    wanted = [needs[0], any(needs[1:4]), needs[4]]
+    if on_cublas:  # our launch only sums the norm-weight partials
+        splits = [0] * 3
+    else:
+        splits = [1] * 3 if deterministic else choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms)
+    split_gx, split_wqkv, split_wo = (s * w for s, w in zip(splits, wanted))  # 0: skipped
+    gradient_tiles = sum(tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in
+                         zip(gradient_products, (split_gx, split_wqkv, split_wo)))
+    flat = lambda n: chunks(n, pk.block, pk.iters)  # noqa: E731
+    n_act, n_wq, n_wkv = flat(tokens * HIDDEN), flat(Q_OUT * HIDDEN), flat(KV_OUT * HIDDEN)
+    n_pack = (2 * n_act + n_wq + 2 * n_wkv + (HIDDEN // pk.tile) * (Q_OUT // pk.tile)
+              + (split_gx > 1) * n_act + (split_wqkv > 1) * (n_wq + 2 * n_wkv) + (split_wo > 1) * n_wq)
+    forward_tiles = tile_count(tokens, QKV, 1, fw.bm, fw.bn) + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm,
+                                                                                           fw.bn)
+    scalars = float(scaling), float(cap)
+    # cuBLAS products: operand views made before the first launch, so they add no gaps. The forward
+    # ones write fp16 (their fp32 sums rounded once, as our tiles do).
+    cublas_forward = [(x16, wqkv16.T, raw16), (go16, wo_t16.T, d_attn16)]
+    cublas_gradients = [(g16, wqkv16, grad_x.view(tokens, HIDDEN), wanted[0]),
+                       (g16[:, :Q_OUT].T, x16, grad_wq, wanted[1]), (g16[:, Q_OUT:QK].T, x16, grad_wk, wanted[1]),
+                       (g16[:, QK:].T, x16, grad_wv, wanted[1]), (go16.T, attn16, grad_wo, wanted[2])]
+
+    with buffers.on_device(device):
+        pack = PACK.prepare(
+            (n_pack,),
+            go, x, wq, wk, wv, wo,
+            go16, x16, wqkv16, wo_t16, grad_x, grad_wq, grad_wk, grad_wv, grad_wo,
+            tokens, int(split_gx > 1), int(split_wqkv > 1), int(split_wo > 1),
+            TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, num_warps=pk.warps)
+        launches = [
+            FORWARD_PRODUCTS.prepare(
+                (forward_tiles,),
+                x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
+                raw16, rot16, d_attn16,
+                tokens, float(eps),
+                BM=fw.bm, BK=fw.bk, PRODUCTS=not on_cublas, num_warps=fw.warps, num_stages=fw.stages),
+            ATTENTION_FORWARD.prepare(
+                (batch * HEADS * triton.cdiv(seq, at.fwd_bm),),
+                rot16, raw16, d_attn16, attn16, lse, delta,
+                seq, *scalars,
+                BM=at.fwd_bm, BN=at.fwd_bn, num_warps=at.fwd_warps, num_stages=at.fwd_stages),
+            ATTENTION_BACKWARD.prepare(
+                (kv_programs + q_programs,),
+                rot16, raw16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
+                g16, q_norm_parts, k_norm_parts,
+                seq, kv_programs, *scalars, float(eps),
+                KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, num_warps=at.warps,
+                num_stages=at.stages),
+            GRADIENT_PRODUCTS.prepare(
+                (gradient_tiles + 2,),
+                g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
+                grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm_w, grad_k_norm_w,
+                tokens, split_gx, split_wqkv, split_wo, q_programs, kv_programs,
+                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, num_warps=gr.warps, num_stages=gr.stages),
+        ]
+        pack()
+        if on_cublas:
+            with fp32_sums_in_fp16_products():
+                for a, b, out in cublas_forward:
+                    torch.mm(a, b, out=out)
+        for launch in launches:
+            launch()
+        if on_cublas:
+            for a, b, out, needed in cublas_gradients:
+                if needed:
+                    torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm_w, grad_k_norm_w

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import buffers
-from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
+from ..kernels.elementwise import cast_chunk, chunks, column_sums, transpose_tile, zero_chunk
 from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, mma_tile, tile_count
 from ..kernels.launch import FastKernel
 from ..problem import Problem, Scalar, Tensor, fp32_matmul
@@ -169,15 +169,6 @@ def _grad_output_tile(go, go16, colsum_parts, tile, TV, ROWS: tl.constexpr, COLS
         tl.store(colsum_parts + tile * _HIDDEN + c, tl.sum(x, 0))
 
 
-@triton.jit
-def _transpose_tile(w, wt16, tile, T: tl.constexpr):
-    """wt16 = fp16(w^T) on one [T, T] tile of a [_HIDDEN, _HIDDEN] matrix."""
-    i = (tile // (_HIDDEN // T)) * T + tl.arange(0, T)
-    j = (tile % (_HIDDEN // T)) * T + tl.arange(0, T)
-    x = tl.load(w + i[:, None] * _HIDDEN + j[None, :])
-    tl.store(wt16 + j[:, None] * _HIDDEN + i[None, :], tl.trans(x).to(tl.float16))
-
-
 @triton.jit(do_not_specialize=["TV", "TT", "n_heads", "zero_dkv", "zero_wq", "zero_wo", "zero_wkv", "zero_gv",
                                 "zero_gt"])
 def _pack_kernel(
@@ -224,7 +215,7 @@ def _pack_kernel(
     elif pid < e_wv:
         cast_chunk(wv, wkv16 + W, W, pid - e_wk, BLOCK, ITERS)
     elif pid < e_wo:
-        _transpose_tile(wo, wo_t16, pid - e_wv, T)
+        transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, T)
     elif pid < e_small:
         c = tl.arange(0, _HIDDEN)
         for c0 in range(0, n_heads, _HIDDEN):
@@ -243,17 +234,6 @@ def _pack_kernel(
         zero_chunk(grad_video, n_video, pid - e_zwv, BLOCK, ITERS)
     else:
         zero_chunk(grad_text, n_text, pid - e_zgv, BLOCK, ITERS)
-
-
-@triton.jit
-def _column_sums(parts, n_parts, width, cols, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr):
-    """Column sums over the n_parts rows of parts[n_parts, width] for columns cols ([SUM_COLS]), in a
-    fixed order (so the result is the same every call), SUM_ROWS rows at a time."""
-    total = tl.zeros((SUM_ROWS, SUM_COLS), dtype=tl.float32)
-    for part in range(0, n_parts, SUM_ROWS):
-        rows = part + tl.arange(0, SUM_ROWS)
-        total += tl.load(parts + rows[:, None] * width + cols[None, :], mask=rows[:, None] < n_parts, other=0.0)
-    return tl.sum(total, 0)
 
 
 @triton.jit(do_not_specialize=["TV", "TT", "n_parts"])
@@ -293,7 +273,7 @@ def _forward_products_kernel(
         tl.store(out + rm[:, None].to(tl.int64) * width + rn[None, :], acc.to(tl.float16), mask=rm[:, None] < rows)
     else:
         cols = (pid - 2 * t_q - t_kv) * SUM_COLS + tl.arange(0, SUM_COLS)
-        tl.store(grad_bo + cols, _column_sums(colsum_parts, n_parts, _HIDDEN, cols, SUM_ROWS, SUM_COLS))
+        tl.store(grad_bo + cols, column_sums(colsum_parts, n_parts, _HIDDEN, cols, SUM_ROWS, SUM_COLS))
 
 
 @triton.jit
@@ -524,7 +504,7 @@ def _gradient_products_kernel(
         cols = strip * SUM_COLS + tl.arange(0, SUM_COLS)
         which = (strip * SUM_COLS) // _HIDDEN  # 0: q, 1: k, 2: v
         out = tl.where(which == 0, grad_bq, tl.where(which == 1, grad_bk, grad_bv)) + cols - which * _HIDDEN
-        tl.store(out, _column_sums(bias_parts, n_parts, 3 * _HIDDEN, cols, SUM_ROWS, SUM_COLS))
+        tl.store(out, column_sums(bias_parts, n_parts, 3 * _HIDDEN, cols, SUM_ROWS, SUM_COLS))
 
 
 PACK = FastKernel(_pack_kernel)

@@ -1,8 +1,8 @@
-"""Device experiment for 021: launch shapes of the four kernels, per-kernel breakdown.
+"""Device experiment for 021 and 037: launch shapes of the fused kernels, per-kernel breakdown.
 
-Run on the GPU machine from the checkout: PYTHONPATH=src python benchmarks/tune_021.py --out DIR
+Run on the GPU machine from the checkout: PYTHONPATH=src python benchmarks/tune.py 037 --out DIR
 Every variant is checked (official rule, 2 rounds) and timed under the official clock (CUPTI span,
-L2 flushed, fresh addresses). Prints a short table; writes everything to DIR/tune_021.json.
+L2 flushed, fresh addresses). Prints a short table; writes everything to DIR/tune_<problem>.json.
 """
 
 from __future__ import annotations
@@ -15,32 +15,55 @@ import torch
 
 import backfuse
 from backfuse.bench import check_outputs, sol_ms, time_calls
-from backfuse.ops import wan_text_video_xattn as op
+from backfuse.ops import gemma3_attn_core as op037
+from backfuse.ops import wan_text_video_xattn as op021
 
-C, A = op.Config, op.AttentionConfig
+C21, A21 = op021.Config, op021.AttentionConfig
+C37, A37 = op037.Config, op037.AttentionConfig
 VARIANTS = {
-    "default": dict(config=C()),
-    "att_half_sm": dict(config=C(attention=A(programs_per_sm=0.5))),
-    "att_2sm": dict(config=C(attention=A(programs_per_sm=2))),
+    "021": {
+        "default": dict(config=C21()),
+        "att_half_sm": dict(config=C21(attention=A21(programs_per_sm=0.5))),
+        "att_2sm": dict(config=C21(attention=A21(programs_per_sm=2))),
+    },
+    "037": {
+        "default": dict(config=C37()),
+        "triton": dict(config=C37(), products="triton"),
+        "cublas": dict(config=C37(), products="cublas"),
+        "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),
+        "att_fwd_64x128": dict(config=C37(attention=A37(fwd_bn=128))),
+        "att_fwd_s3": dict(config=C37(attention=A37(fwd_stages=3))),
+        "bwd_s2": dict(config=C37(attention=A37(stages=2))),
+        "bwd_q128": dict(config=C37(attention=A37(q_bm=128))),
+        "bwd_kv128_w8": dict(config=C37(attention=A37(kv_bn=128, warps=8))),
+        "bwd_64_s3": dict(config=C37(attention=A37(kv_bm=64, q_bn=64))),
+    },
+}
+BACKWARD = {  # the fused function on the official inputs, with a variant's keywords
+    "021": lambda x, kw: op021.text_video_xattn_backward(*x[:10], x[11], **kw),
+    "037": lambda x, kw: op037.gemma3_attention_backward(*x, **kw),
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("problem", choices=sorted(VARIANTS))
     ap.add_argument("--out", default=".")
     ap.add_argument("--cases", default=None)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=None, help="comma-separated names (default: all of the problem's)")
     args = ap.parse_args()
-    prob = backfuse.problem("021")
+    prob = backfuse.problem(args.problem)
     cases = range(16) if args.cases is None else [int(c) for c in args.cases.split(",")]
-    variants = {k: VARIANTS[k] for k in args.variants.split(",")}
+    names = args.variants.split(",") if args.variants else list(VARIANTS[args.problem])
+    variants = {k: VARIANTS[args.problem][k] for k in names}
+    backward = BACKWARD[args.problem]
     rows = []
     for i in cases:
         w = prob.workloads[i]
         a = w.axes
         row = {"case": i, "axes": a, "sol_ms": sol_ms(prob, a), "variants": {}}
         for name, kw in variants.items():
-            fn = lambda *x, kw=kw: op.text_video_xattn_backward(*x[:10], x[11], **kw)  # noqa: E731
+            fn = lambda *x, kw=kw: backward(x, kw)  # noqa: E731
             worst, ok = 1.0, True
             try:
                 for r in range(2):
@@ -76,7 +99,7 @@ def main():
             for kn, ms in r["variants"][k]["kernel_ms"].items():
                 kernels[kn] = kernels.get(kn, 0.0) + ms / len(rows)
         print(f"  {k}: mean busy per kernel: " + "  ".join(f"{kn.strip('_')}={ms * 1000:.1f}us" for kn, ms in kernels.items()))
-    with open(f"{args.out}/tune_021.json", "w") as f:
+    with open(f"{args.out}/tune_{args.problem}.json", "w") as f:
         json.dump({"rows": rows, "means": means}, f, indent=1)
 
 
