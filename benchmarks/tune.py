@@ -15,6 +15,7 @@ import torch
 
 import backfuse
 from backfuse.bench import check_outputs, sol_ms, time_calls
+from backfuse.kernels.gemm import TileConfig
 from backfuse.ops import gemma3_attn_core as op037
 from backfuse.ops import wan_text_video_xattn as op021
 
@@ -29,14 +30,9 @@ VARIANTS = {
     "037": {
         "default": dict(config=C37()),
         "triton": dict(config=C37(), products="triton"),
-        "cublas": dict(config=C37(), products="cublas"),
-        "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),
-        "att_fwd_64x128": dict(config=C37(attention=A37(fwd_bn=128))),
-        "att_fwd_s3": dict(config=C37(attention=A37(fwd_stages=3))),
         "bwd_s2": dict(config=C37(attention=A37(stages=2))),
-        "bwd_q128": dict(config=C37(attention=A37(q_bm=128))),
-        "bwd_kv128_w8": dict(config=C37(attention=A37(kv_bn=128, warps=8))),
-        "bwd_64_s3": dict(config=C37(attention=A37(kv_bm=64, q_bn=64))),
+        "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),
+        "grad_128x256": dict(config=C37(gradients=TileConfig(128, 256, 64, 8, 3))),
     },
 }
 BACKWARD = {  # the fused function on the official inputs, with a variant's keywords

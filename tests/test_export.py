@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from helpers import assert_official_pass
 
 import backfuse
 from backfuse.cli import main
-from backfuse.export import ENTRY_FILE, PACKAGE
+from backfuse.export import ENTRY_FILE, PACKAGE, solution
 
 # Runs in a fresh interpreter with the installed backfuse made unimportable: the package must
 # stand on its own sources.
@@ -30,6 +31,7 @@ torch.save(list(module.run(*inputs)), sys.argv[3])
 @pytest.mark.parametrize("pid, axes", [
     ("072", dict(batch_size=1, seq_len_dec=5, seq_len_enc=3)),
     ("021", dict(batch_size=1, num_video_tokens=5, num_text_tokens=3)),
+    ("037", dict(batch_size=1, seq_len=5)),
 ])
 def test_exported_solution_runs_standalone(tmp_path, pid, axes):
     out_json = tmp_path / "solution.json"
@@ -57,6 +59,6 @@ def test_exported_solution_runs_standalone(tmp_path, pid, axes):
     assert_official_pass(prob, outs, prob.reference(*inputs))
 
 
-def test_export_refuses_operator_without_fused_path(tmp_path):
-    with pytest.raises(SystemExit):
-        main(["export", "037", "-o", str(tmp_path / "s.json")])
+def test_export_refuses_operator_without_fused_path():
+    with pytest.raises(ValueError, match="no fused implementation"):
+        solution(types.SimpleNamespace(name="some_reference_only_operator", fused=None))

@@ -123,6 +123,21 @@ def test_037_cublas_products(needs):
         assert not need or rel_err(o, r) < FP16_REL_ERR, name
 
 
+def test_037_single_token():
+    """S = 1: each softmax row has one key, so dS, and with it every gradient through q and k, is
+    exactly zero, in the reference too (where the official rule fails any all-zero output); the
+    rest still matches."""
+    prob = backfuse.problem("037")
+    x = prob.make_inputs(dict(batch_size=2, seq_len=1), seed=3, device=DEVICE)
+    with buffers.poisoned():
+        outs = prob.run(*x)
+    for name, o, r in zip(prob.output_names, outs, prob.reference(*x)):
+        if name in ("grad_q_weight", "grad_k_weight", "grad_q_norm_weight", "grad_k_norm_weight"):
+            assert r.abs().max() == 0 and o.abs().max() < 1e-6, name
+        else:
+            assert rel_err(o, r) < FP16_REL_ERR, name
+
+
 def test_037_scalars_are_honoured():
     """Other scaling, soft cap and eps than the suite's: the kernels take them as given."""
     prob = backfuse.problem("037")

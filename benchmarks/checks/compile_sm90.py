@@ -98,8 +98,10 @@ def gemma3_037_kernels(cfg=None):
     yield "037 pack", compile_sm90(
         op._pack_kernel, ints("T", "zero_gx", "zero_wqkv", "zero_wo"),
         dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters), p.warps, 1)
-    yield "037 forward products", compile_sm90(
-        op._forward_products_kernel, {**ints("T"), "eps": "fp32"}, dict(BM=fw.bm, BK=fw.bk), fw.warps, fw.stages)
+    for products in (True, False):
+        yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
+            op._forward_products_kernel, {**ints("T"), "eps": "fp32"}, dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products),
+            fw.warps, fw.stages)
     yield "037 attention forward", compile_sm90(
         op._attention_forward_kernel, {**ints("S"), "scaling": "fp32", "cap": "fp32"},
         dict(BM=at.fwd_bm, BN=at.fwd_bn), at.fwd_warps, at.stages)
@@ -108,7 +110,7 @@ def gemma3_037_kernels(cfg=None):
         dict(KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn), at.warps, at.stages)
     yield "037 gradient products", compile_sm90(
         op._gradient_products_kernel, ints("T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"),
-        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS), gr.warps, gr.stages)
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS), gr.warps, gr.stages)
 
 
 KERNELS = {"072": qkv_gqa_072_kernels, "021": wan_021_kernels, "037": gemma3_037_kernels}

@@ -507,12 +507,13 @@ def _gradient_products_kernel(
     g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
     grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm_w, grad_k_norm_w,
     T, split_gx, split_wqkv, split_wo, n_q_parts, n_k_parts,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
 ):
     """grad_hidden = G [Wq; Wk; Wv] (A row-major); then, A read feature-contiguous, the weight
     gradients grad_[Wq; Wk; Wv] = G^T X (each tile inside one of the three) and grad_Wo =
     grad_output^T A. K splits per product (outputs pre-zeroed when split; 0 skips the product).
-    The last two programs sum the norm-weight partials in a fixed order."""
+    The last 2 * 128 / SUM_COLS programs sum the norm-weight partials in a fixed order (many short
+    sums: on the cuBLAS path they are the whole launch, and its latency)."""
     pid = tl.program_id(0)
     t_gx = ((T + BM - 1) // BM) * (_HIDDEN // BN) * split_gx
     t_wqkv = (_QKV // BM) * (_HIDDEN // BN) * split_wqkv
@@ -533,10 +534,11 @@ def _gradient_products_kernel(
         first = tl.where(on_qkv, tl.where(off_m < _Q_OUT, 0, tl.where(off_m < _QK, _Q_OUT, _QK)), 0)
         store_tile(out, acc, off_m - first, off_n, rows - first, _HIDDEN, _HIDDEN, 1, splits > 1, BM, BN)
     else:
-        on_q = local == t_wqkv + t_wo
-        cols = tl.arange(0, _HEAD_DIM)
+        strip = local - t_wqkv - t_wo
+        on_q = strip < _HEAD_DIM // SUM_COLS
+        cols = (strip % (_HEAD_DIM // SUM_COLS)) * SUM_COLS + tl.arange(0, SUM_COLS)
         total = column_sums(tl.where(on_q, q_norm_parts, k_norm_parts), tl.where(on_q, n_q_parts, n_k_parts),
-                            _HEAD_DIM, cols, SUM_ROWS, _HEAD_DIM)
+                            _HEAD_DIM, cols, SUM_ROWS, SUM_COLS)
         tl.store(tl.where(on_q, grad_q_norm_w, grad_k_norm_w) + cols, total)
 
 
@@ -563,7 +565,7 @@ class AttentionConfig(NamedTuple):
     fwd_bm: int = 64
     fwd_bn: int = 64
     fwd_warps: int = 4
-    fwd_stages: int = 2
+    fwd_stages: int = 3
     kv_bn: int = 64
     kv_bm: int = 32
     q_bm: int = 64
@@ -595,7 +597,7 @@ def fp32_sums_in_fp16_products():
 INTERPRETER_CONFIG = Config(pack=PackConfig(256, 1 << 20, 1, 4), forward=TileConfig(128, HEAD_DIM, 512, 4, 1),
                             attention=AttentionConfig(32, 16, 4, 1, 32, 16, 32, 16, 4, 1),
                             gradients=TileConfig(512, 512, 128, 4, 1))
-SUM_ROWS = 32  # norm-weight gradients: partial rows summed per step
+SUM_ROWS, SUM_COLS = 256, 16  # norm-weight gradients: partial rows per step, columns per program
 # From this much product work (FLOP) on, the products go to cuBLAS (measured: benchmarks/notes/037.md).
 CUBLAS_MIN_FLOP = 40e9
 
@@ -690,11 +692,12 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
                 KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, num_warps=at.warps,
                 num_stages=at.stages),
             GRADIENT_PRODUCTS.prepare(
-                (gradient_tiles + 2,),
+                (gradient_tiles + 2 * HEAD_DIM // SUM_COLS,),
                 g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
                 grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm_w, grad_k_norm_w,
                 tokens, split_gx, split_wqkv, split_wo, q_programs, kv_programs,
-                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, num_warps=gr.warps, num_stages=gr.stages),
+                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=gr.warps,
+                num_stages=gr.stages),
         ]
         pack()
         if on_cublas:
