@@ -50,11 +50,11 @@ def test_gradients_match_autograd_of_the_plain_forward(pid):
 
 
 def test_only_requested_gradients_come_back():
-    prob, grads, fwd = _forward_inputs("037")
-    fwd[0].requires_grad_(False)  # hidden_states
-    out = F.gemma3_attention_core(*fwd)
+    prob, grads, fwd = _forward_inputs("021")
+    fwd[0].requires_grad_(False)  # video_latents
+    out = F.wan_text_video_cross_attention(*fwd)
     out.backward(grads[0])
-    assert fwd[0].grad is None and all(x.grad is not None for x in fwd[3:9])
+    assert fwd[0].grad is None and all(x.grad is not None for x in fwd[1:10])
 
 
 def test_frozen_weights_skip_weight_gradients():
@@ -78,13 +78,14 @@ def test_unused_outputs_get_zero_gradient():
 
 
 def test_torch_compile_keeps_one_graph_and_checkpointing_works():
-    prob, grads, fwd = _forward_inputs("037")
+    # 021: the operator whose backward the interpreter runs fastest (CI time).
+    prob, grads, fwd = _forward_inputs("021")
     leaves = [x for x in fwd if isinstance(x, torch.Tensor) and x.requires_grad]
-    eager = _backward(F.gemma3_attention_core(*fwd), grads, leaves)
-    compiled = torch.compile(F.gemma3_attention_core, fullgraph=True, backend="aot_eager")
+    eager = _backward(F.wan_text_video_cross_attention(*fwd), grads, leaves)
+    compiled = torch.compile(F.wan_text_video_cross_attention, fullgraph=True, backend="aot_eager")
     for a, b in zip(_backward(compiled(*fwd), grads, leaves), eager):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
-    ckpt = torch.utils.checkpoint.checkpoint(F.gemma3_attention_core, *fwd, use_reentrant=False)
+    ckpt = torch.utils.checkpoint.checkpoint(F.wan_text_video_cross_attention, *fwd, use_reentrant=False)
     for a, b in zip(_backward(ckpt, grads, leaves), eager):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
 

@@ -305,10 +305,13 @@ GEMM_CONFIG = TileConfig(128, 256, 64, 8, 4)
 # launches can cost, even on a slow host: the GPU work then outlasts the launching (measured:
 # benchmarks/notes/072.md). Below it, cuBLAS wins only when the host keeps up.
 CUBLAS_MIN_FLOP = 100e9
+# The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
+INTERPRETER_GEMM_CONFIG = TileConfig(256, 256, 64, 8, 3)
+INTERPRETER_PACK_CONFIG = PackConfig(32, 65536, 1, 4)
 
 
-def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=False, config=GEMM_CONFIG,
-                     one_launch=True, pack=PACK_CONFIG, products=None, sms=None):
+def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=False, config=None,
+                     one_launch=True, pack=None, products=None, sms=None):
     """The 072 outputs from the official inputs (validated by the caller).
 
     needs: one bool per output (None: all); the products of outputs not needed are skipped (with
@@ -318,13 +321,17 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
 
     products: "triton" (our tiles) or "cublas" (five torch.mm on our fp16 operands); None picks by
     size on a GPU. config: tile shape and schedule of the Triton products; one_launch: both operand
-    layouts in one grid (else one launch each); pack: the prologue's shape; sms: processors to
-    balance their K splits over (the GPU's count; on the CPU interpreter, 1).
+    layouts in one grid (else one launch each); pack: the prologue's shape (config and pack None:
+    GEMM_CONFIG, PACK_CONFIG on a GPU, the INTERPRETER_ ones on the CPU); sms: processors to balance
+    their K splits over (the GPU's count; on the CPU interpreter, 1).
     """
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
     td, te = batch * sd, batch * se
     device = gq.device
+    on_gpu = device.type == "cuda"
+    config = config or (GEMM_CONFIG if on_gpu else INTERPRETER_GEMM_CONFIG)
+    pack = pack or (PACK_CONFIG if on_gpu else INTERPRETER_PACK_CONFIG)
     if products is None:
         flop = 4 * (td * Q_OUT * HIDDEN + te * 2 * KV_OUT * CROSS_HIDDEN)
         products = "cublas" if device.type == "cuda" and flop >= CUBLAS_MIN_FLOP else "triton"

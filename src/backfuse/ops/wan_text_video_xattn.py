@@ -545,11 +545,15 @@ class Config(NamedTuple):
 
 
 CONFIG = Config()
+# The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles;
+# 64-token attention blocks so that small shapes still give several programs per head.
+INTERPRETER_CONFIG = Config(pack=PackConfig(64, 1024, 64, 65536, 1, 4), forward=TileConfig(128, 256, 64, 8, 3),
+                            attention=AttentionConfig(64, 64, 4, 1, 128, 2), gradients=TileConfig(256, 256, 64, 8, 3))
 SUM_ROWS, SUM_COLS = 32, 64  # bias gradients: partial sums per step, columns per reducing program
 
 
 def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, needs=None,
-                              deterministic=False, config=CONFIG, sms=None):
+                              deterministic=False, config=None, sms=None):
     """The 021 outputs from the official inputs (validated by the caller; the output bias is unused).
 
     needs: one bool per output (None: all); without input gradients (grad_video, grad_text) or
@@ -558,14 +562,14 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
 
     deterministic: the same outputs bit for bit on every call (no K splits; the attention's partial
     dK/dV are stored per run and added in order instead of by atomics). config: shapes of the four
-    launches; sms: processors to balance the products' K splits and the attention's runs over (the
-    GPU's count; on the CPU interpreter, 1).
+    launches (None: CONFIG on a GPU, INTERPRETER_CONFIG on the CPU); sms: processors to balance the
+    products' K splits and the attention's runs over (the GPU's count; on the CPU interpreter, 1).
     """
     batch, nv, _ = video.shape
     nt = text.shape[1]
     tv, tt = batch * nv, batch * nt
     device = video.device
-    pk, fw, at, gr = config
+    pk, fw, at, gr = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
