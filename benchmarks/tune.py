@@ -1,4 +1,5 @@
-"""Device experiment for 021 and 037: launch shapes of the fused kernels, per-kernel breakdown.
+"""Device experiment per operator: variants of the fused path (launch shapes, product backends),
+each with its per-kernel breakdown.
 
 Run on the GPU machine from the checkout: PYTHONPATH=src python benchmarks/tune.py 037 --out DIR
 Every variant is checked (official rule, 2 rounds) and timed under the official clock (CUPTI span,
@@ -16,12 +17,20 @@ import torch
 import backfuse
 from backfuse.bench import check_outputs, sol_ms, time_calls
 from backfuse.kernels.gemm import TileConfig
+from backfuse.ops import cross_attn_qkv_gqa as op072
 from backfuse.ops import gemma3_attn_core as op037
 from backfuse.ops import wan_text_video_xattn as op021
 
 C21, A21 = op021.Config, op021.AttentionConfig
 C37, A37 = op037.Config, op037.AttentionConfig
+P72 = op072.PackConfig
 VARIANTS = {
+    "072": {
+        "triton_1launch": dict(products="triton", config=TileConfig(128, 256, 64, 8, 4)),
+        "triton_2launch": dict(products="triton", config=TileConfig(128, 256, 64, 8, 4), one_launch=False),
+        "cublas": dict(products="cublas"),
+        "pack_r32_b4096_i16_w8": dict(pack=P72(32, 4096, 16, 8)),
+    },
     "021": {
         "default": dict(config=C21()),
         "att_half_sm": dict(config=C21(attention=A21(programs_per_sm=0.5))),
@@ -37,6 +46,7 @@ VARIANTS = {
     },
 }
 BACKWARD = {  # the fused function on the official inputs, with a variant's keywords
+    "072": lambda x, kw: op072.qkv_gqa_backward(*x, **kw),
     "021": lambda x, kw: op021.text_video_xattn_backward(*x[:10], x[11], **kw),
     "037": lambda x, kw: op037.gemma3_attention_backward(*x, **kw),
 }
