@@ -38,11 +38,10 @@ VARIANTS = {
     },
     "037": {
         "default": dict(config=C37()),
-        "bwd_w8": dict(config=C37(attention=A37(warps=8))),
-        "bwd_kv32": dict(config=C37(attention=A37(kv_bn=32))),
-        "bwd_q32": dict(config=C37(attention=A37(q_bm=32))),
-        "att_fwd_32x64": dict(config=C37(attention=A37(fwd_bm=32))),
-        "forward_128": dict(config=C37(forward=TileConfig(128, 128, 64, 8, 3))),
+        "triton": dict(config=C37(), products="triton"),
+        "bwd_s2": dict(config=C37(attention=A37(stages=2))),
+        "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),
+        "forward_256": dict(config=C37(forward=TileConfig(256, 128, 64, 8, 3))),
     },
 }
 BACKWARD = {  # the fused function on the official inputs, with a variant's keywords
