@@ -4,7 +4,9 @@
 
 Both twins start from the same parameters and see the same random batch and targets; the twin
 differentiates the operator's plain PyTorch forward with autograd, ours runs backfuse's backward
-(fp16 tensor-core products with fp32 accumulation, so the losses agree to about 1e-4). Without a
+(fp16 tensor-core products with fp32 accumulation: the losses agree to about 1e-5 per step, and
+drift apart slowly where a large learning rate amplifies the gradients' ~1e-3 rounding, as for 037
+whose loss falls eightfold in five steps). Without a
 CUDA GPU the fused kernels run in the Triton interpreter (slow, hence the tiny shapes).
 """
 

@@ -105,11 +105,3 @@ def test_official_names_and_ids():
             assert w.tolerance.ratio == 0.99
             assert set(w.axes) == set(prob.axis_names)
             assert set(w.scalars) == {s.name for s in prob.scalar_specs}
-
-
-def test_inputs_not_modified(prob):
-    inputs = _inputs(prob)
-    copies = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-    prob.run(*inputs)
-    for name, x, y in zip(prob.input_names, inputs, copies):
-        assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), name

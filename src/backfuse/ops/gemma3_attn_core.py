@@ -206,8 +206,8 @@ PROBLEM = Gemma3AttnCoreBackward()
 
 # ---- fused path: five launches -------------------------------------------------------------------
 # 1. pack: fp16 copies of X, grad_output, [Wq; Wk; Wv] and Wo^T; zero fills for split-K outputs;
-# 2. forward products: [q | k | v] = X [Wq; Wk; Wv]^T with RMSNorm and RoPE in the epilogue of the
-#    q and k heads, and dA = grad_output Wo;
+# 2. forward products: raw [q | k | v] = X [Wq; Wk; Wv]^T and dA = grad_output Wo (fp16), with
+#    RMSNorm and RoPE of the q and k heads in the epilogue, giving rot = [qr | kr];
 # 3. attention forward: per (batch, head, query block) the context A, the log-sum-exp of each row
 #    and delta = rowsum(A * dA);
 # 4. attention backward: dK/dV programs per (batch, KV head, key block) looping over the group's 3
@@ -215,6 +215,8 @@ PROBLEM = Gemma3AttnCoreBackward()
 #    epilogues write G = [dq | dk | dv] token-major, plus partial norm-weight gradients;
 # 5. gradient products: grad_hidden = G [Wq; Wk; Wv], grad_[Wq; Wk; Wv] = G^T X, grad_Wo =
 #    grad_output^T A, and the norm-weight gradients from their partials.
+# From CUBLAS_MIN_FLOP on, cuBLAS does the products of 2 and 5: launch 2 then only norms and rotates,
+# launch 5 only sums the norm-weight partials.
 
 _HIDDEN = tl.constexpr(HIDDEN)
 _HEADS = tl.constexpr(HEADS)
