@@ -14,6 +14,7 @@ from helpers import assert_official_pass, rel_err
 
 import backfuse
 from backfuse.kernels import buffers
+from backfuse.kernels.fp16_range import RangeSlots
 from backfuse.kernels.gemm import TileConfig
 from backfuse.ops import cross_attn_qkv_gqa, gemma3_attn_core, wan_text_video_xattn
 
@@ -23,11 +24,16 @@ NEAR_ZERO = {"grad_key_bias": 0.05}
 
 
 def _check_fused(prob, axes, seed, fn=None):
-    """Run once on poisoned buffers, check against the reference; returns (inputs, outputs)."""
+    """Run once on poisoned buffers, check against the reference; returns (inputs, outputs).
+
+    fn (default prob.run, whose fp16 range guard fails the test by its warning) takes `ranges`:
+    every slot of the range guard must be written and in range (poisoned slots read NaN)."""
     inputs = prob.make_inputs(axes, seed=seed, device=DEVICE)
     copies = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    ranges = RangeSlots()
     with buffers.poisoned():
-        outs = (fn or prob.run)(*inputs)
+        outs = fn(*inputs, ranges=ranges) if fn else prob.run(*inputs)
+    assert ranges.out_of_range() == []
     refs = prob.reference(*inputs)
     assert_official_pass(prob, outs, refs)
     for name, o, r in zip(prob.output_names, outs, refs):
@@ -55,7 +61,7 @@ def test_072_fused_split_k_and_gpu_tiles():
     """Many processors force K splits (atomics into pre-zeroed outputs); the GPU's tile shape."""
     prob = backfuse.problem("072")
     config = TileConfig(128, 256, 64, 8, 3)
-    fn = lambda *x: cross_attn_qkv_gqa.qkv_gqa_backward(*x, config=config, sms=132)  # noqa: E731
+    fn = lambda *x, **kw: cross_attn_qkv_gqa.qkv_gqa_backward(*x, config=config, sms=132, **kw)  # noqa: E731
     _check_fused(prob, dict(batch_size=3, seq_len_dec=5, seq_len_enc=13), seed=5, fn=fn)
 
 
@@ -69,7 +75,7 @@ _W = wan_text_video_xattn
 
 
 def _021_with(config=None, sms=132, **kw):
-    return lambda *x: _W.text_video_xattn_backward(*x[:10], x[11], config=config, sms=sms, **kw)
+    return lambda *x, **extra: _W.text_video_xattn_backward(*x[:10], x[11], config=config, sms=sms, **kw, **extra)
 
 
 @pytest.mark.parametrize("axes", [
@@ -96,7 +102,7 @@ def test_037_fused_shipped_path():
 
 
 def _037_with(sms=132, **kw):
-    return lambda *x: gemma3_attn_core.gemma3_attention_backward(*x, sms=sms, **kw)
+    return lambda *x, **extra: gemma3_attn_core.gemma3_attention_backward(*x, sms=sms, **kw, **extra)
 
 
 def test_037_fused_causal_blocks_and_split_k():
@@ -184,7 +190,7 @@ def test_backward_computes_only_what_is_needed(pid, axes, wanted):
 @pytest.mark.parametrize("pid, axes, fn", [
     ("021", dict(batch_size=1, num_video_tokens=70, num_text_tokens=77), _021_with(deterministic=True)),
     ("072", dict(batch_size=3, seq_len_dec=5, seq_len_enc=13),
-     lambda *x: cross_attn_qkv_gqa.qkv_gqa_backward(*x, deterministic=True, sms=132)),
+     lambda *x, **kw: cross_attn_qkv_gqa.qkv_gqa_backward(*x, deterministic=True, sms=132, **kw)),
     pytest.param("037", dict(batch_size=1, seq_len=7), _037_with(deterministic=True),
                  marks=pytest.mark.skipif(DEVICE != "cuda", reason="037's only atomics are K splits, which the "
                                           "interpreter runs in order; its no-split path is test_037_fused_shipped_path")),

@@ -1,10 +1,10 @@
 """backfuse: fused backward kernels for three attention blocks (SOL-ExecBench 072, 037, 021)."""
 
 from .ops import PROBLEMS
-from .problem import Problem
+from .problem import Fp16RangeWarning, Problem, fp16_range_check
 
 __version__ = "0.1.0"
-__all__ = ["PROBLEM_IDS", "Problem", "problem"]
+__all__ = ["PROBLEM_IDS", "Fp16RangeWarning", "Problem", "fp16_range_check", "problem"]
 
 PROBLEM_IDS = tuple(PROBLEMS)
 

@@ -13,10 +13,13 @@ import json
 import math
 import numbers
 import os
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 
 import torch
+
+from .kernels.fp16_range import FP16_MAX, SMALLEST_SAFE_MAX, RangeSlots, describe
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,29 @@ def fp32_matmul(tf32: bool):
         matmul.fp32_precision = saved
 
 
+class Fp16RangeWarning(UserWarning):
+    """A fused backward met values outside fp16's safe range and recomputed in fp32 instead."""
+
+
+_check_fp16_range = True
+
+
+@contextlib.contextmanager
+def fp16_range_check(enabled: bool):
+    """Turn the fused kernels' fp16 range guard on (the default) or off inside the block.
+
+    The guard reads a few hundred bytes back from the GPU at the end of each fused backward (so the
+    host waits for the GPU there); off, values beyond 65504 give Inf/NaN and tensors whose largest
+    element is below 2^-12 lose precision silently. It is skipped during CUDA-graph capture.
+    """
+    global _check_fp16_range
+    saved, _check_fp16_range = _check_fp16_range, bool(enabled)
+    try:
+        yield
+    finally:
+        _check_fp16_range = saved
+
+
 def fused_kernels_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA tensors, and on CPU tensors under the Triton interpreter."""
     if device.type == "cuda":
@@ -108,9 +134,10 @@ class Problem:
         """Multiply-accumulates of the matrix products the backward needs at minimum."""
         raise NotImplementedError
 
-    # Set by operators that have fused kernels: fused(*inputs, needs=None, deterministic=False) ->
-    # tuple, where needs (one bool per output) lets the kernels skip work for outputs nobody wants
-    # (those come back as None) and deterministic asks for the same bits on every call.
+    # Set by operators that have fused kernels: fused(*inputs, needs=None, deterministic=False,
+    # ranges=None) -> tuple, where needs (one bool per output) lets the kernels skip work for outputs
+    # nobody wants (those come back as None), deterministic asks for the same bits on every call and
+    # ranges (a RangeSlots) receives the largest |value| of every tensor the kernels round to fp16.
     fused = None
 
     # ---- signature -----------------------------------------------------------------------
@@ -240,6 +267,8 @@ class Problem:
 
         Outputs not needed come back as None; the fused kernels skip the products that only they need.
         Under `torch.use_deterministic_algorithms(True)` the fused kernels give the same bits every call.
+        When a tensor the fused kernels round to fp16 is outside fp16's safe range (see
+        `fp16_range_check`), the outputs come from the fp32 reference instead, with an Fp16RangeWarning.
         """
         self.validate(inputs)
         if needs is not None and len(needs) != len(self.outputs):
@@ -250,7 +279,15 @@ class Problem:
             extra = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
             if needs is not None:
                 extra["needs"] = tuple(needs)
-            outs = self.fused(*inputs, **extra)
+            ranges = RangeSlots()
+            outs = self.fused(*inputs, ranges=ranges, **extra)
+            if _check_fp16_range and not (first.is_cuda and torch.cuda.is_current_stream_capturing()):
+                outside = ranges.out_of_range()
+                if outside:
+                    warnings.warn(f"{self.name}: {describe(outside)} outside fp16's safe range [{SMALLEST_SAFE_MAX:g}, "
+                                  f"{FP16_MAX:g}]; computed in fp32 instead (slower)", Fp16RangeWarning, stacklevel=3)
+                    with fp32_matmul(tf32=False):
+                        outs = self.reference_math(*inputs)
         else:
             with fp32_matmul(tf32=False):
                 outs = self.reference_math(*inputs)

@@ -1,5 +1,6 @@
-"""Memory passes used inside operators' prologue kernels: fp32 -> fp16 casts (flat or transposing),
-zero fills, and fixed-order column sums of per-program partial rows.
+"""Memory passes used inside operators' prologue kernels: fp32 -> fp16 casts (flat or transposing,
+returning the largest |value| they converted for the fp16 range guard), zero fills, and
+fixed-order column sums of per-program partial rows.
 
 A program handles one chunk of BLOCK * ITERS elements, BLOCK at a time, so that a pass over a
 large tensor needs few programs.
@@ -10,15 +11,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .fp16_range import max_abs
+
 
 @triton.jit
 def cast_chunk(src, dst, n, chunk, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """dst[i] = fp16(src[i]) over chunk `chunk` (of n elements)."""
+    """dst[i] = fp16(src[i]) over chunk `chunk` (of n elements); returns the chunk's largest |src[i]|."""
     base = chunk.to(tl.int64) * (BLOCK * ITERS)
+    largest = 0.0
     for i in tl.static_range(ITERS):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(dst + offs, tl.load(src + offs, mask=mask).to(tl.float16), mask=mask)
+        x = tl.load(src + offs, mask=mask, other=0.0)
+        tl.store(dst + offs, x.to(tl.float16), mask=mask)
+        largest = tl.maximum(largest, max_abs(x))
+    return largest
 
 
 @triton.jit
@@ -32,11 +39,13 @@ def zero_chunk(dst, n, chunk, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 @triton.jit
 def transpose_tile(w, wt16, tile, N: tl.constexpr, T: tl.constexpr):
-    """wt16 = fp16(w^T) on one [T, T] tile of a square [N, N] matrix (tiles row-major)."""
+    """wt16 = fp16(w^T) on one [T, T] tile of a square [N, N] matrix (tiles row-major); returns the
+    tile's largest |w|."""
     i = (tile // (N // T)) * T + tl.arange(0, T)
     j = (tile % (N // T)) * T + tl.arange(0, T)
     x = tl.load(w + i[:, None] * N + j[None, :])
     tl.store(wt16 + j[:, None] * N + i[None, :], tl.trans(x).to(tl.float16))
+    return max_abs(x)
 
 
 @triton.jit

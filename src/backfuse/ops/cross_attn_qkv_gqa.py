@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
+from ..kernels.fp16_range import RangeSlots, max_abs
 from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, tile_count
 from ..kernels.launch import FastKernel
 from ..problem import Problem, Tensor, fp32_matmul
@@ -115,11 +116,12 @@ class CrossAttnQKVGQABackward(Problem):
         # grad_dec and grad_Wq; grad_enc (K = 2048 over [Wk; Wv]) and [grad_Wk; grad_Wv].
         return 2 * dec_tokens * Q_OUT * HIDDEN + 2 * enc_tokens * 2 * KV_OUT * CROSS_HIDDEN
 
-    def fused(self, gq, gk, gv, dec, enc, wq, wk, wv, needs=None, deterministic=False):
+    def fused(self, gq, gk, gv, dec, enc, wq, wk, wv, needs=None, deterministic=False, ranges=None):
         if gk.numel() >= 2**31 or gq.numel() >= 2**31:  # the kernels count elements in int32
             with fp32_matmul(tf32=False):
                 return self.reference_math(gq, gk, gv, dec, enc, wq, wk, wv)
-        return qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, needs=needs, deterministic=deterministic)
+        return qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, needs=needs, deterministic=deterministic,
+                                ranges=ranges)
 
 
 PROBLEM = CrossAttnQKVGQABackward()
@@ -129,7 +131,8 @@ PROBLEM = CrossAttnQKVGQABackward()
 
 @triton.jit
 def _gq_tile(gq, gq16, tile, SD, ROWS: tl.constexpr):
-    """GQ[b*Sd + s, h*256 + d] = fp16(grad_query_states[b, h, s, d]) for ROWS tokens of one head."""
+    """GQ[b*Sd + s, h*256 + d] = fp16(grad_query_states[b, h, s, d]) for ROWS tokens of one head;
+    returns their largest |value|."""
     s_blocks = (SD + ROWS - 1) // ROWS
     b = tile // (_HEADS * s_blocks)
     h = (tile // s_blocks) % _HEADS
@@ -138,12 +141,15 @@ def _gq_tile(gq, gq16, tile, SD, ROWS: tl.constexpr):
     rows_ok = s[:, None] < SD
     src = gq + ((b * _HEADS + h).to(tl.int64) * SD + s[:, None]) * _HEAD_DIM + d[None, :]
     dst = gq16 + (b.to(tl.int64) * SD + s[:, None]) * _Q_OUT + h * _HEAD_DIM + d[None, :]
-    tl.store(dst, tl.load(src, mask=rows_ok).to(tl.float16), mask=rows_ok)
+    x = tl.load(src, mask=rows_ok, other=0.0)
+    tl.store(dst, x.to(tl.float16), mask=rows_ok)
+    return max_abs(x)
 
 
 @triton.jit
 def _group_sum_tile(g, gkv16, tile, SE, column0, ROWS: tl.constexpr):
-    """GK[b*Se + s, j*256 + d] = fp16(sum over g < 4 of grad[b, 4j + g, s, d]), at column0 of [GK | GV]."""
+    """GK[b*Se + s, j*256 + d] = fp16(sum over g < 4 of grad[b, 4j + g, s, d]), at column0 of [GK | GV];
+    returns the sums' largest |value|."""
     s_blocks = (SE + ROWS - 1) // ROWS
     b = tile // (_KV_OUT // _HEAD_DIM * s_blocks)
     j = (tile // s_blocks) % (_KV_OUT // _HEAD_DIM)
@@ -156,12 +162,13 @@ def _group_sum_tile(g, gkv16, tile, SE, column0, ROWS: tl.constexpr):
         acc += tl.load(g + (head.to(tl.int64) * SE + s[:, None]) * _HEAD_DIM + d[None, :], mask=rows_ok)
     dst = gkv16 + (b.to(tl.int64) * SE + s[:, None]) * (2 * _KV_OUT) + column0 + j * _HEAD_DIM + d[None, :]
     tl.store(dst, acc.to(tl.float16), mask=rows_ok)
+    return max_abs(acc)
 
 
 @triton.jit(do_not_specialize=["zero_dec", "zero_enc", "zero_wq", "zero_wkv", "B", "SD", "SE"])
 def _pack_kernel(
     gq, gk, gv, dec, enc, wq, wk, wv,
-    gq16, gkv16, dec16, enc16, wq16, wkv16,
+    gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
     grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
     zero_dec, zero_enc, zero_wq, zero_wkv,
     B, SD, SE,
@@ -172,7 +179,8 @@ def _pack_kernel(
     """Every fp16 operand of the five products, and the zeroed outputs that split-K accumulates into.
 
     Program ranges, in order: GQ head-tiles, GK and GV group sums, flat casts of dec, enc, Wq, Wk,
-    Wv (Wk and Wv stacked as [Wk; Wv]), then zero fills of the outputs whose flag is set.
+    Wv (Wk and Wv stacked as [Wk; Wv]), then zero fills of the outputs whose flag is set. Each
+    converting program stores the largest |value| it converted in ranges[pid].
     """
     pid = tl.program_id(0)
     n_gq = B * _HEADS * ((SD + ROWS - 1) // ROWS)
@@ -198,22 +206,23 @@ def _pack_kernel(
     e_zenc = e_zdec + zero_enc * c_enc
     e_zwq = e_zenc + zero_wq * c_wq
     e_zwk = e_zwq + zero_wkv * c_wk
+    largest = 0.0
     if pid < e_gq:
-        _gq_tile(gq, gq16, pid, SD, ROWS)
+        largest = _gq_tile(gq, gq16, pid, SD, ROWS)
     elif pid < e_gk:
-        _group_sum_tile(gk, gkv16, pid - e_gq, SE, 0, ROWS)
+        largest = _group_sum_tile(gk, gkv16, pid - e_gq, SE, 0, ROWS)
     elif pid < e_gv:
-        _group_sum_tile(gv, gkv16, pid - e_gk, SE, _KV_OUT, ROWS)
+        largest = _group_sum_tile(gv, gkv16, pid - e_gk, SE, _KV_OUT, ROWS)
     elif pid < e_dec:
-        cast_chunk(dec, dec16, n_dec, pid - e_gv, BLOCK, ITERS)
+        largest = cast_chunk(dec, dec16, n_dec, pid - e_gv, BLOCK, ITERS)
     elif pid < e_enc:
-        cast_chunk(enc, enc16, n_enc, pid - e_dec, BLOCK, ITERS)
+        largest = cast_chunk(enc, enc16, n_enc, pid - e_dec, BLOCK, ITERS)
     elif pid < e_wq:
-        cast_chunk(wq, wq16, n_wq, pid - e_enc, BLOCK, ITERS)
+        largest = cast_chunk(wq, wq16, n_wq, pid - e_enc, BLOCK, ITERS)
     elif pid < e_wk:
-        cast_chunk(wk, wkv16, n_wk, pid - e_wq, BLOCK, ITERS)
+        largest = cast_chunk(wk, wkv16, n_wk, pid - e_wq, BLOCK, ITERS)
     elif pid < e_wv:
-        cast_chunk(wv, wkv16 + n_wk, n_wk, pid - e_wk, BLOCK, ITERS)
+        largest = cast_chunk(wv, wkv16 + n_wk, n_wk, pid - e_wk, BLOCK, ITERS)
     elif pid < e_zdec:
         zero_chunk(grad_dec, n_dec, pid - e_wv, BLOCK, ITERS)
     elif pid < e_zenc:
@@ -224,6 +233,8 @@ def _pack_kernel(
         zero_chunk(grad_wk, n_wk, pid - e_zwq, BLOCK, ITERS)
     else:
         zero_chunk(grad_wv, n_wk, pid - e_zwk, BLOCK, ITERS)
+    if pid < e_wv:
+        tl.store(ranges + pid, largest)
 
 
 @triton.jit(do_not_specialize=["TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc"])
@@ -310,14 +321,15 @@ INTERPRETER_GEMM_CONFIG = TileConfig(256, 256, 64, 8, 3)
 INTERPRETER_PACK_CONFIG = PackConfig(32, 65536, 1, 4)
 
 
-def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=False, config=None,
-                     one_launch=True, pack=None, products=None, sms=None):
+def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=False, ranges=None,
+                     config=None, one_launch=True, pack=None, products=None, sms=None):
     """The 072 outputs from the official inputs (validated by the caller).
 
     needs: one bool per output (None: all); the products of outputs not needed are skipped (with
     our products: grad_dec and grad_enc together, and the three weight gradients together).
     deterministic: the same outputs bit for bit on every call (our products without K splits; cuBLAS
-    products are reproducible on one GPU model as they are).
+    products are reproducible on one GPU model as they are). ranges: a RangeSlots that receives the
+    largest |value| of every tensor converted to fp16 (only inputs and their head-group sums here).
 
     products: "triton" (our tiles) or "cublas" (five torch.mm on our fp16 operands); None picks by
     size on a GPU. config: tile shape and schedule of the Triton products; one_launch: both operand
@@ -356,9 +368,17 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
     input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, splits[3:]))
 
     flat = lambda n: chunks(n, pack.block, pack.iters)  # noqa: E731
-    n_pack = (batch * HEADS * triton.cdiv(sd, pack.rows) + 2 * batch * KV_HEADS * triton.cdiv(se, pack.rows)
+    n_gq, n_gk = batch * HEADS * triton.cdiv(sd, pack.rows), batch * KV_HEADS * triton.cdiv(se, pack.rows)
+    n_pack = (n_gq + 2 * n_gk
               + (1 + (split_dec > 1)) * flat(td * HIDDEN) + (1 + (split_enc > 1)) * flat(te * CROSS_HIDDEN)
               + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
+    ranges = ranges or RangeSlots()
+    pack_ranges = ranges.reserve({  # the pack's converting programs, in order
+        "grad_query_states": n_gq, "grad_key_states (head-group sums)": n_gk,
+        "grad_value_states (head-group sums)": n_gk, "decoder_hidden_states": flat(td * HIDDEN),
+        "encoder_hidden_states": flat(te * CROSS_HIDDEN), "q_weight": flat(Q_OUT * HIDDEN),
+        "k_weight": flat(KV_OUT * CROSS_HIDDEN), "v_weight": flat(KV_OUT * CROSS_HIDDEN)})
+    ranges.allocate(device)
     launches = [(weight_grads, input_grads, weight_grads * weight_tiles + input_grads * input_tiles)] \
         if one_launch else [(True, False, weight_tiles), (False, True, input_tiles)]
     launches = [(w, i, t) for w, i, t in launches if (w and weight_grads) or (i and input_grads)]
@@ -370,7 +390,7 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
     with buffers.on_device(device):
         PACK((n_pack,),
             gq, gk, gv, dec, enc, wq, wk, wv,
-            gq16, gkv16, dec16, enc16, wq16, wkv16,
+            gq16, gkv16, dec16, enc16, wq16, wkv16, ranges.block(pack_ranges),
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
             int(split_dec > 1), int(split_enc > 1), int(split_wq > 1), int(split_wkv > 1),
             batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, num_warps=pack.warps,

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, column_sums, transpose_tile, zero_chunk
+from ..kernels.fp16_range import RangeSlots, max_abs
 from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, mma_tile, store_tile, tile_coords, tile_count
 from ..kernels.launch import FastKernel
 from ..problem import Problem, Scalar, Tensor, fp32_matmul
@@ -194,12 +195,13 @@ class Gemma3AttnCoreBackward(Problem):
         causal_pairs = axes[S] * (axes[S] + 1) // 2
         return projections + 6 * axes[B] * HEADS * causal_pairs * HEAD_DIM
 
-    def fused(self, go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, needs=None, deterministic=False):
+    def fused(self, go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, needs=None, deterministic=False,
+              ranges=None):
         if x.shape[0] * x.shape[1] * QKV >= 2**31:  # the kernels count elements in int32
             with fp32_matmul(tf32=False):
                 return self.reference_math(go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps)
         return gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, needs=needs,
-                                         deterministic=deterministic)
+                                         deterministic=deterministic, ranges=ranges)
 
 
 PROBLEM = Gemma3AttnCoreBackward()
@@ -234,12 +236,13 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit(do_not_specialize=["T", "zero_gx", "zero_wqkv", "zero_wo"])
 def _pack_kernel(
     go, x, wq, wk, wv, wo,
-    go16, x16, wqkv16, wo_t16, grad_x, grad_wq, grad_wk, grad_wv, grad_wo,
+    go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wq, grad_wk, grad_wv, grad_wo,
     T, zero_gx, zero_wqkv, zero_wo,
     TILE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     """Program ranges, in order: flat casts of grad_output, X, Wq, Wk, Wv (into [Wq; Wk; Wv]), Wo^T
-    tiles, then zero fills of the split-K products' outputs whose flag is set."""
+    tiles, then zero fills of the split-K products' outputs whose flag is set. Each converting
+    program stores the largest |value| it converted in ranges[pid]."""
     pid = tl.program_id(0)
     CHUNK: tl.constexpr = BLOCK * ITERS
     WQ: tl.constexpr = _Q_OUT * _HIDDEN
@@ -258,18 +261,19 @@ def _pack_kernel(
     e_zwq = e_gx + zero_wqkv * WQ_CHUNKS
     e_zwk = e_zwq + zero_wqkv * WKV_CHUNKS
     e_zwv = e_zwk + zero_wqkv * WKV_CHUNKS
+    largest = 0.0
     if pid < e_go:
-        cast_chunk(go, go16, n_act, pid, BLOCK, ITERS)
+        largest = cast_chunk(go, go16, n_act, pid, BLOCK, ITERS)
     elif pid < e_x:
-        cast_chunk(x, x16, n_act, pid - e_go, BLOCK, ITERS)
+        largest = cast_chunk(x, x16, n_act, pid - e_go, BLOCK, ITERS)
     elif pid < e_wq:
-        cast_chunk(wq, wqkv16, WQ, pid - e_x, BLOCK, ITERS)
+        largest = cast_chunk(wq, wqkv16, WQ, pid - e_x, BLOCK, ITERS)
     elif pid < e_wk:
-        cast_chunk(wk, wqkv16 + WQ, WKV, pid - e_wq, BLOCK, ITERS)
+        largest = cast_chunk(wk, wqkv16 + WQ, WKV, pid - e_wq, BLOCK, ITERS)
     elif pid < e_wv:
-        cast_chunk(wv, wqkv16 + WQ + WKV, WKV, pid - e_wk, BLOCK, ITERS)
+        largest = cast_chunk(wv, wqkv16 + WQ + WKV, WKV, pid - e_wk, BLOCK, ITERS)
     elif pid < e_wo:
-        transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, TILE)
+        largest = transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, TILE)
     elif pid < e_gx:
         zero_chunk(grad_x, n_act, pid - e_wo, BLOCK, ITERS)
     elif pid < e_zwq:
@@ -280,6 +284,8 @@ def _pack_kernel(
         zero_chunk(grad_wv, WKV, pid - e_zwk, BLOCK, ITERS)
     else:
         zero_chunk(grad_wo, WQ, pid - e_zwv, BLOCK, ITERS)
+    if pid < e_wo:
+        tl.store(ranges + pid, largest)
 
 
 @triton.jit
@@ -307,7 +313,7 @@ def _rope_table(table, tok, ok):
 @triton.jit(do_not_specialize=["T"])
 def _forward_products_kernel(
     x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
-    raw16, rot16, d_attn16,
+    raw16, rot16, d_attn16, ranges,
     T, eps,
     BM: tl.constexpr, BK: tl.constexpr, PRODUCTS: tl.constexpr,
 ):
@@ -315,7 +321,9 @@ def _forward_products_kernel(
     dA = grad_output Wo (fp16); both read a row-major A and a [N, 3072] B^T (hence Wo transposed in
     the pack), so they share one call site and one shared-memory ring. Without PRODUCTS (cuBLAS made
     raw16; the grid covers [q | k | v] only) just the epilogue runs. Epilogue of a q or k head:
-    rot16 = RoPE(RMSNorm(q) * (1 + w))."""
+    rot16 = RoPE(RMSNorm(q) * (1 + w)), and the largest |raw| and |rot| of the tile in ranges, head
+    by head (ranges[head * row_blocks + row_block], rot after the 32 q and k heads' raw); v and dA
+    are checked where attention reads them."""
     pid = tl.program_id(0)
     t_qkv = ((T + BM - 1) // BM) * (_QKV // _HEAD_DIM)
     on_qkv = pid < t_qkv
@@ -338,6 +346,9 @@ def _forward_products_kernel(
             raw = acc
         else:
             raw = tl.load(raw16 + raw_offs, mask=ok, other=0.0).to(tl.float32)
+        row_blocks = (T + BM - 1) // BM
+        slot = (off_n // _HEAD_DIM) * row_blocks + off_m // BM
+        tl.store(ranges + slot, max_abs(raw))
         r = tl.rsqrt(tl.sum(raw * raw, 1) / _HEAD_DIM + eps)
         w = tl.load(tl.where(off_n < _Q_OUT, q_norm_w, k_norm_w) + d)
         lo, hi = _halves(raw * r[:, None] * (1 + w)[None, :])
@@ -345,6 +356,7 @@ def _forward_products_kernel(
         sin_lo, sin_hi = _rope_table(sin, tok, ok)
         rot = _whole(lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi)
         tl.store(rot16 + tok[:, None].to(tl.int64) * _QK + off_n + d[None, :], rot.to(tl.float16), mask=ok)
+        tl.store(ranges + (_QK // _HEAD_DIM) * row_blocks + slot, max_abs(tl.where(ok, rot, 0.0)))
 
 
 @triton.jit
@@ -362,13 +374,14 @@ def _capped(z, cap):
 
 @triton.jit(do_not_specialize=["S"])
 def _attention_forward_kernel(
-    rot16, raw16, d_attn16, attn16, lse, delta,
+    rot16, raw16, d_attn16, attn16, lse, delta, ranges,
     S, scaling, cap,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
     """Per (batch, head, block of BM queries), the last blocks (most keys) first: softmax over the
     capped, causal logits (online, in base 2), A = P v (fp16, token-major), the row log-sum-exp and
-    delta = rowsum(A * dA)."""
+    delta = rowsum(A * dA); the largest |A| and |dA| of the block in ranges[pid] and
+    ranges[programs + pid]."""
     pid = tl.program_id(0)
     n_heads = tl.num_programs(0) // ((S + BM - 1) // BM)
     block = (S + BM - 1) // BM - 1 - pid // n_heads
@@ -403,12 +416,15 @@ def _attention_forward_kernel(
     d_attn = tl.load(d_attn16 + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     tl.store(lse + bh * S + rows, row_max + tl.log2(row_sum), mask=row_ok)
     tl.store(delta + bh * S + rows, tl.sum(attn * d_attn, 1), mask=row_ok)
+    tl.store(ranges + pid, max_abs(tl.where(row_ok[:, None], attn, 0.0)))
+    tl.store(ranges + tl.num_programs(0) + pid, max_abs(d_attn))
 
 
 @triton.jit
 def _rope_norm_backward(d_rot, raw16, cos, sin, norm_w, g16, tok, ok, raw_column, g_column, eps):
     """RoPE, then RMSNorm backward of one head's rows: writes d(raw projection) to G in fp16 and
-    returns this tile's share of the norm-weight gradient, sum over rows of d(qhat) * qn."""
+    returns this tile's share of the norm-weight gradient, sum over rows of d(qhat) * qn, and the
+    tile's largest |d(raw)|."""
     lo, hi = _halves(d_rot)
     cos_lo, cos_hi = _rope_table(cos, tok, ok)
     sin_lo, sin_hi = _rope_table(sin, tok, ok)
@@ -420,13 +436,13 @@ def _rope_norm_backward(d_rot, raw16, cos, sin, norm_w, g16, tok, ok, raw_column
     d_raw = r[:, None] * (m - normed * (tl.sum(m * normed, 1) / _HEAD_DIM)[:, None])
     d = tl.arange(0, _HEAD_DIM)
     tl.store(g16 + tok[:, None].to(tl.int64) * _QKV + g_column + d[None, :], d_raw.to(tl.float16), mask=ok)
-    return tl.sum(d_hat * normed, 0)
+    return tl.sum(d_hat * normed, 0), max_abs(d_raw)
 
 
 @triton.jit(do_not_specialize=["S", "kv_programs"])
 def _attention_backward_kernel(
     rot16, raw16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-    g16, q_norm_parts, k_norm_parts,
+    g16, q_norm_parts, k_norm_parts, ranges,
     S, kv_programs, scaling, cap, eps,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
 ):
@@ -434,7 +450,9 @@ def _attention_backward_kernel(
     over the group's query heads and the causal query blocks (KV_BM at a time). The rest: dQ of one
     (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time). Heaviest blocks run
     first. P is recomputed from the forward's log-sum-exp;
-    dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included."""
+    dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included. The largest |value|
+    of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to ranges, in that order
+    of regions."""
     pid = tl.program_id(0)
     log2_scale = cap * _LOG2E
     if pid < kv_programs:
@@ -465,12 +483,15 @@ def _attention_backward_kernel(
                 dp = tl.dot(v, tl.trans(d_attn))
                 ds = p * (dp - row_delta[None, :]) * (1.0 - t * t) * scaling
                 dk = tl.dot(ds.to(tl.float16), q, dk)
-        part = _rope_norm_backward(dk, raw16, cos, sin, k_norm_w, g16, key_tok, col_ok, _Q_OUT + kv * _HEAD_DIM,
-                                   _Q_OUT + kv * _HEAD_DIM, eps)
+        part, dk_largest = _rope_norm_backward(dk, raw16, cos, sin, k_norm_w, g16, key_tok, col_ok,
+                                               _Q_OUT + kv * _HEAD_DIM, _Q_OUT + kv * _HEAD_DIM, eps)
         tl.store(k_norm_parts + pid * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
         d = tl.arange(0, _HEAD_DIM)
         tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
                  mask=col_ok)
+        tl.store(ranges + pid, max_abs(v.to(tl.float32)))
+        tl.store(ranges + kv_programs + pid, dk_largest)
+        tl.store(ranges + 2 * kv_programs + pid, max_abs(dv))
     else:
         local = pid - kv_programs
         n_blocks = (S + Q_BM - 1) // Q_BM
@@ -499,9 +520,10 @@ def _attention_backward_kernel(
             dp = tl.dot(d_attn, tl.trans(v))
             ds = p * (dp - row_delta[:, None]) * (1.0 - t * t) * scaling
             dq = tl.dot(ds.to(tl.float16), k, dq)
-        part = _rope_norm_backward(dq, raw16, cos, sin, q_norm_w, g16, tok, row_ok[:, None], h * _HEAD_DIM,
-                                   h * _HEAD_DIM, eps)
+        part, dq_largest = _rope_norm_backward(dq, raw16, cos, sin, q_norm_w, g16, tok, row_ok[:, None],
+                                               h * _HEAD_DIM, h * _HEAD_DIM, eps)
         tl.store(q_norm_parts + local * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
+        tl.store(ranges + 3 * kv_programs + local, dq_largest)
 
 
 @triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])
@@ -607,13 +629,14 @@ CUBLAS_MIN_FLOP = 40e9
 
 
 def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, eps, *,
-                              needs=None, deterministic=False, config=None, products=None, sms=None):
+                              needs=None, deterministic=False, ranges=None, config=None, products=None, sms=None):
     """The 037 outputs from the official inputs (validated by the caller).
 
     needs: one bool per output (None: all); grad_hidden's product, the three projection weights'
     products and grad_Wo's product are skipped when nobody needs them.
     deterministic: the same outputs bit for bit on every call (no K splits; nothing else uses
-    atomics; cuBLAS products are reproducible on one GPU model as they are). config: shapes of the
+    atomics; cuBLAS products are reproducible on one GPU model as they are). ranges: a RangeSlots that
+    receives the largest |value| of every tensor rounded to fp16. config: shapes of the
     five launches (None: CONFIG on a GPU, INTERPRETER_CONFIG on the CPU). products: the projection
     products as our tiles ("triton") or as torch.mm on our fp16 operands ("cublas": our forward
     products launch then only norms and rotates); None picks by size on a GPU. sms: processors to
@@ -661,6 +684,19 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
               + (split_gx > 1) * n_act + (split_wqkv > 1) * (n_wq + 2 * n_wkv) + (split_wo > 1) * n_wq)
     forward_tiles = tile_count(tokens, QKV, 1, fw.bm, fw.bn) + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm,
                                                                                            fw.bn)
+    fwd_programs = batch * HEADS * triton.cdiv(seq, at.fwd_bm)
+    ranges = ranges or RangeSlots()
+    row_blocks = triton.cdiv(tokens, fw.bm)
+    pack_ranges = ranges.reserve({"grad_output": n_act, "hidden_states": n_act, "q_weight": n_wq, "k_weight": n_wkv,
+                                  "v_weight": n_wkv, "o_weight": (HIDDEN // pk.tile) * (Q_OUT // pk.tile)})
+    forward_ranges = ranges.reserve({"q projection": HEADS * row_blocks, "k projection": KV_HEADS * row_blocks,
+                                     "normed, rotated q": HEADS * row_blocks, "normed, rotated k": KV_HEADS * row_blocks})
+    attention_forward_ranges = ranges.reserve({"attention output": fwd_programs,
+                                               "gradient of attention output": fwd_programs})
+    attention_backward_ranges = ranges.reserve({"v projection": kv_programs, "gradient of k projection": kv_programs,
+                                                "gradient of v projection": kv_programs,
+                                                "gradient of q projection": q_programs})
+    ranges.allocate(device)
     scalars = float(scaling), float(cap)
     # cuBLAS products: operand views made before the first launch, so they add no gaps. The forward
     # ones write fp16 (their fp32 sums rounded once, as our tiles do).
@@ -673,25 +709,25 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
         pack = PACK.prepare(
             (n_pack,),
             go, x, wq, wk, wv, wo,
-            go16, x16, wqkv16, wo_t16, grad_x, grad_wq, grad_wk, grad_wv, grad_wo,
+            go16, x16, wqkv16, wo_t16, ranges.block(pack_ranges), grad_x, grad_wq, grad_wk, grad_wv, grad_wo,
             tokens, int(split_gx > 1), int(split_wqkv > 1), int(split_wo > 1),
             TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, num_warps=pk.warps)
         launches = [
             FORWARD_PRODUCTS.prepare(
                 (forward_tiles,),
                 x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
-                raw16, rot16, d_attn16,
+                raw16, rot16, d_attn16, ranges.block(forward_ranges),
                 tokens, float(eps),
                 BM=fw.bm, BK=fw.bk, PRODUCTS=not on_cublas, num_warps=fw.warps, num_stages=fw.stages),
             ATTENTION_FORWARD.prepare(
-                (batch * HEADS * triton.cdiv(seq, at.fwd_bm),),
-                rot16, raw16, d_attn16, attn16, lse, delta,
+                (fwd_programs,),
+                rot16, raw16, d_attn16, attn16, lse, delta, ranges.block(attention_forward_ranges),
                 seq, *scalars,
                 BM=at.fwd_bm, BN=at.fwd_bn, num_warps=at.fwd_warps, num_stages=at.fwd_stages),
             ATTENTION_BACKWARD.prepare(
                 (kv_programs + q_programs,),
                 rot16, raw16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-                g16, q_norm_parts, k_norm_parts,
+                g16, q_norm_parts, k_norm_parts, ranges.block(attention_backward_ranges),
                 seq, kv_programs, *scalars, float(eps),
                 KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, num_warps=at.warps,
                 num_stages=at.stages),

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, column_sums, transpose_tile, zero_chunk
+from ..kernels.fp16_range import RangeSlots, max_abs
 from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, mma_tile, tile_count
 from ..kernels.launch import FastKernel
 from ..problem import Problem, Scalar, Tensor, fp32_matmul
@@ -133,12 +134,13 @@ class WanTextVideoCrossAttnBackward(Problem):
         projections = (5 * video_tokens + 6 * text_tokens) * HIDDEN * HIDDEN
         return projections + 6 * axes[B] * axes[NV] * axes[NT] * HIDDEN
 
-    def fused(self, go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, needs=None, deterministic=False):
+    def fused(self, go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, needs=None, deterministic=False,
+              ranges=None):
         if go.numel() >= 2**31 or 2 * text.numel() >= 2**31:  # the kernels count elements in int32
             with fp32_matmul(tf32=False):
                 return self.reference_math(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale)
         return text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, needs=needs,
-                                         deterministic=deterministic)
+                                         deterministic=deterministic, ranges=ranges)
 
 
 PROBLEM = WanTextVideoCrossAttnBackward()
@@ -158,29 +160,34 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _grad_output_tile(go, go16, colsum_parts, tile, TV, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """go16 = fp16(grad_output) on ROWS tokens; colsum_parts[tile] = their fp32 column sums (for grad_bo)."""
+    """go16 = fp16(grad_output) on ROWS tokens; colsum_parts[tile] = their fp32 column sums (for grad_bo).
+    Returns their largest |value|."""
     r = tile * ROWS + tl.arange(0, ROWS)
     ok = r[:, None] < TV
+    largest = 0.0
     for c0 in tl.static_range(0, _HIDDEN, COLS):
         c = c0 + tl.arange(0, COLS)
         offs = r[:, None].to(tl.int64) * _HIDDEN + c[None, :]
         x = tl.load(go + offs, mask=ok, other=0.0)
         tl.store(go16 + offs, x.to(tl.float16), mask=ok)
         tl.store(colsum_parts + tile * _HIDDEN + c, tl.sum(x, 0))
+        largest = tl.maximum(largest, max_abs(x))
+    return largest
 
 
 @triton.jit(do_not_specialize=["TV", "TT", "n_heads", "zero_dkv", "zero_wq", "zero_wo", "zero_wkv", "zero_gv",
                                 "zero_gt"])
 def _pack_kernel(
     go, video, text, wq, wk, wv, wo,
-    go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
+    go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts, ranges,
     dkv32, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
     TV, TT, n_heads, zero_dkv, zero_wq, zero_wo, zero_wkv, zero_gv, zero_gt,
     ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
     """Program ranges, in order: grad_output row tiles, flat casts of video, text, Wq, Wk, Wv (as
     [Wk; Wv]), Wo^T tiles, one program zeroing the attention's arrival counters, then zero fills of
-    dK/dV and of the split-K products' outputs whose flag is set."""
+    dK/dV and of the split-K products' outputs whose flag is set. Each converting program stores
+    the largest |value| it converted in ranges[pid]."""
     pid = tl.program_id(0)
     CHUNK: tl.constexpr = BLOCK * ITERS
     W: tl.constexpr = _HIDDEN * _HIDDEN
@@ -202,20 +209,21 @@ def _pack_kernel(
     e_zwk = e_zwo + zero_wkv * W_CHUNKS
     e_zwv = e_zwk + zero_wkv * W_CHUNKS
     e_zgv = e_zwv + zero_gv * ((n_video + CHUNK - 1) // CHUNK)
+    largest = 0.0
     if pid < e_go:
-        _grad_output_tile(go, go16, colsum_parts, pid, TV, ROWS, COLS)
+        largest = _grad_output_tile(go, go16, colsum_parts, pid, TV, ROWS, COLS)
     elif pid < e_video:
-        cast_chunk(video, video16, n_video, pid - e_go, BLOCK, ITERS)
+        largest = cast_chunk(video, video16, n_video, pid - e_go, BLOCK, ITERS)
     elif pid < e_text:
-        cast_chunk(text, text16, n_text, pid - e_video, BLOCK, ITERS)
+        largest = cast_chunk(text, text16, n_text, pid - e_video, BLOCK, ITERS)
     elif pid < e_wq:
-        cast_chunk(wq, wq16, W, pid - e_text, BLOCK, ITERS)
+        largest = cast_chunk(wq, wq16, W, pid - e_text, BLOCK, ITERS)
     elif pid < e_wk:
-        cast_chunk(wk, wkv16, W, pid - e_wq, BLOCK, ITERS)
+        largest = cast_chunk(wk, wkv16, W, pid - e_wq, BLOCK, ITERS)
     elif pid < e_wv:
-        cast_chunk(wv, wkv16 + W, W, pid - e_wk, BLOCK, ITERS)
+        largest = cast_chunk(wv, wkv16 + W, W, pid - e_wk, BLOCK, ITERS)
     elif pid < e_wo:
-        transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, T)
+        largest = transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, T)
     elif pid < e_small:
         c = tl.arange(0, _HIDDEN)
         for c0 in range(0, n_heads, _HIDDEN):
@@ -234,17 +242,20 @@ def _pack_kernel(
         zero_chunk(grad_video, n_video, pid - e_zwv, BLOCK, ITERS)
     else:
         zero_chunk(grad_text, n_text, pid - e_zgv, BLOCK, ITERS)
+    if pid < e_wo:
+        tl.store(ranges + pid, largest)
 
 
 @triton.jit(do_not_specialize=["TV", "TT", "n_parts"])
 def _forward_products_kernel(
     video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
-    q16, kv16, dc16, colsum_parts, grad_bo,
+    q16, kv16, dc16, colsum_parts, grad_bo, ranges,
     TV, TT, n_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
 ):
     """Q = video Wq^T + bq, [K | V] = text [Wk; Wv]^T + [bk | bv], dC = grad_output Wo (fp16 out),
-    then grad_bo from the pack's column sums.
+    then grad_bo from the pack's column sums. Each tile's largest |value| goes to ranges, column
+    tiles outermost within each product, so that Q, K, V and dC each have one range of slots.
 
     All three read a row-major [tokens, 1024] A and a [N, 1024] B^T (hence Wo transposed in the
     pack), so they share one call site and one shared-memory ring.
@@ -271,6 +282,9 @@ def _forward_products_kernel(
         rm = off_m + tl.arange(0, BM)
         out = tl.where(on_q, q16, tl.where(on_kv, kv16, dc16))
         tl.store(out + rm[:, None].to(tl.int64) * width + rn[None, :], acc.to(tl.float16), mask=rm[:, None] < rows)
+        row_blocks = (rows + BM - 1) // BM
+        slot = pid - local + (off_n // BN) * row_blocks + off_m // BM
+        tl.store(ranges + slot, max_abs(tl.where(rm[:, None] < rows, acc, 0.0)))
     else:
         cols = (pid - 2 * t_q - t_kv) * SUM_COLS + tl.arange(0, SUM_COLS)
         tl.store(grad_bo + cols, column_sums(colsum_parts, n_parts, _HIDDEN, cols, SUM_ROWS, SUM_COLS))
@@ -287,10 +301,13 @@ def _kv_tile(kv16, b, h, rn, NT, column0):
 @triton.jit
 def _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN: tl.constexpr, DETERMINISTIC: tl.constexpr):
     """dK, dV of head h, batch b: the runs' fp32 sums (read from L2, bypassing L1) to fp16; returns
-    their column sums. DETERMINISTIC: one partial per run, added in run order; else one atomic sum."""
+    their column sums and largest |value|s. DETERMINISTIC: one partial per run, added in run order;
+    else one atomic sum."""
     d = tl.arange(0, _HEAD_DIM)
     sum_dk = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
     sum_dv = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+    dk_largest = 0.0
+    dv_largest = 0.0
     for n0 in range(0, NT, BN):
         rn = n0 + tl.arange(0, BN)
         kv_off = (b * NT + rn[:, None]).to(tl.int64) * _KV + h * _HEAD_DIM + d[None, :]
@@ -306,7 +323,9 @@ def _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN: tl.constexpr, DETERMI
         tl.store(dkv16 + kv_off + _HIDDEN, dv.to(tl.float16), mask=n_ok)
         sum_dk += tl.sum(dk, 0)
         sum_dv += tl.sum(dv, 0)
-    return sum_dk, sum_dv
+        dk_largest = tl.maximum(dk_largest, max_abs(dk))
+        dv_largest = tl.maximum(dv_largest, max_abs(dv))
+    return sum_dk, sum_dv, dk_largest, dv_largest
 
 
 @triton.jit
@@ -350,7 +369,7 @@ def _video_rows(q16, dc16, b, h, rm, NV):
 
 @triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "scale"])
 def _attention_kernel(
-    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals,
+    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
     NV, NT, TT, per_program, scale,
     BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
@@ -364,7 +383,9 @@ def _attention_kernel(
     log-sum-exp, and pass 2 recomputes P tile by tile. A run that is its head's only one writes dK,
     dV in fp16; otherwise runs add fp32 partial sums and the last to arrive converts them.
     Column sums of dQ, dK, dV (the bias gradients) go to this program's row of bias_parts
-    ([programs / 16, 3 * 1024]: batch-major, then run), summed later in a fixed order.
+    ([programs / 16, 3 * 1024]: batch-major, then run), summed later in a fixed order. The largest
+    |value| of the C, dQ, dK and dV this program rounds to fp16 goes to ranges[pid + i * programs],
+    i = 0..3 (0 for dK, dV left to the head's last run).
     """
     pid = tl.program_id(0)
     m_blocks = (NV + BM - 1) // BM
@@ -377,6 +398,8 @@ def _attention_kernel(
     first = (pid % runs) * per_program
     qk_scale = scale * _LOG2E  # softmax in base 2
     sum_dq = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+    ctx_largest = 0.0
+    dq_largest = 0.0
 
     if ONE_TILE:
         rn = tl.arange(0, BN)
@@ -396,9 +419,13 @@ def _attention_kernel(
             dq = tl.dot(ds, k)
             tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
             sum_dq += tl.sum(dq, 0)
+            ctx_largest = tl.maximum(ctx_largest, max_abs(tl.where(m_ok, ctx, 0.0)))
+            dq_largest = tl.maximum(dq_largest, max_abs(dq))
         _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, TT, pid % runs, dk, dv, alone, DETERMINISTIC)
         sum_dk = tl.sum(dk, 0)
         sum_dv = tl.sum(dv, 0)
+        dk_largest = max_abs(dk)
+        dv_largest = max_abs(dv)
     else:
         q, dc, tok, m_ok = _video_rows(q16, dc16, b, h, first * BM + tl.arange(0, BM), NV)
         row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
@@ -418,11 +445,14 @@ def _attention_kernel(
         ctx = ctx / row_sum[:, None]
         lse = row_max + tl.log2(row_sum)
         tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
+        ctx_largest = max_abs(tl.where(m_ok, ctx, 0.0))
         delta = tl.sum(dc.to(tl.float32) * ctx, 1)
 
         dq = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
         sum_dk = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
         sum_dv = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+        dk_largest = 0.0
+        dv_largest = 0.0
         for n0 in range(0, NT, BN):
             rn = n0 + tl.arange(0, BN)
             k = _kv_tile(kv16, b, h, rn, NT, 0)
@@ -435,10 +465,18 @@ def _attention_kernel(
             _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, TT, pid % runs, dk, dv, alone, DETERMINISTIC)
             sum_dk += tl.sum(dk, 0)
             sum_dv += tl.sum(dv, 0)
+            dk_largest = tl.maximum(dk_largest, max_abs(dk))
+            dv_largest = tl.maximum(dv_largest, max_abs(dv))
         tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
         sum_dq = tl.sum(dq, 0)
+        dq_largest = max_abs(dq)
     row = bias_parts + (b * runs + pid % runs) * (3 * _HIDDEN) + h * _HEAD_DIM + d
     tl.store(row, sum_dq)
+    programs = tl.num_programs(0)
+    tl.store(ranges + pid, ctx_largest)
+    tl.store(ranges + programs + pid, dq_largest)
+    tl.store(ranges + 2 * programs + pid, tl.where(alone, dk_largest, 0.0))
+    tl.store(ranges + 3 * programs + pid, tl.where(alone, dv_largest, 0.0))
     if alone:
         tl.store(row + _HIDDEN, sum_dk)
         tl.store(row + 2 * _HIDDEN, sum_dv)
@@ -449,9 +487,12 @@ def _attention_kernel(
         # Publish this run's sums; the last run of the head to arrive converts them all.
         tl.debug_barrier()
         if tl.atomic_add(arrivals + bh, 1, sem="acq_rel") == runs - 1:
-            sum_dk, sum_dv = _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN, DETERMINISTIC)
+            sum_dk, sum_dv, dk_largest, dv_largest = _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN,
+                                                                      DETERMINISTIC)
             tl.store(row + _HIDDEN, sum_dk)
             tl.store(row + 2 * _HIDDEN, sum_dv)
+            tl.store(ranges + 2 * programs + pid, dk_largest)
+            tl.store(ranges + 3 * programs + pid, dv_largest)
 
 
 @triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "n_parts"])
@@ -553,7 +594,7 @@ SUM_ROWS, SUM_COLS = 32, 64  # bias gradients: partial sums per step, columns pe
 
 
 def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, needs=None,
-                              deterministic=False, config=None, sms=None):
+                              deterministic=False, ranges=None, config=None, sms=None):
     """The 021 outputs from the official inputs (validated by the caller; the output bias is unused).
 
     needs: one bool per output (None: all); without input gradients (grad_video, grad_text) or
@@ -561,7 +602,8 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     column sums taken along the way.
 
     deterministic: the same outputs bit for bit on every call (no K splits; the attention's partial
-    dK/dV are stored per run and added in order instead of by atomics). config: shapes of the four
+    dK/dV are stored per run and added in order instead of by atomics). ranges: a RangeSlots that
+    receives the largest |value| of every tensor rounded to fp16. config: shapes of the four
     launches (None: CONFIG on a GPU, INTERPRETER_CONFIG on the CPU); sms: processors to balance the
     products' K splits and the attention's runs over (the GPU's count; on the CPU interpreter, 1).
     """
@@ -609,13 +651,24 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
               + (runs > 1 and not deterministic) * flat(tt * 2 * HIDDEN) + 2 * ((split_wv > 1) + (split_wt > 1)) * n_weight
               + (split_gv > 1) * flat(tv * HIDDEN) + (split_gt > 1) * flat(tt * HIDDEN))
     forward_tiles = 2 * tile_count(tv, HIDDEN, 1, fw.bm, fw.bn) + tile_count(tt, 2 * HIDDEN, 1, fw.bm, fw.bn)
+    attention_programs = batch * HEADS * runs
+    ranges = ranges or RangeSlots()
+    pack_ranges = ranges.reserve({"grad_output": go_tiles, "video_latents": flat(tv * HIDDEN),
+                                  "text_embeddings": flat(tt * HIDDEN), "query_weight": n_weight, "key_weight": n_weight,
+                                  "value_weight": n_weight, "output_weight": (HIDDEN // pk.tile) ** 2})
+    q_tiles, k_tiles = tile_count(tv, HIDDEN, 1, fw.bm, fw.bn), tile_count(tt, HIDDEN, 1, fw.bm, fw.bn)
+    forward_ranges = ranges.reserve({"queries": q_tiles, "keys": k_tiles, "values": k_tiles,
+                                     "gradient of attention context": q_tiles})
+    attention_ranges = ranges.reserve({"attention context": attention_programs, "gradient of queries": attention_programs,
+                                       "gradient of keys": attention_programs, "gradient of values": attention_programs})
+    ranges.allocate(device)
 
     with buffers.on_device(device):
         launches = [
             PACK.prepare(
                 (n_pack,),
                 go, video, text, wq, wk, wv, wo,
-                go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts,
+                go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts, ranges.block(pack_ranges),
                 dkv32, arrivals, grad_wq, grad_wo, grad_wk, grad_wv,
                 grad_video, grad_text,
                 tv, tt, batch * HEADS, int(runs > 1 and not deterministic), int(split_wv > 1), int(split_wv > 1), int(split_wt > 1),
@@ -624,12 +677,12 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
             FORWARD_PRODUCTS.prepare(
                 (forward_tiles + HIDDEN // SUM_COLS,),
                 video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
-                q16, kv16, dc16, colsum_parts, grad_bo,
+                q16, kv16, dc16, colsum_parts, grad_bo, ranges.block(forward_ranges),
                 tv, tt, go_tiles,
                 BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=fw.warps, num_stages=fw.stages),
             ATTENTION.prepare(
-                (batch * HEADS * runs,),
-                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals,
+                (attention_programs,),
+                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges.block(attention_ranges),
                 nv, nt, tt, per_program, float(scale),
                 BM=at.bm, BN=text_tile, ONE_TILE=one_tile, DETERMINISTIC=deterministic, num_warps=at.warps,
                 num_stages=at.stages),

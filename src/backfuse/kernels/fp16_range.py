@@ -1,0 +1,76 @@
+"""The fp16 range guard: kernels record the largest |value| of every tensor they round to fp16.
+
+fp16 holds magnitudes up to 65504 and keeps full precision down to 2^-14. A tensor beyond that top
+turns into Inf; one whose largest element is tiny sinks into subnormals and silently loses
+precision. Every program that converts a tile to fp16 stores that tile's largest |value| in its own
+slot (no atomics, so nothing needs zeroing first); the slots of one tensor form a region. After the
+last launch the host reads the slots (one small copy) and the operator falls back to fp32 when a
+region is out of range. The rule is per tensor, as per-tensor scaling would be: a tensor with some
+small rows is fine as long as its largest element keeps its rounding error at fp16's usual level.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from . import buffers
+
+FP16_MAX = 65504.0
+# Elements a few times smaller than the largest sit below 2^-14, where fp16's absolute spacing
+# 2^-24 starts to exceed its usual relative error (2^-11 of the tensor's typical element).
+SMALLEST_SAFE_MAX = 2.0**-12
+
+
+@triton.jit
+def max_abs(x):
+    """Largest |x| over a tile, NaN counted as infinite (so a NaN fails the range check)."""
+    return tl.max(tl.where(x == x, tl.abs(x), float("inf")))
+
+
+class RangeSlots:
+    """Slots for the per-program maxima of one call, grouped into named regions (one per tensor).
+
+    An operator reserves one block of regions per launch (`reserve`), allocates once, and passes
+    each launch `block(offset)`: that launch's programs store into their own slots of the block.
+    """
+
+    def __init__(self):
+        self.regions = []  # (name, start, stop)
+        self.size = 0
+        self.slots = None
+
+    def reserve(self, counts: dict) -> int:
+        """A block of consecutive regions, {tensor name: slots} (empty ones skipped); returns its offset."""
+        start = triton.cdiv(self.size, 4) * 4  # 16-byte aligned, so every block's pointer is too
+        at = start
+        for name, n in counts.items():
+            if n:
+                self.regions.append((name, at, at + n))
+            at += n
+        self.size = at
+        return start
+
+    def allocate(self, device) -> None:
+        self.slots = buffers.empty((self.size + 1,), torch.float32, device)
+
+    def block(self, offset: int) -> torch.Tensor:
+        return self.slots[offset:]
+
+    def out_of_range(self) -> list:
+        """(region, largest |value|) of every region outside fp16's safe range; reads the slots."""
+        if not self.regions:
+            return []
+        host = self.slots.cpu().numpy()
+        bounds = [i for _, start, stop in self.regions for i in (start, stop)]
+        maxima = np.maximum.reduceat(host, bounds)[::2]  # over [start, stop) of each region
+        return [(name, float(m)) for (name, _, _), m in zip(self.regions, maxima)
+                if not m <= FP16_MAX or 0 < m < SMALLEST_SAFE_MAX]
+
+
+def describe(outside: list, shown: int = 3) -> str:
+    """'name (largest |value| m), ...' for the first `shown` regions of out_of_range()."""
+    text = ", ".join(f"{name} (largest |value| {m:.3g})" for name, m in outside[:shown])
+    return text + (f" and {len(outside) - shown} more" if len(outside) > shown else "")
