@@ -82,6 +82,25 @@ def test_call_spans_group_kernels_by_launch():
     assert spans == [pytest.approx(200 / 1e6), pytest.approx(70 / 1e6)]
 
 
+def test_call_spans_with_a_sync_inside_the_call():
+    """A call that reads a result back synchronizes its stream itself; its copy counts."""
+    events = [
+        FakeEvent("cuda_runtime", OPEN_API, 0, 5),
+        FakeEvent("cuda_runtime", "cudaLaunchKernel", 10, 12, corr=1),
+        FakeEvent("kernel", "k1", 20, 60, corr=1),
+        FakeEvent("cuda_runtime", "cudaMemcpyAsync", 14, 16, corr=2),
+        FakeEvent("gpu_memcpy", "Memcpy DtoH", 60, 63, corr=2),
+        FakeEvent("cuda_runtime", OPEN_API, 17, 64),  # the call's own
+        FakeEvent("cuda_runtime", CLOSE_API, 70, 71),
+        FakeEvent("cuda_runtime", OPEN_API, 80, 85),
+        FakeEvent("cuda_runtime", "cudaLaunchKernel", 90, 92, corr=3),
+        FakeEvent("kernel", "k1", 95, 105, corr=3),
+        FakeEvent("cuda_runtime", CLOSE_API, 110, 111),
+    ]
+    spans, counts, _ = call_spans(events, 2)
+    assert counts == [2, 1] and spans == [pytest.approx(43 / 1e6), pytest.approx(10 / 1e6)]
+
+
 def test_call_spans_needs_every_sync():
     with pytest.raises(RuntimeError, match=r"1 stream synchronizations \(expected 2\)"):
         call_spans([FakeEvent("cuda_runtime", OPEN_API, 0, 1), FakeEvent("cuda_runtime", CLOSE_API, 5, 6)], 2)

@@ -1,5 +1,6 @@
 """What the backward's options cost or save, on the official clock: all outputs; input gradients
-only (frozen weights); weight gradients only (frozen inputs); deterministic mode.
+only (frozen weights); weight gradients only (frozen inputs); deterministic mode; the fp16 range
+guard turned off.
 
     python3 benchmarks/checks/option_timing.py 021 1 6 072 0 6
 """
@@ -31,4 +32,6 @@ for token in args.cases:
     torch.use_deterministic_algorithms(True)
     cells.append(f"deterministic {time_calls(prob.run, x).median_ms:.4f}")
     torch.use_deterministic_algorithms(False)
+    with backfuse.fp16_range_check(False):
+        cells.append(f"no range check {time_calls(prob.run, x).median_ms:.4f}")
     print(f"{pid} case {token} {w.axes}: " + "  ".join(cells), flush=True)

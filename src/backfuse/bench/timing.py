@@ -162,8 +162,8 @@ def call_spans(events, iters: int) -> tuple:
     """Per timed call: (first device activity start .. last end) in ms and the activity count; and
     per activity name, its mean time per call in ms.
 
-    Call i runs from the end of the i-th stream synchronization to the next device synchronization
-    (or, in a trace with host ranges, over call i's range). A device
+    Call i runs from the end of the stream synchronization that opens it to the next device
+    synchronization (or, in a trace with host ranges, over call i's range). A device
     activity belongs to call i when the API call that launched it (matched by CUPTI correlation id)
     lies between them; one whose launch is not in the trace goes by its own start time. Flushes
     and input copies are launched between calls and are dropped.
@@ -171,9 +171,17 @@ def call_spans(events, iters: int) -> tuple:
     def api(name):
         return sorted((e for e in events if e.kind == "cuda_runtime" and e.name == name), key=lambda e: e.start_ns)
 
-    opens, closes = api(OPEN_API), api(CLOSE_API)
-    ranges = sorted((e for e in events if e.kind == "user_annotation" and e.name.startswith(CALL_TAG)), key=lambda e: e.start_ns)
+    closes = api(CLOSE_API)
     close_starts = [e.start_ns for e in closes]
+    # A call may synchronize its stream itself (e.g. reading a result back): a call opens with the
+    # first stream synchronization after the previous call's device synchronization.
+    opens, seen = [], set()
+    for o in api(OPEN_API):
+        after = bisect.bisect(close_starts, o.start_ns)
+        if after not in seen:
+            seen.add(after)
+            opens.append(o)
+    ranges = sorted((e for e in events if e.kind == "user_annotation" and e.name.startswith(CALL_TAG)), key=lambda e: e.start_ns)
     if len(ranges) == iters:
         windows = [(r.start_ns, r.end_ns) for r in ranges]
     elif len(opens) == iters and all(bisect.bisect(close_starts, o.end_ns) < len(closes) for o in opens):

@@ -20,13 +20,14 @@ def poisoned():
         _poison = saved
 
 
-def empty(shape, dtype, device) -> torch.Tensor:
+def empty(shape, dtype, device, pinned: bool = False) -> torch.Tensor:
+    """pinned: page-locked host memory (device "cpu"), which GPU kernels can write directly."""
     # Our kernels write every element they later read (the poisoned tests check it), so torch's
     # deterministic-mode fill of fresh memory would only add a kernel per buffer.
     deterministic = torch.utils.deterministic
     fill, deterministic.fill_uninitialized_memory = deterministic.fill_uninitialized_memory, False
     try:
-        t = torch.empty(shape, dtype=dtype, device=device)
+        t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pinned)
     finally:
         deterministic.fill_uninitialized_memory = fill
     if _poison:

@@ -18,14 +18,14 @@ from .fp16_range import max_abs
 def cast_chunk(src, dst, n, chunk, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """dst[i] = fp16(src[i]) over chunk `chunk` (of n elements); returns the chunk's largest |src[i]|."""
     base = chunk.to(tl.int64) * (BLOCK * ITERS)
-    largest = 0.0
+    largest = tl.zeros((BLOCK,), dtype=tl.float32)  # elementwise: one reduction at the end, not per step
     for i in tl.static_range(ITERS):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(src + offs, mask=mask, other=0.0)
         tl.store(dst + offs, x.to(tl.float16), mask=mask)
-        largest = tl.maximum(largest, max_abs(x))
-    return largest
+        largest = tl.maximum(largest, tl.abs(x))
+    return tl.max(largest)
 
 
 @triton.jit
