@@ -42,6 +42,13 @@ VARIANTS = {
         "bwd_s2": dict(config=C37(attention=A37(stages=2))),
         "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),
         "forward_256": dict(config=C37(forward=TileConfig(256, 128, 64, 8, 3))),
+        # Attention shapes for short sequences (S <= 256: loops of 2-8 steps, mostly diagonal blocks).
+        "att_64_steps": dict(config=C37(attention=A37(kv_bm=64, q_bn=64))),
+        "att_32_blocks": dict(config=C37(attention=A37(kv_bn=32, kv_bm=32, q_bm=32, q_bn=32))),
+        "att_kv32": dict(config=C37(attention=A37(kv_bn=32))),
+        "att_q32": dict(config=C37(attention=A37(q_bm=32))),
+        "att_fwd_64x32": dict(config=C37(attention=A37(fwd_bn=32))),
+        "att_fwd_32x64": dict(config=C37(attention=A37(fwd_bm=32))),
     },
 }
 BACKWARD = {  # the fused function on the official inputs, with a variant's keywords

@@ -438,6 +438,86 @@ def _rope_norm_backward(d_rot, raw16, cos, sin, norm_w, g16, tok, ok, raw_column
     return tl.sum(d_hat * normed, 0), max_abs(d_raw)
 
 
+@triton.jit
+def _key_block_grads(pid, rot16, raw16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
+                     S, kv_programs, scaling, log2_scale, cap, eps, KV_BN: tl.constexpr, KV_BM: tl.constexpr):
+    """dK, dV of one (batch, KV head, block of KV_BN keys), summed over the group's query heads and
+    the causal query blocks (KV_BM at a time); RoPE and RMSNorm backward of dK into G."""
+    n_kv = kv_programs // ((S + KV_BN - 1) // KV_BN)
+    block = pid // n_kv
+    b = (pid % n_kv) // _KV_HEADS
+    kv = (pid % n_kv) % _KV_HEADS
+    cols = block * KV_BN + tl.arange(0, KV_BN)
+    key_tok = b * S + cols
+    col_ok = (cols < S)[:, None]
+    k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, key_tok, col_ok)
+    v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, key_tok, col_ok)
+    dk = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
+    for g in range(_GROUP):
+        bh = b * _HEADS + kv * _GROUP + g
+        for m0 in range((block * KV_BN) // KV_BM * KV_BM, S, KV_BM):
+            rows = m0 + tl.arange(0, KV_BM)
+            row_ok = rows < S
+            q = _head_rows(rot16, _QK, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
+            d_attn = _head_rows(d_attn16, _Q_OUT, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
+            row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=0.0)
+            row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
+            t = _capped(tl.dot(k, tl.trans(q)) * scaling, cap)  # [keys, queries]
+            visible = (cols[:, None] <= rows[None, :]) & row_ok[None, :]
+            p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[None, :]), 0.0)
+            dv = tl.dot(p.to(tl.float16), d_attn, dv)
+            dp = tl.dot(v, tl.trans(d_attn))
+            ds = p * (dp - row_delta[None, :]) * (1.0 - t * t) * scaling
+            dk = tl.dot(ds.to(tl.float16), q, dk)
+    part, dk_largest = _rope_norm_backward(dk, raw16, cos, sin, k_norm_w, g16, key_tok, col_ok,
+                                           _Q_OUT + kv * _HEAD_DIM, _Q_OUT + kv * _HEAD_DIM, eps)
+    tl.store(k_norm_parts + pid * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
+    d = tl.arange(0, _HEAD_DIM)
+    tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
+             mask=col_ok)
+    tl.store(ranges + pid, max_abs(v.to(tl.float32)))
+    tl.store(ranges + kv_programs + pid, dk_largest)
+    tl.store(ranges + 2 * kv_programs + pid, max_abs(dv))
+
+
+@triton.jit
+def _query_block_grads(local, q_programs, rot16, raw16, d_attn16, lse, delta, cos, sin, q_norm_w, g16, q_norm_parts,
+                       ranges, S, kv_programs, scaling, log2_scale, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr):
+    """dQ of one (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time), heaviest
+    blocks first; RoPE and RMSNorm backward into G."""
+    n_blocks = (S + Q_BM - 1) // Q_BM
+    n_heads = q_programs // n_blocks
+    block = n_blocks - 1 - local // n_heads
+    bh = local % n_heads
+    b = bh // _HEADS
+    h = bh % _HEADS
+    kv = h // _GROUP
+    rows = block * Q_BM + tl.arange(0, Q_BM)
+    row_ok = rows < S
+    tok = b * S + rows
+    q = _head_rows(rot16, _QK, h * _HEAD_DIM, tok, row_ok[:, None])
+    d_attn = _head_rows(d_attn16, _Q_OUT, h * _HEAD_DIM, tok, row_ok[:, None])
+    row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=0.0)
+    row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros((Q_BM, _HEAD_DIM), dtype=tl.float32)
+    for n0 in range(0, tl.minimum((block + 1) * Q_BM, S), Q_BN):
+        cols = n0 + tl.arange(0, Q_BN)
+        col_ok = (cols < S)[:, None]
+        k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
+        v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, b * S + cols, col_ok)
+        t = _capped(tl.dot(q, tl.trans(k)) * scaling, cap)
+        visible = (cols[None, :] <= rows[:, None]) & row_ok[:, None]
+        p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[:, None]), 0.0)
+        dp = tl.dot(d_attn, tl.trans(v))
+        ds = p * (dp - row_delta[:, None]) * (1.0 - t * t) * scaling
+        dq = tl.dot(ds.to(tl.float16), k, dq)
+    part, dq_largest = _rope_norm_backward(dq, raw16, cos, sin, q_norm_w, g16, tok, row_ok[:, None],
+                                           h * _HEAD_DIM, h * _HEAD_DIM, eps)
+    tl.store(q_norm_parts + local * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
+    tl.store(ranges + 3 * kv_programs + local, dq_largest)
+
+
 @triton.jit(do_not_specialize=["S", "kv_programs"])
 def _attention_backward_kernel(
     rot16, raw16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
@@ -445,84 +525,20 @@ def _attention_backward_kernel(
     S, kv_programs, scaling, cap, eps,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
 ):
-    """The first kv_programs programs: dK, dV of one (batch, KV head, block of KV_BN keys), summed
-    over the group's query heads and the causal query blocks (KV_BM at a time). The rest: dQ of one
-    (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time). Heaviest blocks run
-    first. P is recomputed from the forward's log-sum-exp;
-    dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included. The largest |value|
-    of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to ranges, in that order
-    of regions."""
+    """The first kv_programs programs: dK, dV of a key block; the rest: dQ of a query block (one
+    launch of both kinds beat two launches: benchmarks/notes/037.md). P is recomputed from the
+    forward's log-sum-exp; dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included.
+    The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to
+    ranges, in that order of regions (kv_programs slots each for the first three)."""
     pid = tl.program_id(0)
     log2_scale = cap * _LOG2E
     if pid < kv_programs:
-        n_kv = kv_programs // ((S + KV_BN - 1) // KV_BN)
-        block = pid // n_kv
-        b = (pid % n_kv) // _KV_HEADS
-        kv = (pid % n_kv) % _KV_HEADS
-        cols = block * KV_BN + tl.arange(0, KV_BN)
-        key_tok = b * S + cols
-        col_ok = (cols < S)[:, None]
-        k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, key_tok, col_ok)
-        v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, key_tok, col_ok)
-        dk = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
-        dv = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
-        for g in range(_GROUP):
-            bh = b * _HEADS + kv * _GROUP + g
-            for m0 in range((block * KV_BN) // KV_BM * KV_BM, S, KV_BM):
-                rows = m0 + tl.arange(0, KV_BM)
-                row_ok = rows < S
-                q = _head_rows(rot16, _QK, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
-                d_attn = _head_rows(d_attn16, _Q_OUT, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
-                row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=0.0)
-                row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
-                t = _capped(tl.dot(k, tl.trans(q)) * scaling, cap)  # [keys, queries]
-                visible = (cols[:, None] <= rows[None, :]) & row_ok[None, :]
-                p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[None, :]), 0.0)
-                dv = tl.dot(p.to(tl.float16), d_attn, dv)
-                dp = tl.dot(v, tl.trans(d_attn))
-                ds = p * (dp - row_delta[None, :]) * (1.0 - t * t) * scaling
-                dk = tl.dot(ds.to(tl.float16), q, dk)
-        part, dk_largest = _rope_norm_backward(dk, raw16, cos, sin, k_norm_w, g16, key_tok, col_ok,
-                                               _Q_OUT + kv * _HEAD_DIM, _Q_OUT + kv * _HEAD_DIM, eps)
-        tl.store(k_norm_parts + pid * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
-        d = tl.arange(0, _HEAD_DIM)
-        tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
-                 mask=col_ok)
-        tl.store(ranges + pid, max_abs(v.to(tl.float32)))
-        tl.store(ranges + kv_programs + pid, dk_largest)
-        tl.store(ranges + 2 * kv_programs + pid, max_abs(dv))
+        _key_block_grads(pid, rot16, raw16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
+                         S, kv_programs, scaling, log2_scale, cap, eps, KV_BN, KV_BM)
     else:
-        local = pid - kv_programs
-        n_blocks = (S + Q_BM - 1) // Q_BM
-        n_heads = (tl.num_programs(0) - kv_programs) // n_blocks
-        block = n_blocks - 1 - local // n_heads
-        bh = local % n_heads
-        b = bh // _HEADS
-        h = bh % _HEADS
-        kv = h // _GROUP
-        rows = block * Q_BM + tl.arange(0, Q_BM)
-        row_ok = rows < S
-        tok = b * S + rows
-        q = _head_rows(rot16, _QK, h * _HEAD_DIM, tok, row_ok[:, None])
-        d_attn = _head_rows(d_attn16, _Q_OUT, h * _HEAD_DIM, tok, row_ok[:, None])
-        row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=0.0)
-        row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
-        dq = tl.zeros((Q_BM, _HEAD_DIM), dtype=tl.float32)
-        for n0 in range(0, tl.minimum((block + 1) * Q_BM, S), Q_BN):
-            cols = n0 + tl.arange(0, Q_BN)
-            col_ok = (cols < S)[:, None]
-            k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
-            v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, b * S + cols, col_ok)
-            t = _capped(tl.dot(q, tl.trans(k)) * scaling, cap)
-            visible = (cols[None, :] <= rows[:, None]) & row_ok[:, None]
-            p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[:, None]), 0.0)
-            dp = tl.dot(d_attn, tl.trans(v))
-            ds = p * (dp - row_delta[:, None]) * (1.0 - t * t) * scaling
-            dq = tl.dot(ds.to(tl.float16), k, dq)
-        part, dq_largest = _rope_norm_backward(dq, raw16, cos, sin, q_norm_w, g16, tok, row_ok[:, None],
-                                               h * _HEAD_DIM, h * _HEAD_DIM, eps)
-        tl.store(q_norm_parts + local * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
-        tl.store(ranges + 3 * kv_programs + local, dq_largest)
+        _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, raw16, d_attn16, lse, delta,
+                           cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, kv_programs, scaling, log2_scale, cap,
+                           eps, Q_BM, Q_BN)
 
 
 @triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])
