@@ -6,8 +6,11 @@ precision. Every program that converts a tile to fp16 stores that tile's largest
 slot (no atomics, so nothing needs zeroing first); the slots of one tensor form a region. The slots
 live in pinned host memory, which the kernels write directly: after the last launch the host only
 waits for the stream (no copy joins the call's span) and falls back to fp32 when a region is out of
-range. The rule is per tensor, as per-tensor scaling would be: a tensor with some
-small rows is fine as long as its largest element keeps its rounding error at fp16's usual level.
+range. The rule is per tensor, as per-tensor scaling would be: a tensor with some small rows is
+fine as long as its largest element keeps its rounding error at fp16's usual level. Every region is
+checked for overflow; underflow only where a tensor's size follows its inputs' (inputs, their
+projections and sums): attention gradients can vanish by cancellation (a saturated softmax, a
+single key) and are then rounding noise, whose precision does not matter.
 """
 
 from __future__ import annotations
@@ -40,18 +43,19 @@ class RangeSlots:
     """
 
     def __init__(self):
-        self.regions = []  # (name, start, stop)
+        self.regions = []  # (name, start, stop, underflow checked)
         self.size = 0
         self.slots = None
         self.device = None
 
-    def reserve(self, counts: dict) -> int:
-        """A block of consecutive regions, {tensor name: slots} (empty ones skipped); returns its offset."""
+    def reserve(self, counts: dict, *, overflow_only=()) -> int:
+        """A block of consecutive regions, {tensor name: slots} (empty ones skipped); returns its
+        offset. Regions named in overflow_only can vanish by cancellation: no underflow check."""
         start = triton.cdiv(self.size, 4) * 4  # 16-byte aligned, so every block's pointer is too
         at = start
         for name, n in counts.items():
             if n:
-                self.regions.append((name, at, at + n))
+                self.regions.append((name, at, at + n, name not in overflow_only))
             at += n
         self.size = at
         return start
@@ -70,10 +74,10 @@ class RangeSlots:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         host = self.slots.numpy()
-        bounds = [i for _, start, stop in self.regions for i in (start, stop)]
+        bounds = [i for _, start, stop, _ in self.regions for i in (start, stop)]
         maxima = np.maximum.reduceat(host, bounds)[::2]  # over [start, stop) of each region
-        return [(name, float(m)) for (name, _, _), m in zip(self.regions, maxima)
-                if not m <= FP16_MAX or 0 < m < SMALLEST_SAFE_MAX]
+        return [(name, float(m)) for (name, _, _, underflow), m in zip(self.regions, maxima)
+                if not m <= FP16_MAX or (underflow and 0 < m < SMALLEST_SAFE_MAX)]
 
 
 def describe(outside: list, shown: int = 3) -> str:

@@ -707,9 +707,10 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     forward_ranges = ranges.reserve({"q projection": HEADS * row_blocks, "k projection": KV_HEADS * row_blocks,
                                      "normed, rotated q": HEADS * row_blocks, "normed, rotated k": KV_HEADS * row_blocks})
     attention_forward_ranges = ranges.reserve({"gradient of attention output": fwd_programs})
-    attention_backward_ranges = ranges.reserve({"v projection": kv_programs, "gradient of k projection": kv_programs,
-                                                "gradient of v projection": kv_programs,
-                                                "gradient of q projection": q_programs})
+    gradients = ("gradient of k projection", "gradient of v projection", "gradient of q projection")
+    attention_backward_ranges = ranges.reserve({"v projection": kv_programs, gradients[0]: kv_programs,
+                                                gradients[1]: kv_programs, gradients[2]: q_programs},
+                                               overflow_only=gradients)
     ranges.allocate(device)
     scalars = float(scaling), float(cap)
     # cuBLAS products: operand views made before the first launch, so they add no gaps. The forward

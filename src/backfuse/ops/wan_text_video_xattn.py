@@ -661,8 +661,8 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     q_tiles, k_tiles = tile_count(tv, HIDDEN, 1, fw.bm, fw.bn), tile_count(tt, HIDDEN, 1, fw.bm, fw.bn)
     forward_ranges = ranges.reserve({"queries": q_tiles, "keys": k_tiles, "values": k_tiles,
                                      "gradient of attention context": q_tiles})
-    attention_ranges = ranges.reserve({"gradient of queries": attention_programs, "gradient of keys": attention_programs,
-                                       "gradient of values": attention_programs})
+    gradients = ("gradient of queries", "gradient of keys", "gradient of values")
+    attention_ranges = ranges.reserve(dict.fromkeys(gradients, attention_programs), overflow_only=gradients)
     ranges.allocate(device)
 
     with buffers.on_device(device):
