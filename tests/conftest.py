@@ -13,11 +13,6 @@ import backfuse  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def pytest_xdist_auto_num_workers(config):
-    # "-n auto": a worker per core on the CPU (each interpreter run is single-threaded), one on a GPU.
-    return 1 if torch.cuda.is_available() else None
-
-
 def pytest_configure(config):
     # An unexpected fp32 fallback of the fp16 range guard fails the test. (Named here, not in
     # pyproject.toml: resolving it there would import backfuse before TRITON_INTERPRET is set.)

@@ -317,8 +317,8 @@ GEMM_CONFIG = TileConfig(128, 256, 64, 8, 4)
 # benchmarks/notes/072.md). Below it, cuBLAS wins only when the host keeps up.
 CUBLAS_MIN_FLOP = 100e9
 # The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
-INTERPRETER_GEMM_CONFIG = TileConfig(256, 256, 64, 8, 3)
-INTERPRETER_PACK_CONFIG = PackConfig(32, 65536, 1, 4)
+INTERPRETER_GEMM_CONFIG = TileConfig(512, 512, 256, 8, 1)
+INTERPRETER_PACK_CONFIG = PackConfig(32, 1 << 20, 1, 4)
 
 
 def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=False, ranges=None,

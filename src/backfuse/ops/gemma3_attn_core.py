@@ -635,9 +635,9 @@ def fp32_sums_in_fp16_products():
     finally:
         matmul.allow_fp16_reduced_precision_reduction = saved
 # The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
-INTERPRETER_CONFIG = Config(pack=PackConfig(256, 1 << 20, 1, 4), forward=TileConfig(128, HEAD_DIM, 512, 4, 1),
+INTERPRETER_CONFIG = Config(pack=PackConfig(1024, 1 << 20, 1, 4), forward=TileConfig(128, HEAD_DIM, 1024, 4, 1),
                             attention=AttentionConfig(32, 16, 4, 1, 32, 16, 32, 16, 4, 1),
-                            gradients=TileConfig(512, 512, 128, 4, 1))
+                            gradients=TileConfig(1024, 1024, 256, 4, 1))
 SUM_ROWS, SUM_COLS = 256, 16  # norm-weight gradients: partial rows per step, columns per program
 # From this much product work (FLOP) on, the products go to cuBLAS (measured: benchmarks/notes/037.md).
 CUBLAS_MIN_FLOP = 40e9

@@ -590,8 +590,8 @@ class Config(NamedTuple):
 CONFIG = Config()
 # The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles;
 # 64-token attention blocks so that small shapes still give several programs per head.
-INTERPRETER_CONFIG = Config(pack=PackConfig(64, 1024, 64, 65536, 1, 4), forward=TileConfig(128, 256, 64, 8, 3),
-                            attention=AttentionConfig(64, 64, 4, 1, 128, 2), gradients=TileConfig(256, 256, 64, 8, 3))
+INTERPRETER_CONFIG = Config(pack=PackConfig(64, 1024, 256, 1 << 20, 1, 4), forward=TileConfig(128, 512, 256, 8, 1),
+                            attention=AttentionConfig(64, 64, 4, 1, 128, 2), gradients=TileConfig(512, 512, 256, 8, 1))
 SUM_ROWS, SUM_COLS = 32, 64  # bias gradients: partial sums per step, columns per reducing program
 
 
