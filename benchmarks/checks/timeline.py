@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import backfuse
-from backfuse.bench.timing import DEVICE_ACTIVITIES, LAUNCH_ACTIVITIES, OPEN_API, FreshInputs, L2Flush, trace_events
+from backfuse.bench.timing import CLOSE_API, DEVICE_ACTIVITIES, LAUNCH_ACTIVITIES, OPEN_API, FreshInputs, L2Flush, trace_events
 
 ap = argparse.ArgumentParser()
 ap.add_argument("problem")
@@ -38,7 +38,10 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run(*inputs)
         torch.cuda.synchronize()
 events = trace_events(prof)
-call_start = max(e.end_ns for e in events if e.kind == "cuda_runtime" and e.name == OPEN_API)
+# The last call opens with the first stream synchronization after the previous device synchronization
+# (the call may synchronize its stream itself later, e.g. the fp16 range guard).
+syncs = sorted((e for e in events if e.kind == "cuda_runtime" and e.name in (OPEN_API, CLOSE_API)), key=lambda e: e.start_ns)
+call_start = max(b.end_ns for a, b in zip(syncs, syncs[1:]) if a.name == CLOSE_API and b.name == OPEN_API)
 launch = {e.correlation: e for e in events if e.kind in LAUNCH_ACTIVITIES and e.correlation is not None}
 device = sorted((e for e in events if e.kind in DEVICE_ACTIVITIES and e.correlation in launch
                  and launch[e.correlation].start_ns > call_start), key=lambda e: e.start_ns)

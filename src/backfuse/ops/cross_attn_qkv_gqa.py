@@ -388,24 +388,28 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
                            (gq16.T, dec16, grad_wq, needs[2]), (gkv16[:, :KV_OUT].T, enc16, grad_wk, needs[3]),
                            (gkv16[:, KV_OUT:].T, enc16, grad_wv, needs[4])]
     with buffers.on_device(device):
-        PACK((n_pack,),
+        # Every Triton launch prepared before the first runs: no host work between them.
+        pack_launch = PACK.prepare(
+            (n_pack,),
             gq, gk, gv, dec, enc, wq, wk, wv,
             gq16, gkv16, dec16, enc16, wq16, wkv16, ranges.block(pack_ranges),
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
             int(split_dec > 1), int(split_enc > 1), int(split_wq > 1), int(split_wkv > 1),
-            batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, num_warps=pack.warps,
-        )
-        if products == "cublas":
-            for a, b, out, needed in cublas_products:
-                if needed:
-                    torch.mm(a, b, out_dtype=torch.float32, out=out)
-            return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
-        for with_weights, with_inputs, tiles in launches:
-            PRODUCTS((tiles,),
+            batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, num_warps=pack.warps)
+        product_launches = [] if products == "cublas" else [
+            PRODUCTS.prepare(
+                (tiles,),
                 gq16, gkv16, dec16, enc16, wq16, wkv16,
                 grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
                 td, te, split_wq, split_wkv, split_dec, split_enc,
                 WEIGHT_GRADS=with_weights, INPUT_GRADS=with_inputs,
-                BM=bm, BN=bn, BK=bk, num_warps=config.warps, num_stages=config.stages,
-            )
+                BM=bm, BN=bn, BK=bk, num_warps=config.warps, num_stages=config.stages)
+            for with_weights, with_inputs, tiles in launches]
+        pack_launch()
+        if products == "cublas":
+            for a, b, out, needed in cublas_products:
+                if needed:
+                    torch.mm(a, b, out_dtype=torch.float32, out=out)
+        for launch in product_launches:
+            launch()
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
