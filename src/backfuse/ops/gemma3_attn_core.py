@@ -367,6 +367,17 @@ def _head_rows(buf16, width, column0, tok, ok):
 
 
 @triton.jit
+def _query_block(index, programs, S, BM: tl.constexpr):
+    """Program `index` of `programs` over (batch, head, block of BM queries), the last blocks (most
+    keys) first: its batch, head, batch * heads + head, block and query positions."""
+    n_blocks = (S + BM - 1) // BM
+    n_heads = programs // n_blocks
+    bh = index % n_heads
+    block = n_blocks - 1 - index // n_heads
+    return bh // _HEADS, bh % _HEADS, bh, block, block * BM + tl.arange(0, BM)
+
+
+@triton.jit
 def _capped(z, cap):
     """t = tanh(z / cap) (written with exp2: the soft cap keeps logits in (-cap, cap))."""
     return 1.0 - 2.0 / (tl.exp2(z * (2.0 * _LOG2E / cap)) + 1.0)
@@ -383,13 +394,8 @@ def _attention_forward_kernel(
     delta = rowsum(A * dA); the largest |dA| of the block in ranges[pid]. (A needs no check: its
     rows are convex combinations of v's, which the attention backward checks.)"""
     pid = tl.program_id(0)
-    n_heads = tl.num_programs(0) // ((S + BM - 1) // BM)
-    block = (S + BM - 1) // BM - 1 - pid // n_heads
-    bh = pid % n_heads
-    b = bh // _HEADS
-    h = bh % _HEADS
+    b, h, bh, block, rows = _query_block(pid, tl.num_programs(0), S, BM)
     kv = h // _GROUP
-    rows = block * BM + tl.arange(0, BM)
     row_ok = rows < S
     q = _head_rows(rot16, _QK, h * _HEAD_DIM, b * S + rows, row_ok[:, None])
     row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
@@ -486,14 +492,8 @@ def _query_block_grads(local, q_programs, rot16, raw16, d_attn16, lse, delta, co
                        ranges, S, kv_programs, scaling, log2_scale, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr):
     """dQ of one (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time), heaviest
     blocks first; RoPE and RMSNorm backward into G."""
-    n_blocks = (S + Q_BM - 1) // Q_BM
-    n_heads = q_programs // n_blocks
-    block = n_blocks - 1 - local // n_heads
-    bh = local % n_heads
-    b = bh // _HEADS
-    h = bh % _HEADS
+    b, h, bh, block, rows = _query_block(local, q_programs, S, Q_BM)
     kv = h // _GROUP
-    rows = block * Q_BM + tl.arange(0, Q_BM)
     row_ok = rows < S
     tok = b * S + rows
     q = _head_rows(rot16, _QK, h * _HEAD_DIM, tok, row_ok[:, None])
