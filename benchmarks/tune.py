@@ -38,6 +38,7 @@ VARIANTS = {
     },
     "037": {
         "default": dict(config=C37()),
+        "exp2_tanh": dict(config=C37(attention=A37(approx_tanh=False))),
         "triton": dict(config=C37(), products="triton"),
         "bwd_s2": dict(config=C37(attention=A37(stages=2))),
         "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),

@@ -141,11 +141,13 @@ def test_037_single_token():
             assert rel_err(o, r) < FP16_REL_ERR, name
 
 
-def test_037_scalars_are_honoured():
-    """Other scaling, soft cap and eps than the suite's: the kernels take them as given."""
+@pytest.mark.parametrize("cap", [2.0, -2.0])
+def test_037_scalars_are_honoured(cap):
+    """Other scaling, soft cap (either sign: cap tanh(z / cap) is even in cap) and eps than the
+    suite's: the kernels take them as given."""
     prob = backfuse.problem("037")
     x = prob.make_inputs(dict(batch_size=1, seq_len=21), seed=5, device=DEVICE, scalars=dict(
-        scaling=0.3, attn_logit_softcapping=2.0, rms_norm_eps=0.5))
+        scaling=0.3, attn_logit_softcapping=cap, rms_norm_eps=0.5))
     with buffers.poisoned():
         assert_official_pass(prob, prob.run(*x), prob.reference(*x))
 

@@ -313,17 +313,17 @@ def _rope_table(table, tok, ok):
 @triton.jit(do_not_specialize=["T"])
 def _forward_products_kernel(
     x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
-    raw16, rot16, d_attn16, ranges,
+    qk32, v16, rot16, d_attn16, ranges,
     T, eps,
     BM: tl.constexpr, BK: tl.constexpr, PRODUCTS: tl.constexpr,
 ):
-    """One head (128 columns) per tile. PRODUCTS: raw16 = [q | k | v] = X [Wq; Wk; Wv]^T and
-    dA = grad_output Wo (fp16); both read a row-major A and a [N, 3072] B^T (hence Wo transposed in
-    the pack), so they share one call site and one shared-memory ring. Without PRODUCTS (cuBLAS made
-    raw16; the grid covers [q | k | v] only) just the epilogue runs. Epilogue of a q or k head:
-    rot16 = RoPE(RMSNorm(q) * (1 + w)), and the largest |raw| and |rot| of the tile in ranges, head
-    by head (ranges[head * row_blocks + row_block], rot after the 32 q and k heads' raw); v and dA
-    are checked where attention reads them."""
+    """One head (128 columns) per tile. PRODUCTS: [q | k | v] = X [Wq; Wk; Wv]^T (q, k in fp32 to
+    qk32: the norm backward's sums over every token need them more exact than fp16; v in fp16 to
+    v16) and dA = grad_output Wo (fp16); both read a row-major A and a [N, 3072] B^T (hence Wo
+    transposed in the pack), so they share one call site and one shared-memory ring. Without
+    PRODUCTS (cuBLAS made qk32 and v16; the grid covers [q | k | v] only) just the epilogue runs.
+    Epilogue of a q or k head: rot16 = RoPE(RMSNorm(q) * (1 + w)), and the tile's largest |rot| in
+    ranges[head * row_blocks + row_block]; v and dA are checked where attention reads them."""
     pid = tl.program_id(0)
     t_qkv = ((T + BM - 1) // BM) * (_QKV // _HEAD_DIM)
     on_qkv = pid < t_qkv
@@ -334,29 +334,33 @@ def _forward_products_kernel(
     tok = off_m + tl.arange(0, BM)
     ok = tok[:, None] < T
     d = tl.arange(0, _HEAD_DIM)
-    raw_offs = tok[:, None].to(tl.int64) * width + off_n + d[None, :]
+    rows = tok[:, None].to(tl.int64)
+    on_qk = on_qkv & (off_n < _QK)
     if PRODUCTS:
         acc = mma_tile(
             tl.where(on_qkv, x16, go16), tl.where(on_qkv, wqkv16, wo_t16),
             off_m, off_n, T, width, 0, _HIDDEN, _HIDDEN, 1, 1, _HIDDEN, BM, _HEAD_DIM, BK,
         )
-        tl.store(tl.where(on_qkv, raw16, d_attn16) + raw_offs, acc.to(tl.float16), mask=ok)
-    if on_qkv & (off_n < _QK):
+        if on_qk:
+            tl.store(qk32 + rows * _QK + off_n + d[None, :], acc, mask=ok)
+        elif on_qkv:
+            tl.store(v16 + rows * _KV_OUT + off_n - _QK + d[None, :], acc.to(tl.float16), mask=ok)
+        else:
+            tl.store(d_attn16 + rows * _Q_OUT + off_n + d[None, :], acc.to(tl.float16), mask=ok)
+    if on_qk:
         if PRODUCTS:
             raw = acc
         else:
-            raw = tl.load(raw16 + raw_offs, mask=ok, other=0.0).to(tl.float32)
+            raw = tl.load(qk32 + rows * _QK + off_n + d[None, :], mask=ok, other=0.0)
         row_blocks = (T + BM - 1) // BM
-        slot = (off_n // _HEAD_DIM) * row_blocks + off_m // BM
-        tl.store(ranges + slot, max_abs(raw))
         r = tl.rsqrt(tl.sum(raw * raw, 1) / _HEAD_DIM + eps)
         w = tl.load(tl.where(off_n < _Q_OUT, q_norm_w, k_norm_w) + d)
         lo, hi = _halves(raw * r[:, None] * (1 + w)[None, :])
         cos_lo, cos_hi = _rope_table(cos, tok, ok)
         sin_lo, sin_hi = _rope_table(sin, tok, ok)
         rot = _whole(lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi)
-        tl.store(rot16 + tok[:, None].to(tl.int64) * _QK + off_n + d[None, :], rot.to(tl.float16), mask=ok)
-        tl.store(ranges + (_QK // _HEAD_DIM) * row_blocks + slot, max_abs(tl.where(ok, rot, 0.0)))
+        tl.store(rot16 + rows * _QK + off_n + d[None, :], rot.to(tl.float16), mask=ok)
+        tl.store(ranges + (off_n // _HEAD_DIM) * row_blocks + off_m // BM, max_abs(tl.where(ok, rot, 0.0)))
 
 
 @triton.jit
@@ -378,16 +382,23 @@ def _query_block(index, programs, S, BM: tl.constexpr):
 
 
 @triton.jit
-def _capped(z, cap):
-    """t = tanh(z / cap) (written with exp2: the soft cap keeps logits in (-cap, cap))."""
-    return 1.0 - 2.0 / (tl.exp2(z * (2.0 * _LOG2E / cap)) + 1.0)
+def _capped(x, x_scale, APPROX_TANH: tl.constexpr):
+    """t = tanh(x * x_scale), x_scale = scaling / cap. APPROX_TANH: the GPU's tanh instruction (one
+    special-function op; relative error <= 2^-11, the size of the fp16 rounding of the logits'
+    operands); else through exp2 (the Triton interpreter cannot run inline PTX)."""
+    z = x * x_scale
+    if APPROX_TANH:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 1.0 - 2.0 / (tl.exp2(z * (2.0 * _LOG2E)) + 1.0)
 
 
 @triton.jit(do_not_specialize=["S"])
 def _attention_forward_kernel(
-    rot16, raw16, d_attn16, attn16, lse, delta, ranges,
+    rot16, v16, d_attn16, attn16, lse, delta, ranges,
     S, scaling, cap,
-    BM: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, APPROX_TANH: tl.constexpr,
 ):
     """Per (batch, head, block of BM queries), the last blocks (most keys) first: softmax over the
     capped, causal logits (online, in base 2), A = P v (fp16, token-major), the row log-sum-exp and
@@ -401,16 +412,18 @@ def _attention_forward_kernel(
     row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
+    x_scale = scaling / cap
+    log2_scale = cap * _LOG2E  # > 0: row maxima of t are those of the capped logits
     for n0 in range(0, tl.minimum((block + 1) * BM, S), BN):
         cols = n0 + tl.arange(0, BN)
         col_ok = (cols < S)[:, None]
         k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
-        v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, b * S + cols, col_ok)
-        c = _capped(tl.dot(q, tl.trans(k)) * scaling, cap) * (cap * _LOG2E)
-        c = tl.where(cols[None, :] <= rows[:, None], c, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(c, 1))
+        v = _head_rows(v16, _KV_OUT, kv * _HEAD_DIM, b * S + cols, col_ok)
+        t = _capped(tl.dot(q, tl.trans(k)), x_scale, APPROX_TANH)
+        t = tl.where(cols[None, :] <= rows[:, None], t, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(t, 1) * log2_scale)  # in base-2 units of the capped logits
         shrink = tl.exp2(row_max - new_max)
-        p = tl.exp2(c - new_max[:, None])
+        p = tl.exp2(t * log2_scale - new_max[:, None])
         row_sum = row_sum * shrink + tl.sum(p, 1)
         acc = tl.dot(p.to(tl.float16), v, acc * shrink[:, None])
         row_max = new_max
@@ -426,7 +439,7 @@ def _attention_forward_kernel(
 
 
 @triton.jit
-def _rope_norm_backward(d_rot, raw16, cos, sin, norm_w, g16, tok, ok, raw_column, g_column, eps):
+def _rope_norm_backward(d_rot, qk32, cos, sin, norm_w, g16, tok, ok, column, eps):
     """RoPE, then RMSNorm backward of one head's rows: writes d(raw projection) to G in fp16 and
     returns this tile's share of the norm-weight gradient, sum over rows of d(qhat) * qn, and the
     tile's largest |d(raw)|."""
@@ -434,19 +447,20 @@ def _rope_norm_backward(d_rot, raw16, cos, sin, norm_w, g16, tok, ok, raw_column
     cos_lo, cos_hi = _rope_table(cos, tok, ok)
     sin_lo, sin_hi = _rope_table(sin, tok, ok)
     d_hat = _whole(lo * cos_lo + hi * sin_hi, hi * cos_hi - lo * sin_lo)
-    raw = _head_rows(raw16, _QKV, raw_column, tok, ok).to(tl.float32)
+    raw = _head_rows(qk32, _QK, column, tok, ok)
     r = tl.rsqrt(tl.sum(raw * raw, 1) / _HEAD_DIM + eps)
     normed = raw * r[:, None]
     m = d_hat * (1 + tl.load(norm_w + tl.arange(0, _HEAD_DIM)))[None, :]
     d_raw = r[:, None] * (m - normed * (tl.sum(m * normed, 1) / _HEAD_DIM)[:, None])
     d = tl.arange(0, _HEAD_DIM)
-    tl.store(g16 + tok[:, None].to(tl.int64) * _QKV + g_column + d[None, :], d_raw.to(tl.float16), mask=ok)
+    tl.store(g16 + tok[:, None].to(tl.int64) * _QKV + column + d[None, :], d_raw.to(tl.float16), mask=ok)
     return tl.sum(d_hat * normed, 0), max_abs(d_raw)
 
 
 @triton.jit
-def _key_block_grads(pid, rot16, raw16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
-                     S, kv_programs, scaling, log2_scale, cap, eps, KV_BN: tl.constexpr, KV_BM: tl.constexpr):
+def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
+                     S, kv_programs, scaling, log2_scale, x_scale, eps, KV_BN: tl.constexpr, KV_BM: tl.constexpr,
+                     APPROX_TANH: tl.constexpr):
     """dK, dV of one (batch, KV head, block of KV_BN keys), summed over the group's query heads and
     the causal query blocks (KV_BM at a time); RoPE and RMSNorm backward of dK into G."""
     n_kv = kv_programs // ((S + KV_BN - 1) // KV_BN)
@@ -457,7 +471,7 @@ def _key_block_grads(pid, rot16, raw16, d_attn16, lse, delta, cos, sin, k_norm_w
     key_tok = b * S + cols
     col_ok = (cols < S)[:, None]
     k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, key_tok, col_ok)
-    v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, key_tok, col_ok)
+    v = _head_rows(v16, _KV_OUT, kv * _HEAD_DIM, key_tok, col_ok)
     dk = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
     for g in range(_GROUP):
@@ -469,15 +483,15 @@ def _key_block_grads(pid, rot16, raw16, d_attn16, lse, delta, cos, sin, k_norm_w
             d_attn = _head_rows(d_attn16, _Q_OUT, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
             row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=0.0)
             row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
-            t = _capped(tl.dot(k, tl.trans(q)) * scaling, cap)  # [keys, queries]
+            t = _capped(tl.dot(k, tl.trans(q)), x_scale, APPROX_TANH)  # [keys, queries]
             visible = (cols[:, None] <= rows[None, :]) & row_ok[None, :]
             p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[None, :]), 0.0)
             dv = tl.dot(p.to(tl.float16), d_attn, dv)
             dp = tl.dot(v, tl.trans(d_attn))
-            ds = p * (dp - row_delta[None, :]) * (1.0 - t * t) * scaling
+            ds = p * (dp - row_delta[None, :]) * (1.0 - t * t)  # dS / scaling
             dk = tl.dot(ds.to(tl.float16), q, dk)
-    part, dk_largest = _rope_norm_backward(dk, raw16, cos, sin, k_norm_w, g16, key_tok, col_ok,
-                                           _Q_OUT + kv * _HEAD_DIM, _Q_OUT + kv * _HEAD_DIM, eps)
+    part, dk_largest = _rope_norm_backward(dk * scaling, qk32, cos, sin, k_norm_w, g16, key_tok, col_ok,
+                                           _Q_OUT + kv * _HEAD_DIM, eps)
     tl.store(k_norm_parts + pid * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
     d = tl.arange(0, _HEAD_DIM)
     tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
@@ -488,8 +502,9 @@ def _key_block_grads(pid, rot16, raw16, d_attn16, lse, delta, cos, sin, k_norm_w
 
 
 @triton.jit
-def _query_block_grads(local, q_programs, rot16, raw16, d_attn16, lse, delta, cos, sin, q_norm_w, g16, q_norm_parts,
-                       ranges, S, kv_programs, scaling, log2_scale, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr):
+def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, g16, q_norm_parts,
+                       ranges, S, kv_programs, scaling, log2_scale, x_scale, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
+                       APPROX_TANH: tl.constexpr):
     """dQ of one (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time), heaviest
     blocks first; RoPE and RMSNorm backward into G."""
     b, h, bh, block, rows = _query_block(local, q_programs, S, Q_BM)
@@ -505,40 +520,42 @@ def _query_block_grads(local, q_programs, rot16, raw16, d_attn16, lse, delta, co
         cols = n0 + tl.arange(0, Q_BN)
         col_ok = (cols < S)[:, None]
         k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
-        v = _head_rows(raw16, _QKV, _QK + kv * _HEAD_DIM, b * S + cols, col_ok)
-        t = _capped(tl.dot(q, tl.trans(k)) * scaling, cap)
+        v = _head_rows(v16, _KV_OUT, kv * _HEAD_DIM, b * S + cols, col_ok)
+        t = _capped(tl.dot(q, tl.trans(k)), x_scale, APPROX_TANH)
         visible = (cols[None, :] <= rows[:, None]) & row_ok[:, None]
         p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[:, None]), 0.0)
         dp = tl.dot(d_attn, tl.trans(v))
-        ds = p * (dp - row_delta[:, None]) * (1.0 - t * t) * scaling
+        ds = p * (dp - row_delta[:, None]) * (1.0 - t * t)  # dS / scaling
         dq = tl.dot(ds.to(tl.float16), k, dq)
-    part, dq_largest = _rope_norm_backward(dq, raw16, cos, sin, q_norm_w, g16, tok, row_ok[:, None],
-                                           h * _HEAD_DIM, h * _HEAD_DIM, eps)
+    part, dq_largest = _rope_norm_backward(dq * scaling, qk32, cos, sin, q_norm_w, g16, tok, row_ok[:, None],
+                                           h * _HEAD_DIM, eps)
     tl.store(q_norm_parts + local * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
     tl.store(ranges + 3 * kv_programs + local, dq_largest)
 
 
 @triton.jit(do_not_specialize=["S", "kv_programs"])
 def _attention_backward_kernel(
-    rot16, raw16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
+    rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
     g16, q_norm_parts, k_norm_parts, ranges,
     S, kv_programs, scaling, cap, eps,
-    KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
+    KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, APPROX_TANH: tl.constexpr,
 ):
     """The first kv_programs programs: dK, dV of a key block; the rest: dQ of a query block (one
     launch of both kinds beat two launches: benchmarks/notes/037.md). P is recomputed from the
-    forward's log-sum-exp; dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included.
+    forward's log-sum-exp; dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included
+    (the factor scaling is applied to dK and dQ once, after the sums).
     The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to
     ranges, in that order of regions (kv_programs slots each for the first three)."""
     pid = tl.program_id(0)
     log2_scale = cap * _LOG2E
+    x_scale = scaling / cap
     if pid < kv_programs:
-        _key_block_grads(pid, rot16, raw16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
-                         S, kv_programs, scaling, log2_scale, cap, eps, KV_BN, KV_BM)
+        _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
+                         S, kv_programs, scaling, log2_scale, x_scale, eps, KV_BN, KV_BM, APPROX_TANH)
     else:
-        _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, raw16, d_attn16, lse, delta,
-                           cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, kv_programs, scaling, log2_scale, cap,
-                           eps, Q_BM, Q_BN)
+        _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, qk32, v16, d_attn16, lse,
+                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, kv_programs, scaling, log2_scale,
+                           x_scale, eps, Q_BM, Q_BN, APPROX_TANH)
 
 
 @triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])
@@ -599,7 +616,8 @@ class PackConfig(NamedTuple):
 
 class AttentionConfig(NamedTuple):
     """Forward: fwd_bm queries per program, fwd_bn keys per step. Backward: kv_bn keys per dK/dV
-    program, kv_bm queries per step; q_bm queries per dQ program, q_bn keys per step."""
+    program, kv_bm queries per step; q_bm queries per dQ program, q_bn keys per step. approx_tanh:
+    the soft cap's tanh as one GPU instruction (the interpreter needs False)."""
 
     fwd_bm: int = 64
     fwd_bn: int = 64
@@ -611,6 +629,7 @@ class AttentionConfig(NamedTuple):
     q_bn: int = 32
     warps: int = 4
     stages: int = 3
+    approx_tanh: bool = True
 
 
 class Config(NamedTuple):
@@ -623,6 +642,13 @@ class Config(NamedTuple):
 
 
 CONFIG = Config()
+# The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
+INTERPRETER_CONFIG = Config(pack=PackConfig(1024, 1 << 20, 1, 4), forward=TileConfig(128, HEAD_DIM, 1024, 4, 1),
+                            attention=AttentionConfig(32, 16, 4, 1, 32, 16, 32, 16, 4, 1, approx_tanh=False),
+                            gradients=TileConfig(1024, 1024, 256, 4, 1))
+SUM_ROWS, SUM_COLS = 256, 16  # norm-weight gradients: partial rows per step, columns per program
+# From this much product work (FLOP) on, the products go to cuBLAS (measured: benchmarks/notes/037.md).
+CUBLAS_MIN_FLOP = 40e9
 
 
 @contextlib.contextmanager
@@ -634,13 +660,6 @@ def fp32_sums_in_fp16_products():
         yield
     finally:
         matmul.allow_fp16_reduced_precision_reduction = saved
-# The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
-INTERPRETER_CONFIG = Config(pack=PackConfig(1024, 1 << 20, 1, 4), forward=TileConfig(128, HEAD_DIM, 1024, 4, 1),
-                            attention=AttentionConfig(32, 16, 4, 1, 32, 16, 32, 16, 4, 1),
-                            gradients=TileConfig(1024, 1024, 256, 4, 1))
-SUM_ROWS, SUM_COLS = 256, 16  # norm-weight gradients: partial rows per step, columns per program
-# From this much product work (FLOP) on, the products go to cuBLAS (measured: benchmarks/notes/037.md).
-CUBLAS_MIN_FLOP = 40e9
 
 
 def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, eps, *,
@@ -668,7 +687,7 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
     f32 = lambda *shape: buffers.empty(shape, torch.float32, device)  # noqa: E731
     go16, x16, d_attn16, attn16 = (f16(tokens, HIDDEN) for _ in range(4))
-    raw16, rot16, g16 = f16(tokens, QKV), f16(tokens, QK), f16(tokens, QKV)
+    qk32, v16, rot16, g16 = f32(tokens, QK), f16(tokens, KV_OUT), f16(tokens, QK), f16(tokens, QKV)
     wqkv16, wo_t16 = f16(QKV, HIDDEN), f16(HIDDEN, Q_OUT)
     lse, delta = f32(batch * HEADS * seq), f32(batch * HEADS * seq)
     kv_programs = batch * KV_HEADS * triton.cdiv(seq, at.kv_bn)
@@ -704,18 +723,18 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     row_blocks = triton.cdiv(tokens, fw.bm)
     pack_ranges = ranges.reserve({"grad_output": n_act, "hidden_states": n_act, "q_weight": n_wq, "k_weight": n_wkv,
                                   "v_weight": n_wkv, "o_weight": (HIDDEN // pk.tile) * (Q_OUT // pk.tile)})
-    forward_ranges = ranges.reserve({"q projection": HEADS * row_blocks, "k projection": KV_HEADS * row_blocks,
-                                     "normed, rotated q": HEADS * row_blocks, "normed, rotated k": KV_HEADS * row_blocks})
+    forward_ranges = ranges.reserve({"normed, rotated q": HEADS * row_blocks, "normed, rotated k": KV_HEADS * row_blocks})
     attention_forward_ranges = ranges.reserve({"gradient of attention output": fwd_programs})
     gradients = ("gradient of k projection", "gradient of v projection", "gradient of q projection")
     attention_backward_ranges = ranges.reserve({"v projection": kv_programs, gradients[0]: kv_programs,
                                                 gradients[1]: kv_programs, gradients[2]: q_programs},
                                                overflow_only=gradients)
     ranges.allocate(device)
-    scalars = float(scaling), float(cap)
+    # cap tanh(z / cap) depends on |cap| only; the kernels take cap > 0.
+    scalars = float(scaling), abs(float(cap))
     # cuBLAS products: operand views made before the first launch, so they add no gaps. The forward
-    # ones write fp16 (their fp32 sums rounded once, as our tiles do).
-    cublas_forward = [(x16, wqkv16.T, raw16), (go16, wo_t16.T, d_attn16)]
+    # ones write q, k in fp32 and v, dA in fp16 (their fp32 sums rounded once, as our tiles do).
+    cublas_forward = [(x16, wqkv16[:QK].T, qk32), (x16, wqkv16[QK:].T, v16), (go16, wo_t16.T, d_attn16)]
     cublas_gradients = [(g16, wqkv16, grad_x.view(tokens, HIDDEN), wanted[0]),
                        (g16[:, :Q_OUT].T, x16, grad_wq, wanted[1]), (g16[:, Q_OUT:QK].T, x16, grad_wk, wanted[1]),
                        (g16[:, QK:].T, x16, grad_wv, wanted[1]), (go16.T, attn16, grad_wo, wanted[2])]
@@ -731,20 +750,22 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
             FORWARD_PRODUCTS.prepare(
                 (forward_tiles,),
                 x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
-                raw16, rot16, d_attn16, ranges.block(forward_ranges),
+                qk32, v16, rot16, d_attn16, ranges.block(forward_ranges),
                 tokens, float(eps),
                 BM=fw.bm, BK=fw.bk, PRODUCTS=not on_cublas, num_warps=fw.warps, num_stages=fw.stages),
             ATTENTION_FORWARD.prepare(
                 (fwd_programs,),
-                rot16, raw16, d_attn16, attn16, lse, delta, ranges.block(attention_forward_ranges),
+                rot16, v16, d_attn16, attn16, lse, delta, ranges.block(attention_forward_ranges),
                 seq, *scalars,
-                BM=at.fwd_bm, BN=at.fwd_bn, num_warps=at.fwd_warps, num_stages=at.fwd_stages),
+                BM=at.fwd_bm, BN=at.fwd_bn, APPROX_TANH=at.approx_tanh, num_warps=at.fwd_warps,
+                num_stages=at.fwd_stages),
             ATTENTION_BACKWARD.prepare(
                 (kv_programs + q_programs,),
-                rot16, raw16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
+                rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
                 g16, q_norm_parts, k_norm_parts, ranges.block(attention_backward_ranges),
                 seq, kv_programs, *scalars, float(eps),
-                KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, num_warps=at.warps,
+                KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh,
+                num_warps=at.warps,
                 num_stages=at.stages),
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 2 * HEAD_DIM // SUM_COLS,),
@@ -758,7 +779,10 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
         if on_cublas:
             with fp32_sums_in_fp16_products():
                 for a, b, out in cublas_forward:
-                    torch.mm(a, b, out=out)
+                    if out.dtype == torch.float32:
+                        torch.mm(a, b, out_dtype=torch.float32, out=out)
+                    else:
+                        torch.mm(a, b, out=out)
         for launch in launches:
             launch()
         if on_cublas:
