@@ -100,10 +100,10 @@ def gemma3_037_kernels(cfg=None):
         dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters), p.warps, 1)
     for products in (True, False):
         yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
-            op._forward_products_kernel, {**ints("T"), "eps": "fp32"}, dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products),
-            fw.warps, fw.stages)
+            op._forward_products_kernel, {**ints("T"), "eps": "fp32", "q_scale": "fp32"},
+            dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products), fw.warps, fw.stages)
     yield "037 attention forward", compile_sm90(
-        op._attention_forward_kernel, {**ints("S"), "scaling": "fp32", "cap": "fp32"},
+        op._attention_forward_kernel, {**ints("S"), "cap": "fp32"},
         dict(BM=at.fwd_bm, BN=at.fwd_bn, APPROX_TANH=at.approx_tanh), at.fwd_warps, at.fwd_stages)
     yield "037 attention backward", compile_sm90(
         op._attention_backward_kernel, {**ints("S", "kv_programs"), "scaling": "fp32", "cap": "fp32", "eps": "fp32"},

@@ -314,7 +314,7 @@ def _rope_table(table, tok, ok):
 def _forward_products_kernel(
     x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
     qk32, v16, rot16, d_attn16, ranges,
-    T, eps,
+    T, eps, q_scale,
     BM: tl.constexpr, BK: tl.constexpr, PRODUCTS: tl.constexpr,
 ):
     """One head (128 columns) per tile. PRODUCTS: [q | k | v] = X [Wq; Wk; Wv]^T (q, k in fp32 to
@@ -322,8 +322,10 @@ def _forward_products_kernel(
     v16) and dA = grad_output Wo (fp16); both read a row-major A and a [N, 3072] B^T (hence Wo
     transposed in the pack), so they share one call site and one shared-memory ring. Without
     PRODUCTS (cuBLAS made qk32 and v16; the grid covers [q | k | v] only) just the epilogue runs.
-    Epilogue of a q or k head: rot16 = RoPE(RMSNorm(q) * (1 + w)), and the tile's largest |rot| in
-    ranges[head * row_blocks + row_block]; v and dA are checked where attention reads them."""
+    Epilogue of a q or k head: rot16 = RoPE(RMSNorm(q) * (1 + w)), q heads times q_scale = scaling /
+    cap (so that the attention's products give z / cap, the tanh's argument, with no multiply per
+    logit), and the tile's largest |rot| in ranges[head * row_blocks + row_block]; v and dA are
+    checked where attention reads them."""
     pid = tl.program_id(0)
     t_qkv = ((T + BM - 1) // BM) * (_QKV // _HEAD_DIM)
     on_qkv = pid < t_qkv
@@ -358,7 +360,7 @@ def _forward_products_kernel(
         lo, hi = _halves(raw * r[:, None] * (1 + w)[None, :])
         cos_lo, cos_hi = _rope_table(cos, tok, ok)
         sin_lo, sin_hi = _rope_table(sin, tok, ok)
-        rot = _whole(lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi)
+        rot = _whole(lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi) * tl.where(off_n < _Q_OUT, q_scale, 1.0)
         tl.store(rot16 + rows * _QK + off_n + d[None, :], rot.to(tl.float16), mask=ok)
         tl.store(ranges + (off_n // _HEAD_DIM) * row_blocks + off_m // BM, max_abs(tl.where(ok, rot, 0.0)))
 
@@ -382,22 +384,21 @@ def _query_block(index, programs, S, BM: tl.constexpr):
 
 
 @triton.jit
-def _capped(x, x_scale, APPROX_TANH: tl.constexpr):
-    """t = tanh(x * x_scale), x_scale = scaling / cap. APPROX_TANH: the GPU's tanh instruction (one
-    special-function op; relative error <= 2^-11, the size of the fp16 rounding of the logits'
-    operands); else through exp2 (the Triton interpreter cannot run inline PTX)."""
-    z = x * x_scale
+def _capped(x, APPROX_TANH: tl.constexpr):
+    """t = tanh(x) for x = z / cap (rot q comes scaled by scaling / cap). APPROX_TANH: the GPU's tanh
+    instruction (one special-function op; relative error <= 2^-11, the size of the fp16 rounding of
+    the logits' operands); else through exp2 (the Triton interpreter cannot run inline PTX)."""
     if APPROX_TANH:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True,
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
     else:
-        return 1.0 - 2.0 / (tl.exp2(z * (2.0 * _LOG2E)) + 1.0)
+        return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
 
 
 @triton.jit(do_not_specialize=["S"])
 def _attention_forward_kernel(
     rot16, v16, d_attn16, attn16, lse, delta, ranges,
-    S, scaling, cap,
+    S, cap,
     BM: tl.constexpr, BN: tl.constexpr, APPROX_TANH: tl.constexpr,
 ):
     """Per (batch, head, block of BM queries), the last blocks (most keys) first: softmax over the
@@ -412,14 +413,13 @@ def _attention_forward_kernel(
     row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
-    x_scale = scaling / cap
     log2_scale = cap * _LOG2E  # > 0: row maxima of t are those of the capped logits
     for n0 in range(0, tl.minimum((block + 1) * BM, S), BN):
         cols = n0 + tl.arange(0, BN)
         col_ok = (cols < S)[:, None]
         k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
         v = _head_rows(v16, _KV_OUT, kv * _HEAD_DIM, b * S + cols, col_ok)
-        t = _capped(tl.dot(q, tl.trans(k)), x_scale, APPROX_TANH)
+        t = _capped(tl.dot(q, tl.trans(k)), APPROX_TANH)
         t = tl.where(cols[None, :] <= rows[:, None], t, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(t, 1) * log2_scale)  # in base-2 units of the capped logits
         shrink = tl.exp2(row_max - new_max)
@@ -459,7 +459,7 @@ def _rope_norm_backward(d_rot, qk32, cos, sin, norm_w, g16, tok, ok, column, eps
 
 @triton.jit
 def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
-                     S, kv_programs, scaling, log2_scale, x_scale, eps, KV_BN: tl.constexpr, KV_BM: tl.constexpr,
+                     S, kv_programs, scaling, cap, eps, KV_BN: tl.constexpr, KV_BM: tl.constexpr,
                      APPROX_TANH: tl.constexpr):
     """dK, dV of one (batch, KV head, block of KV_BN keys), summed over the group's query heads and
     the causal query blocks (KV_BM at a time); RoPE and RMSNorm backward of dK into G."""
@@ -481,16 +481,17 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
             row_ok = rows < S
             q = _head_rows(rot16, _QK, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
             d_attn = _head_rows(d_attn16, _Q_OUT, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
-            row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=0.0)
+            row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=float("inf"))  # P = 0 past S
             row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
-            t = _capped(tl.dot(k, tl.trans(q)), x_scale, APPROX_TANH)  # [keys, queries]
-            visible = (cols[:, None] <= rows[None, :]) & row_ok[None, :]
-            p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[None, :]), 0.0)
+            t = _capped(tl.dot(k, tl.trans(q)), APPROX_TANH)  # [keys, queries]
+            visible = cols[:, None] <= rows[None, :]
+            p = tl.where(visible, tl.exp2(t * (cap * _LOG2E) - row_lse[None, :]), 0.0)
             dv = tl.dot(p.to(tl.float16), d_attn, dv)
             dp = tl.dot(v, tl.trans(d_attn))
             ds = p * (dp - row_delta[None, :]) * (1.0 - t * t)  # dS / scaling
             dk = tl.dot(ds.to(tl.float16), q, dk)
-    part, dk_largest = _rope_norm_backward(dk * scaling, qk32, cos, sin, k_norm_w, g16, key_tok, col_ok,
+    # dK = scaling * sum dS^T q = cap * sum dS^T (q scaling / cap)
+    part, dk_largest = _rope_norm_backward(dk * cap, qk32, cos, sin, k_norm_w, g16, key_tok, col_ok,
                                            _Q_OUT + kv * _HEAD_DIM, eps)
     tl.store(k_norm_parts + pid * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
     d = tl.arange(0, _HEAD_DIM)
@@ -503,7 +504,7 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
 
 @triton.jit
 def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, g16, q_norm_parts,
-                       ranges, S, kv_programs, scaling, log2_scale, x_scale, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
+                       ranges, S, kv_programs, scaling, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
                        APPROX_TANH: tl.constexpr):
     """dQ of one (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time), heaviest
     blocks first; RoPE and RMSNorm backward into G."""
@@ -513,7 +514,7 @@ def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta
     tok = b * S + rows
     q = _head_rows(rot16, _QK, h * _HEAD_DIM, tok, row_ok[:, None])
     d_attn = _head_rows(d_attn16, _Q_OUT, h * _HEAD_DIM, tok, row_ok[:, None])
-    row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=0.0)
+    row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=float("inf"))  # P = 0 past S
     row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
     dq = tl.zeros((Q_BM, _HEAD_DIM), dtype=tl.float32)
     for n0 in range(0, tl.minimum((block + 1) * Q_BM, S), Q_BN):
@@ -521,9 +522,9 @@ def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta
         col_ok = (cols < S)[:, None]
         k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
         v = _head_rows(v16, _KV_OUT, kv * _HEAD_DIM, b * S + cols, col_ok)
-        t = _capped(tl.dot(q, tl.trans(k)), x_scale, APPROX_TANH)
-        visible = (cols[None, :] <= rows[:, None]) & row_ok[:, None]
-        p = tl.where(visible, tl.exp2(t * log2_scale - row_lse[:, None]), 0.0)
+        t = _capped(tl.dot(q, tl.trans(k)), APPROX_TANH)
+        visible = cols[None, :] <= rows[:, None]
+        p = tl.where(visible, tl.exp2(t * (cap * _LOG2E) - row_lse[:, None]), 0.0)
         dp = tl.dot(d_attn, tl.trans(v))
         ds = p * (dp - row_delta[:, None]) * (1.0 - t * t)  # dS / scaling
         dq = tl.dot(ds.to(tl.float16), k, dq)
@@ -543,19 +544,18 @@ def _attention_backward_kernel(
     """The first kv_programs programs: dK, dV of a key block; the rest: dQ of a query block (one
     launch of both kinds beat two launches: benchmarks/notes/037.md). P is recomputed from the
     forward's log-sum-exp; dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included
-    (the factor scaling is applied to dK and dQ once, after the sums).
+    (the factor scaling is applied to dK and dQ once, after the sums; rot q arrives scaled by
+    scaling / cap, so dK's factor is cap).
     The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to
     ranges, in that order of regions (kv_programs slots each for the first three)."""
     pid = tl.program_id(0)
-    log2_scale = cap * _LOG2E
-    x_scale = scaling / cap
     if pid < kv_programs:
         _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
-                         S, kv_programs, scaling, log2_scale, x_scale, eps, KV_BN, KV_BM, APPROX_TANH)
+                         S, kv_programs, scaling, cap, eps, KV_BN, KV_BM, APPROX_TANH)
     else:
         _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, qk32, v16, d_attn16, lse,
-                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, kv_programs, scaling, log2_scale,
-                           x_scale, eps, Q_BM, Q_BN, APPROX_TANH)
+                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, kv_programs, scaling, cap,
+                           eps, Q_BM, Q_BN, APPROX_TANH)
 
 
 @triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])
@@ -731,7 +731,7 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
                                                overflow_only=gradients)
     ranges.allocate(device)
     # cap tanh(z / cap) depends on |cap| only; the kernels take cap > 0.
-    scalars = float(scaling), abs(float(cap))
+    cap = abs(float(cap))
     # cuBLAS products: operand views made before the first launch, so they add no gaps. The forward
     # ones write q, k in fp32 and v, dA in fp16 (their fp32 sums rounded once, as our tiles do).
     cublas_forward = [(x16, wqkv16[:QK].T, qk32), (x16, wqkv16[QK:].T, v16), (go16, wo_t16.T, d_attn16)]
@@ -751,19 +751,19 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
                 (forward_tiles,),
                 x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
                 qk32, v16, rot16, d_attn16, ranges.block(forward_ranges),
-                tokens, float(eps),
+                tokens, float(eps), float(scaling) / cap,
                 BM=fw.bm, BK=fw.bk, PRODUCTS=not on_cublas, num_warps=fw.warps, num_stages=fw.stages),
             ATTENTION_FORWARD.prepare(
                 (fwd_programs,),
                 rot16, v16, d_attn16, attn16, lse, delta, ranges.block(attention_forward_ranges),
-                seq, *scalars,
+                seq, cap,
                 BM=at.fwd_bm, BN=at.fwd_bn, APPROX_TANH=at.approx_tanh, num_warps=at.fwd_warps,
                 num_stages=at.fwd_stages),
             ATTENTION_BACKWARD.prepare(
                 (kv_programs + q_programs,),
                 rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
                 g16, q_norm_parts, k_norm_parts, ranges.block(attention_backward_ranges),
-                seq, kv_programs, *scalars, float(eps),
+                seq, kv_programs, float(scaling), cap, float(eps),
                 KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh,
                 num_warps=at.warps,
                 num_stages=at.stages),
