@@ -236,7 +236,7 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit(do_not_specialize=["T", "zero_gx", "zero_wqkv", "zero_wo"])
 def _pack_kernel(
     go, x, wq, wk, wv, wo,
-    go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wq, grad_wk, grad_wv, grad_wo,
+    go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wqkv, grad_wo,
     T, zero_gx, zero_wqkv, zero_wo,
     TILE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
 ):
@@ -249,6 +249,7 @@ def _pack_kernel(
     WKV: tl.constexpr = _KV_OUT * _HIDDEN
     WQ_CHUNKS: tl.constexpr = (WQ + CHUNK - 1) // CHUNK
     WKV_CHUNKS: tl.constexpr = (WKV + CHUNK - 1) // CHUNK
+    WQKV_CHUNKS: tl.constexpr = (_QKV * _HIDDEN + CHUNK - 1) // CHUNK
     n_act = T * _HIDDEN
     act_chunks = (n_act + CHUNK - 1) // CHUNK
     e_go = act_chunks
@@ -258,9 +259,7 @@ def _pack_kernel(
     e_wv = e_wk + WKV_CHUNKS
     e_wo = e_wv + (_HIDDEN // TILE) * (_Q_OUT // TILE)
     e_gx = e_wo + zero_gx * act_chunks
-    e_zwq = e_gx + zero_wqkv * WQ_CHUNKS
-    e_zwk = e_zwq + zero_wqkv * WKV_CHUNKS
-    e_zwv = e_zwk + zero_wqkv * WKV_CHUNKS
+    e_zwqkv = e_gx + zero_wqkv * WQKV_CHUNKS
     largest = 0.0
     if pid < e_go:
         largest = cast_chunk(go, go16, n_act, pid, BLOCK, ITERS)
@@ -276,14 +275,10 @@ def _pack_kernel(
         largest = transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, TILE)
     elif pid < e_gx:
         zero_chunk(grad_x, n_act, pid - e_wo, BLOCK, ITERS)
-    elif pid < e_zwq:
-        zero_chunk(grad_wq, WQ, pid - e_gx, BLOCK, ITERS)
-    elif pid < e_zwk:
-        zero_chunk(grad_wk, WKV, pid - e_zwq, BLOCK, ITERS)
-    elif pid < e_zwv:
-        zero_chunk(grad_wv, WKV, pid - e_zwk, BLOCK, ITERS)
+    elif pid < e_zwqkv:
+        zero_chunk(grad_wqkv, _QKV * _HIDDEN, pid - e_gx, BLOCK, ITERS)
     else:
-        zero_chunk(grad_wo, WQ, pid - e_zwv, BLOCK, ITERS)
+        zero_chunk(grad_wo, WQ, pid - e_zwqkv, BLOCK, ITERS)
     if pid < e_wo:
         tl.store(ranges + pid, largest)
 
@@ -561,12 +556,12 @@ def _attention_backward_kernel(
 @triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])
 def _gradient_products_kernel(
     g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
-    grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm_w, grad_k_norm_w,
+    grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
     T, split_gx, split_wqkv, split_wo, n_q_parts, n_k_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
 ):
     """grad_hidden = G [Wq; Wk; Wv] (A row-major); then, A read feature-contiguous, the weight
-    gradients grad_[Wq; Wk; Wv] = G^T X (each tile inside one of the three) and grad_Wo =
+    gradients grad_[Wq; Wk; Wv] = G^T X (one output; its row blocks are the three) and grad_Wo =
     grad_output^T A. K splits per product (outputs pre-zeroed when split; 0 skips the product).
     The last 2 * 128 / SUM_COLS programs sum the norm-weight partials in a fixed order (many short
     sums: on the cuBLAS path they are the whole launch, and its latency)."""
@@ -585,10 +580,8 @@ def _gradient_products_kernel(
                                                BM, BN, BK)
         acc = mma_tile(tl.where(on_qkv, g16, go16), tl.where(on_qkv, x16, attn16), off_m, off_n, rows, _HIDDEN,
                        k_lo, k_hi, 1, tl.multiple_of(rows, 1024), _HIDDEN, 1, BM, BN, BK)
-        # The rows of grad_[Wq; Wk; Wv] are three outputs; BM divides their heights.
-        out = tl.where(on_qkv, tl.where(off_m < _Q_OUT, grad_wq, tl.where(off_m < _QK, grad_wk, grad_wv)), grad_wo)
-        first = tl.where(on_qkv, tl.where(off_m < _Q_OUT, 0, tl.where(off_m < _QK, _Q_OUT, _QK)), 0)
-        store_tile(out, acc, off_m - first, off_n, rows - first, _HIDDEN, _HIDDEN, 1, splits > 1, BM, BN)
+        store_tile(tl.where(on_qkv, grad_wqkv, grad_wo), acc, off_m, off_n, rows, _HIDDEN, _HIDDEN, 1, splits > 1,
+                   BM, BN)
     else:
         strip = local - t_wqkv - t_wo
         on_q = strip < _HEAD_DIM // SUM_COLS
@@ -694,7 +687,9 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     q_programs = batch * HEADS * triton.cdiv(seq, at.q_bm)
     q_norm_parts, k_norm_parts = f32(q_programs, HEAD_DIM), f32(kv_programs, HEAD_DIM)
     grad_x = f32(batch, seq, HIDDEN)
-    grad_wq, grad_wk, grad_wv, grad_wo = f32(Q_OUT, HIDDEN), f32(KV_OUT, HIDDEN), f32(KV_OUT, HIDDEN), f32(HIDDEN, Q_OUT)
+    # grad_Wq, grad_Wk, grad_Wv are row blocks of one tensor, which one product writes.
+    grad_wqkv, grad_wo = f32(QKV, HIDDEN), f32(HIDDEN, Q_OUT)
+    grad_wq, grad_wk, grad_wv = grad_wqkv[:Q_OUT], grad_wqkv[Q_OUT:QK], grad_wqkv[QK:]
     grad_q_norm_w, grad_k_norm_w = f32(HEAD_DIM), f32(HEAD_DIM)
 
     # grad_hidden, grad_[Wq; Wk; Wv], grad_Wo as (M, N, K).
@@ -715,7 +710,7 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     flat = lambda n: chunks(n, pk.block, pk.iters)  # noqa: E731
     n_act, n_wq, n_wkv = flat(tokens * HIDDEN), flat(Q_OUT * HIDDEN), flat(KV_OUT * HIDDEN)
     n_pack = (2 * n_act + n_wq + 2 * n_wkv + (HIDDEN // pk.tile) * (Q_OUT // pk.tile)
-              + (split_gx > 1) * n_act + (split_wqkv > 1) * (n_wq + 2 * n_wkv) + (split_wo > 1) * n_wq)
+              + (split_gx > 1) * n_act + (split_wqkv > 1) * flat(QKV * HIDDEN) + (split_wo > 1) * n_wq)
     forward_tiles = tile_count(tokens, QKV, 1, fw.bm, fw.bn) + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm,
                                                                                            fw.bn)
     fwd_programs = batch * HEADS * triton.cdiv(seq, at.fwd_bm)
@@ -736,14 +731,13 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     # ones write q, k in fp32 and v, dA in fp16 (their fp32 sums rounded once, as our tiles do).
     cublas_forward = [(x16, wqkv16[:QK].T, qk32), (x16, wqkv16[QK:].T, v16), (go16, wo_t16.T, d_attn16)]
     cublas_gradients = [(g16, wqkv16, grad_x.view(tokens, HIDDEN), wanted[0]),
-                       (g16[:, :Q_OUT].T, x16, grad_wq, wanted[1]), (g16[:, Q_OUT:QK].T, x16, grad_wk, wanted[1]),
-                       (g16[:, QK:].T, x16, grad_wv, wanted[1]), (go16.T, attn16, grad_wo, wanted[2])]
+                       (g16.T, x16, grad_wqkv, wanted[1]), (go16.T, attn16, grad_wo, wanted[2])]
 
     with buffers.on_device(device):
         pack = PACK.prepare(
             (n_pack,),
             go, x, wq, wk, wv, wo,
-            go16, x16, wqkv16, wo_t16, ranges.block(pack_ranges), grad_x, grad_wq, grad_wk, grad_wv, grad_wo,
+            go16, x16, wqkv16, wo_t16, ranges.block(pack_ranges), grad_x, grad_wqkv, grad_wo,
             tokens, int(split_gx > 1), int(split_wqkv > 1), int(split_wo > 1),
             TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, num_warps=pk.warps)
         launches = [
@@ -770,7 +764,7 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 2 * HEAD_DIM // SUM_COLS,),
                 g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
-                grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm_w, grad_k_norm_w,
+                grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
                 tokens, split_gx, split_wqkv, split_wo, q_programs, kv_programs,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=gr.warps,
                 num_stages=gr.stages),
