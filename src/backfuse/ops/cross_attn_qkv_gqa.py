@@ -126,7 +126,7 @@ class CrossAttnQKVGQABackward(Problem):
 
 PROBLEM = CrossAttnQKVGQABackward()
 
-# ---- fused path: one prologue pass to fp16 operands, then the five products ----------------------
+# ---- fused path: one prologue pass to fp16 operands, then the four products ----------------------
 
 
 @triton.jit
@@ -169,14 +169,14 @@ def _group_sum_tile(g, gkv16, tile, SE, column0, ROWS: tl.constexpr):
 def _pack_kernel(
     gq, gk, gv, dec, enc, wq, wk, wv,
     gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
-    grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+    grad_dec, grad_enc, grad_wq, grad_wkv,
     zero_dec, zero_enc, zero_wq, zero_wkv,
     B, SD, SE,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     ITERS: tl.constexpr,
 ):
-    """Every fp16 operand of the five products, and the zeroed outputs that split-K accumulates into.
+    """Every fp16 operand of the four products, and the zeroed outputs that split-K accumulates into.
 
     Program ranges, in order: GQ head-tiles, GK and GV group sums, flat casts of dec, enc, Wq, Wk,
     Wv (Wk and Wv stacked as [Wk; Wv]), then zero fills of the outputs whose flag is set. Each
@@ -205,7 +205,6 @@ def _pack_kernel(
     e_zdec = e_wv + zero_dec * c_dec
     e_zenc = e_zdec + zero_enc * c_enc
     e_zwq = e_zenc + zero_wq * c_wq
-    e_zwk = e_zwq + zero_wkv * c_wk
     largest = 0.0
     if pid < e_gq:
         largest = _gq_tile(gq, gq16, pid, SD, ROWS)
@@ -229,10 +228,8 @@ def _pack_kernel(
         zero_chunk(grad_enc, n_enc, pid - e_zdec, BLOCK, ITERS)
     elif pid < e_zwq:
         zero_chunk(grad_wq, n_wq, pid - e_zenc, BLOCK, ITERS)
-    elif pid < e_zwk:
-        zero_chunk(grad_wk, n_wk, pid - e_zwq, BLOCK, ITERS)
     else:
-        zero_chunk(grad_wv, n_wk, pid - e_zwk, BLOCK, ITERS)
+        zero_chunk(grad_wkv, 2 * n_wk, pid - e_zwq, BLOCK, ITERS)
     if pid < e_wv:
         tl.store(ranges + pid, largest)
 
@@ -240,7 +237,7 @@ def _pack_kernel(
 @triton.jit(do_not_specialize=["TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc"])
 def _projection_grads_kernel(
     gq16, gkv16, dec16, enc16, wq16, wkv16,
-    grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+    grad_dec, grad_enc, grad_wq, grad_wkv,
     TD, TE,
     split_wq, split_wkv, split_dec, split_enc,
     WEIGHT_GRADS: tl.constexpr,
@@ -249,30 +246,29 @@ def _projection_grads_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """Tiles of the five products: grad_Wq, grad_Wk, grad_Wv (WEIGHT_GRADS), grad_dec, grad_enc (INPUT_GRADS).
+    """Tiles of the four products: grad_Wq, grad_[Wk; Wv] (WEIGHT_GRADS), grad_dec, grad_enc (INPUT_GRADS).
 
-    With GQ [TD, 4096] and [GK | GV] [TE, 2048] in fp16: grad_Wq = GQ^T dec, grad_Wk = GK^T enc,
-    grad_Wv = GV^T enc, grad_dec = GQ Wq, grad_enc = [GK | GV] [Wk; Wv]. The weight gradients read
+    With GQ [TD, 4096] and [GK | GV] [TE, 2048] in fp16: grad_Wq = GQ^T dec, grad_[Wk; Wv] =
+    [GK | GV]^T enc, grad_dec = GQ Wq, grad_enc = [GK | GV] [Wk; Wv]. The weight gradients read
     their A operand transposed (feature-contiguous), the input gradients row-major; Triton gives
     each layout its own shared-memory ring, so one launch of both needs a smaller ring.
     """
     pid = tl.program_id(0)
     n_weight = 0
     if WEIGHT_GRADS:
-        # One call site for the three (so they share one shared-memory ring); operands by select.
+        # One call site for both (so they share one shared-memory ring); operands by select.
         t_q = ((_Q_OUT + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_wq
-        t_kv = ((_KV_OUT + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_wkv
-        n_weight = t_q + 2 * t_kv
+        t_kv = ((2 * _KV_OUT + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_wkv
+        n_weight = t_q + t_kv
         if pid < n_weight:
             on_q = pid < t_q
-            on_v = pid >= t_q + t_kv
             width = tl.multiple_of(tl.where(on_q, _HIDDEN, _CROSS), 256)
             gemm_tile(
-                tl.where(on_q, pid, tl.where(on_v, pid - t_q - t_kv, pid - t_q)),
-                tl.where(on_q, gq16, tl.where(on_v, gkv16 + _KV_OUT, gkv16)),
+                tl.where(on_q, pid, pid - t_q),
+                tl.where(on_q, gq16, gkv16),
                 tl.where(on_q, dec16, enc16),
-                tl.where(on_q, grad_wq, tl.where(on_v, grad_wv, grad_wk)),
-                tl.multiple_of(tl.where(on_q, _Q_OUT, _KV_OUT), 256), width, tl.where(on_q, TD, TE),
+                tl.where(on_q, grad_wq, grad_wkv),
+                tl.multiple_of(tl.where(on_q, _Q_OUT, 2 * _KV_OUT), 256), width, tl.where(on_q, TD, TE),
                 1, tl.multiple_of(tl.where(on_q, _Q_OUT, 2 * _KV_OUT), 256), width, 1, width,
                 tl.where(on_q, split_wq, split_wkv), BM, BN, BK,
             )
@@ -331,7 +327,7 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
     products are reproducible on one GPU model as they are). ranges: a RangeSlots that receives the
     largest |value| of every tensor converted to fp16 (only inputs and their head-group sums here).
 
-    products: "triton" (our tiles) or "cublas" (five torch.mm on our fp16 operands); None picks by
+    products: "triton" (our tiles) or "cublas" (four torch.mm on our fp16 operands); None picks by
     size on a GPU. config: tile shape and schedule of the Triton products; one_launch: both operand
     layouts in one grid (else one launch each); pack: the prologue's shape (config and pack None:
     GEMM_CONFIG, PACK_CONFIG on a GPU, the INTERPRETER_ ones on the CPU); sms: processors to balance
@@ -352,26 +348,29 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
     gq16, gkv16, dec16, enc16 = f16(td, Q_OUT), f16(te, 2 * KV_OUT), f16(td, HIDDEN), f16(te, CROSS_HIDDEN)
     wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)
     grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
-    grad_wq, grad_wk, grad_wv = f32(Q_OUT, HIDDEN), f32(KV_OUT, CROSS_HIDDEN), f32(KV_OUT, CROSS_HIDDEN)
+    # grad_Wk and grad_Wv are the row blocks of one tensor, which one product writes.
+    grad_wq, grad_wkv = f32(Q_OUT, HIDDEN), f32(2 * KV_OUT, CROSS_HIDDEN)
+    grad_wk, grad_wv = grad_wkv[:KV_OUT], grad_wkv[KV_OUT:]
 
     needs = needs or (True,) * 5
     input_grads, weight_grads = any(needs[:2]), any(needs[2:])
     bm, bn, bk = config.bm, config.bn, config.bk
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    weight_products = [(Q_OUT, HIDDEN, td), (KV_OUT, CROSS_HIDDEN, te), (KV_OUT, CROSS_HIDDEN, te)]
+    weight_products = [(Q_OUT, HIDDEN, td), (2 * KV_OUT, CROSS_HIDDEN, te)]
     input_products = [(td, HIDDEN, Q_OUT), (te, CROSS_HIDDEN, 2 * KV_OUT)]
     splits = choose_splits(weight_products + input_products, bm, bn, bk, sms) \
-        if products == "triton" and not deterministic else [1] * 5
-    split_wq, split_wkv, _, split_dec, split_enc = splits
-    weight_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(weight_products, splits[:3]))
-    input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, splits[3:]))
+        if products == "triton" and not deterministic else [1] * 4
+    split_wq, split_wkv, split_dec, split_enc = splits
+    weight_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(weight_products, splits[:2]))
+    input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, splits[2:]))
 
     flat = lambda n: chunks(n, pack.block, pack.iters)  # noqa: E731
     n_gq, n_gk = batch * HEADS * triton.cdiv(sd, pack.rows), batch * KV_HEADS * triton.cdiv(se, pack.rows)
     n_pack = (n_gq + 2 * n_gk
               + (1 + (split_dec > 1)) * flat(td * HIDDEN) + (1 + (split_enc > 1)) * flat(te * CROSS_HIDDEN)
-              + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * (1 + (split_wkv > 1)) * flat(KV_OUT * CROSS_HIDDEN))
+              + (1 + (split_wq > 1)) * flat(Q_OUT * HIDDEN) + 2 * flat(KV_OUT * CROSS_HIDDEN)
+              + (split_wkv > 1) * flat(2 * KV_OUT * CROSS_HIDDEN))
     ranges = ranges or RangeSlots()
     pack_ranges = ranges.reserve({  # the pack's converting programs, in order
         "grad_query_states": n_gq, "grad_key_states (head-group sums)": n_gk,
@@ -385,22 +384,21 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
     if products == "cublas":  # operand views made before the first launch, so they add no gaps
         cublas_products = [(gq16, wq16, grad_dec.view(td, HIDDEN), needs[0]),
                            (gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN), needs[1]),
-                           (gq16.T, dec16, grad_wq, needs[2]), (gkv16[:, :KV_OUT].T, enc16, grad_wk, needs[3]),
-                           (gkv16[:, KV_OUT:].T, enc16, grad_wv, needs[4])]
+                           (gq16.T, dec16, grad_wq, needs[2]), (gkv16.T, enc16, grad_wkv, needs[3] or needs[4])]
     with buffers.on_device(device):
         # Every Triton launch prepared before the first runs: no host work between them.
         pack_launch = PACK.prepare(
             (n_pack,),
             gq, gk, gv, dec, enc, wq, wk, wv,
             gq16, gkv16, dec16, enc16, wq16, wkv16, ranges.block(pack_ranges),
-            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+            grad_dec, grad_enc, grad_wq, grad_wkv,
             int(split_dec > 1), int(split_enc > 1), int(split_wq > 1), int(split_wkv > 1),
             batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, num_warps=pack.warps)
         product_launches = [] if products == "cublas" else [
             PRODUCTS.prepare(
                 (tiles,),
                 gq16, gkv16, dec16, enc16, wq16, wkv16,
-                grad_dec, grad_enc, grad_wq, grad_wk, grad_wv,
+                grad_dec, grad_enc, grad_wq, grad_wkv,
                 td, te, split_wq, split_wkv, split_dec, split_enc,
                 WEIGHT_GRADS=with_weights, INPUT_GRADS=with_inputs,
                 BM=bm, BN=bn, BK=bk, num_warps=config.warps, num_stages=config.stages)
