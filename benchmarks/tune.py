@@ -33,12 +33,14 @@ VARIANTS = {
     },
     "021": {
         "default": dict(config=C21()),
+        "no_pdl": dict(config=C21(pdl=False)),
         "att_half_sm": dict(config=C21(attention=A21(programs_per_sm=0.5))),
         "att_2sm": dict(config=C21(attention=A21(programs_per_sm=2))),
     },
     "037": {
         "default": dict(config=C37()),
         "exp2_tanh": dict(config=C37(attention=A37(approx_tanh=False))),
+        "no_pdl": dict(config=C37(pdl=False)),
         "triton": dict(config=C37(), products="triton"),
         "bwd_s2": dict(config=C37(attention=A37(stages=2))),
         "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),

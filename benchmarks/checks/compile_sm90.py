@@ -58,22 +58,25 @@ def wan_021_kernels(cfg=None):
 
     cfg = cfg or op.CONFIG
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    p, fw, at, gr = cfg
+    p, fw, at, gr, pdl = cfg
     yield "021 pack", compile_sm90(
         op._pack_kernel, ints("TV", "TT", "n_heads", "zero_dkv", "zero_wq", "zero_wo", "zero_wkv", "zero_gv", "zero_gt"),
-        dict(ROWS=p.rows, COLS=p.cols, T=p.tile, BLOCK=p.block, ITERS=p.iters), p.warps, 1, int_pointers=("arrivals",))
+        dict(ROWS=p.rows, COLS=p.cols, T=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1,
+        int_pointers=("arrivals",))
     yield "021 forward products", compile_sm90(
         op._forward_products_kernel, ints("TV", "TT", "n_parts"),
-        dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS), fw.warps, fw.stages)
+        dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), fw.warps,
+        fw.stages)
     for one_tile, bn in ((True, at.one_tile), (False, at.bn)):
         for deterministic in (False, True):
             yield (f"021 attention {'one tile' if one_tile else 'tiles'} BN={bn}{' det' if deterministic else ''}",
                    compile_sm90(op._attention_kernel, {**ints("NV", "NT", "TT", "per_program"), "scale": "fp32"},
-                                dict(BM=at.bm, BN=bn, ONE_TILE=one_tile, DETERMINISTIC=deterministic), at.warps,
+                                dict(BM=at.bm, BN=bn, ONE_TILE=one_tile, DETERMINISTIC=deterministic, PDL=pdl), at.warps,
                                 at.stages, int_pointers=("arrivals",)))
     yield "021 gradient products", compile_sm90(
         op._gradient_products_kernel, ints("TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "n_parts"),
-        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS), gr.warps, gr.stages)
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,
+        gr.stages)
 
 
 def qkv_gqa_072_kernels():
@@ -83,10 +86,10 @@ def qkv_gqa_072_kernels():
     p, g = op.PACK_CONFIG, op.GEMM_CONFIG
     yield "072 pack", compile_sm90(
         op._pack_kernel, ints("zero_dec", "zero_enc", "zero_wq", "zero_wkv", "B", "SD", "SE"),
-        dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters), p.warps, 1)
+        dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters, PDL=True), p.warps, 1)
     yield "072 products", compile_sm90(
         op._projection_grads_kernel, ints("TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc"),
-        dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk), g.warps, g.stages)
+        dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk, PDL=True), g.warps, g.stages)
 
 
 def gemma3_037_kernels(cfg=None):
@@ -94,24 +97,25 @@ def gemma3_037_kernels(cfg=None):
 
     cfg = cfg or op.CONFIG
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    p, fw, at, gr = cfg
+    p, fw, at, gr, pdl = cfg
     yield "037 pack", compile_sm90(
         op._pack_kernel, ints("T", "zero_gx", "zero_wqkv", "zero_wo"),
-        dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters), p.warps, 1)
+        dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
     for products in (True, False):
         yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
             op._forward_products_kernel, {**ints("T"), "eps": "fp32", "q_scale": "fp32"},
-            dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products), fw.warps, fw.stages)
+            dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, PDL=pdl), fw.warps, fw.stages)
     yield "037 attention forward", compile_sm90(
         op._attention_forward_kernel, {**ints("S"), "cap": "fp32"},
-        dict(BM=at.fwd_bm, BN=at.fwd_bn, APPROX_TANH=at.approx_tanh), at.fwd_warps, at.fwd_stages)
+        dict(BM=at.fwd_bm, BN=at.fwd_bn, APPROX_TANH=at.approx_tanh, PDL=pdl), at.fwd_warps, at.fwd_stages)
     yield "037 attention backward", compile_sm90(
         op._attention_backward_kernel, {**ints("S", "kv_programs"), "scaling": "fp32", "cap": "fp32", "eps": "fp32"},
-        dict(KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh), at.warps,
-        at.stages)
+        dict(KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh, PDL=pdl),
+        at.warps, at.stages)
     yield "037 gradient products", compile_sm90(
         op._gradient_products_kernel, ints("T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"),
-        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS), gr.warps, gr.stages)
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,
+        gr.stages)
 
 
 KERNELS = {"072": qkv_gqa_072_kernels, "021": wan_021_kernels, "037": gemma3_037_kernels}

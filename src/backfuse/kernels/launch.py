@@ -12,6 +12,9 @@ the lookup key.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ALIGNMENT = 16  # bytes; Triton specializes pointer arguments on it
 
@@ -56,3 +59,17 @@ class FastKernel:
         for p, a in zip(self.params, args):
             if isinstance(a, int) and not p.do_not_specialize:
                 raise TypeError(f"{self.fn.__name__}: integer argument '{p.name}' must be listed in do_not_specialize")
+
+
+@triton.jit
+def after_previous_launch(PDL: tl.constexpr):
+    """First statement of every kernel of an operator, for programmatic dependent launch (PDL,
+    Hopper). A kernel launched with `launch_pdl=True` may have its programs scheduled while the
+    previous kernel's last ones still run, which hides the launch latency between dependent
+    kernels; they wait here until that kernel has finished and its writes are visible. Then each
+    program lets the next kernel's programs be scheduled. An operator's first kernel calls this
+    too (its wait is a no-op) but is launched without `launch_pdl`: else its programs would wait,
+    and be timed, during whatever ran before the operator."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -19,7 +19,7 @@ from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
 from ..kernels.fp16_range import RangeSlots, max_abs
 from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, tile_count
-from ..kernels.launch import FastKernel
+from ..kernels.launch import FastKernel, after_previous_launch
 from ..problem import Problem, Tensor, fp32_matmul
 
 HIDDEN = 1536
@@ -175,6 +175,7 @@ def _pack_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     ITERS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Every fp16 operand of the four products, and the zeroed outputs that split-K accumulates into.
 
@@ -182,6 +183,7 @@ def _pack_kernel(
     Wv (Wk and Wv stacked as [Wk; Wv]), then zero fills of the outputs whose flag is set. Each
     converting program stores the largest |value| it converted in ranges[pid].
     """
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     n_gq = B * _HEADS * ((SD + ROWS - 1) // ROWS)
     n_gk = B * (_KV_OUT // _HEAD_DIM) * ((SE + ROWS - 1) // ROWS)
@@ -245,6 +247,7 @@ def _projection_grads_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Tiles of the four products: grad_Wq, grad_[Wk; Wv] (WEIGHT_GRADS), grad_dec, grad_enc (INPUT_GRADS).
 
@@ -253,6 +256,7 @@ def _projection_grads_kernel(
     their A operand transposed (feature-contiguous), the input gradients row-major; Triton gives
     each layout its own shared-memory ring, so one launch of both needs a smaller ring.
     """
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     n_weight = 0
     if WEIGHT_GRADS:
@@ -393,7 +397,7 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
             gq16, gkv16, dec16, enc16, wq16, wkv16, ranges.block(pack_ranges),
             grad_dec, grad_enc, grad_wq, grad_wkv,
             int(split_dec > 1), int(split_enc > 1), int(split_wq > 1), int(split_wkv > 1),
-            batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, num_warps=pack.warps)
+            batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, PDL=on_gpu, num_warps=pack.warps)
         product_launches = [] if products == "cublas" else [
             PRODUCTS.prepare(
                 (tiles,),
@@ -401,7 +405,7 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
                 grad_dec, grad_enc, grad_wq, grad_wkv,
                 td, te, split_wq, split_wkv, split_dec, split_enc,
                 WEIGHT_GRADS=with_weights, INPUT_GRADS=with_inputs,
-                BM=bm, BN=bn, BK=bk, num_warps=config.warps, num_stages=config.stages)
+                BM=bm, BN=bn, BK=bk, PDL=on_gpu, num_warps=config.warps, num_stages=config.stages, launch_pdl=on_gpu)
             for with_weights, with_inputs, tiles in launches]
         pack_launch()
         if products == "cublas":

@@ -20,7 +20,7 @@ from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, column_sums, transpose_tile, zero_chunk
 from ..kernels.fp16_range import RangeSlots, max_abs
 from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, mma_tile, store_tile, tile_coords, tile_count
-from ..kernels.launch import FastKernel
+from ..kernels.launch import FastKernel, after_previous_launch
 from ..problem import Problem, Scalar, Tensor, fp32_matmul
 
 HIDDEN = 3072
@@ -239,10 +239,12 @@ def _pack_kernel(
     go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wqkv, grad_wo,
     T, zero_gx, zero_wqkv, zero_wo,
     TILE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ranges, in order: flat casts of grad_output, X, Wq, Wk, Wv (into [Wq; Wk; Wv]), Wo^T
     tiles, then zero fills of the split-K products' outputs whose flag is set. Each converting
     program stores the largest |value| it converted in ranges[pid]."""
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     CHUNK: tl.constexpr = BLOCK * ITERS
     WQ: tl.constexpr = _Q_OUT * _HIDDEN
@@ -311,6 +313,7 @@ def _forward_products_kernel(
     qk32, v16, rot16, d_attn16, ranges,
     T, eps, q_scale,
     BM: tl.constexpr, BK: tl.constexpr, PRODUCTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One head (128 columns) per tile. PRODUCTS: [q | k | v] = X [Wq; Wk; Wv]^T (q, k in fp32 to
     qk32: the norm backward's sums over every token need them more exact than fp16; v in fp16 to
@@ -321,6 +324,7 @@ def _forward_products_kernel(
     cap (so that the attention's products give z / cap, the tanh's argument, with no multiply per
     logit), and the tile's largest |rot| in ranges[head * row_blocks + row_block]; v and dA are
     checked where attention reads them."""
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     t_qkv = ((T + BM - 1) // BM) * (_QKV // _HEAD_DIM)
     on_qkv = pid < t_qkv
@@ -395,11 +399,13 @@ def _attention_forward_kernel(
     rot16, v16, d_attn16, attn16, lse, delta, ranges,
     S, cap,
     BM: tl.constexpr, BN: tl.constexpr, APPROX_TANH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Per (batch, head, block of BM queries), the last blocks (most keys) first: softmax over the
     capped, causal logits (online, in base 2), A = P v (fp16, token-major), the row log-sum-exp and
     delta = rowsum(A * dA); the largest |dA| of the block in ranges[pid]. (A needs no check: its
     rows are convex combinations of v's, which the attention backward checks.)"""
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     b, h, bh, block, rows = _query_block(pid, tl.num_programs(0), S, BM)
     kv = h // _GROUP
@@ -535,6 +541,7 @@ def _attention_backward_kernel(
     g16, q_norm_parts, k_norm_parts, ranges,
     S, kv_programs, scaling, cap, eps,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, APPROX_TANH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The first kv_programs programs: dK, dV of a key block; the rest: dQ of a query block (one
     launch of both kinds beat two launches: benchmarks/notes/037.md). P is recomputed from the
@@ -543,6 +550,7 @@ def _attention_backward_kernel(
     scaling / cap, so dK's factor is cap).
     The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to
     ranges, in that order of regions (kv_programs slots each for the first three)."""
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     if pid < kv_programs:
         _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
@@ -559,12 +567,14 @@ def _gradient_products_kernel(
     grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
     T, split_gx, split_wqkv, split_wo, n_q_parts, n_k_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """grad_hidden = G [Wq; Wk; Wv] (A row-major); then, A read feature-contiguous, the weight
     gradients grad_[Wq; Wk; Wv] = G^T X (one output; its row blocks are the three) and grad_Wo =
     grad_output^T A. K splits per product (outputs pre-zeroed when split; 0 skips the product).
     The last 2 * 128 / SUM_COLS programs sum the norm-weight partials in a fixed order (many short
     sums: on the cuBLAS path they are the whole launch, and its latency)."""
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     t_gx = ((T + BM - 1) // BM) * (_HIDDEN // BN) * split_gx
     t_wqkv = (_QKV // BM) * (_HIDDEN // BN) * split_wqkv
@@ -632,13 +642,14 @@ class Config(NamedTuple):
     forward: TileConfig = TileConfig(128, HEAD_DIM, 64, 8, 3)
     attention: AttentionConfig = AttentionConfig()
     gradients: TileConfig = TileConfig(128, 128, 32, 4, 6)
+    pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
 
 
 CONFIG = Config()
 # The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
 INTERPRETER_CONFIG = Config(pack=PackConfig(1024, 1 << 20, 1, 4), forward=TileConfig(128, HEAD_DIM, 1024, 4, 1),
                             attention=AttentionConfig(32, 16, 4, 1, 32, 16, 32, 16, 4, 1, approx_tanh=False),
-                            gradients=TileConfig(1024, 1024, 256, 4, 1))
+                            gradients=TileConfig(1024, 1024, 256, 4, 1), pdl=False)
 SUM_ROWS, SUM_COLS = 256, 16  # norm-weight gradients: partial rows per step, columns per program
 # From this much product work (FLOP) on, the products go to cuBLAS (measured: benchmarks/notes/037.md).
 CUBLAS_MIN_FLOP = 40e9
@@ -672,7 +683,7 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     batch, seq, _ = x.shape
     tokens = batch * seq
     device = x.device
-    pk, fw, at, gr = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
+    pk, fw, at, gr, pdl = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
     if fw.bn != HEAD_DIM:
         raise ValueError(f"037 forward products: tile width must be one head ({HEAD_DIM}), got {fw.bn}")
     if sms is None:
@@ -739,35 +750,35 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
             go, x, wq, wk, wv, wo,
             go16, x16, wqkv16, wo_t16, ranges.block(pack_ranges), grad_x, grad_wqkv, grad_wo,
             tokens, int(split_gx > 1), int(split_wqkv > 1), int(split_wo > 1),
-            TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, num_warps=pk.warps)
+            TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps)
         launches = [
             FORWARD_PRODUCTS.prepare(
                 (forward_tiles,),
                 x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
                 qk32, v16, rot16, d_attn16, ranges.block(forward_ranges),
                 tokens, float(eps), float(scaling) / cap,
-                BM=fw.bm, BK=fw.bk, PRODUCTS=not on_cublas, num_warps=fw.warps, num_stages=fw.stages),
+                BM=fw.bm, BK=fw.bk, PRODUCTS=not on_cublas, PDL=pdl, num_warps=fw.warps, num_stages=fw.stages,
+                launch_pdl=pdl),
             ATTENTION_FORWARD.prepare(
                 (fwd_programs,),
                 rot16, v16, d_attn16, attn16, lse, delta, ranges.block(attention_forward_ranges),
                 seq, cap,
-                BM=at.fwd_bm, BN=at.fwd_bn, APPROX_TANH=at.approx_tanh, num_warps=at.fwd_warps,
-                num_stages=at.fwd_stages),
+                BM=at.fwd_bm, BN=at.fwd_bn, APPROX_TANH=at.approx_tanh, PDL=pdl, num_warps=at.fwd_warps,
+                num_stages=at.fwd_stages, launch_pdl=pdl),
             ATTENTION_BACKWARD.prepare(
                 (kv_programs + q_programs,),
                 rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
                 g16, q_norm_parts, k_norm_parts, ranges.block(attention_backward_ranges),
                 seq, kv_programs, float(scaling), cap, float(eps),
-                KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh,
-                num_warps=at.warps,
-                num_stages=at.stages),
+                KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh, PDL=pdl,
+                num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 2 * HEAD_DIM // SUM_COLS,),
                 g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
                 grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
                 tokens, split_gx, split_wqkv, split_wo, q_programs, kv_programs,
-                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=gr.warps,
-                num_stages=gr.stages),
+                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, PDL=pdl, num_warps=gr.warps,
+                num_stages=gr.stages, launch_pdl=pdl),
         ]
         pack()
         if on_cublas:

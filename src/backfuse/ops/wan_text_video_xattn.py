@@ -17,7 +17,7 @@ from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, column_sums, transpose_tile, zero_chunk
 from ..kernels.fp16_range import RangeSlots, max_abs
 from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, mma_tile, tile_count
-from ..kernels.launch import FastKernel
+from ..kernels.launch import FastKernel, after_previous_launch
 from ..problem import Problem, Scalar, Tensor, fp32_matmul
 
 HIDDEN = 1024
@@ -183,11 +183,13 @@ def _pack_kernel(
     dkv32, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
     TV, TT, n_heads, zero_dkv, zero_wq, zero_wo, zero_wkv, zero_gv, zero_gt,
     ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ranges, in order: grad_output row tiles, flat casts of video, text, Wq, Wk, Wv (as
     [Wk; Wv]), Wo^T tiles, one program zeroing the attention's arrival counters, then zero fills of
     dK/dV and of the split-K products' outputs whose flag is set. Each converting program stores
     the largest |value| it converted in ranges[pid]."""
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     CHUNK: tl.constexpr = BLOCK * ITERS
     W: tl.constexpr = _HIDDEN * _HIDDEN
@@ -252,6 +254,7 @@ def _forward_products_kernel(
     q16, kv16, dc16, colsum_parts, grad_bo, ranges,
     TV, TT, n_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Q = video Wq^T + bq, [K | V] = text [Wk; Wv]^T + [bk | bv], dC = grad_output Wo (fp16 out),
     then grad_bo from the pack's column sums. Each tile's largest |value| goes to ranges, column
@@ -260,6 +263,7 @@ def _forward_products_kernel(
     All three read a row-major [tokens, 1024] A and a [N, 1024] B^T (hence Wo transposed in the
     pack), so they share one call site and one shared-memory ring.
     """
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     t_q = ((TV + BM - 1) // BM) * (_HIDDEN // BN)
     t_kv = ((TT + BM - 1) // BM) * (2 * _HIDDEN // BN)
@@ -371,7 +375,7 @@ def _video_rows(q16, dc16, b, h, rm, NV):
 def _attention_kernel(
     q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
     NV, NT, TT, per_program, scale,
-    BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr, DETERMINISTIC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (batch, head, run of `per_program` blocks of BM video tokens): C, dQ and the run's share
     of dK and dV.
@@ -388,6 +392,7 @@ def _attention_kernel(
     i = 0..2 (0 for dK, dV left to the head's last run). C needs no check: its rows are convex
     combinations of V's, which the forward products check.
     """
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     m_blocks = (NV + BM - 1) // BM
     runs = (m_blocks + per_program - 1) // per_program
@@ -503,6 +508,7 @@ def _gradient_products_kernel(
     grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
     TV, TT, split_wv, split_wt, split_gv, split_gt, n_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Input gradients (A row-major): grad_video = dQ Wq, grad_text = [dK | dV] [Wk; Wv]; then weight
     gradients (A read feature-contiguous): grad_Wq = dQ^T video, grad_Wo = grad_output^T C,
@@ -511,6 +517,7 @@ def _gradient_products_kernel(
     grad_video, grad_text; split_wv for the weight gradients over video tokens, split_wt for those
     over text tokens. Then 3 * 1024 / SUM_COLS programs sum the attention's bias_parts into grad_bq,
     grad_bk, grad_bv."""
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     t_gv = ((TV + BM - 1) // BM) * (_HIDDEN // BN) * split_gv
     t_gt = ((TT + BM - 1) // BM) * (_HIDDEN // BN) * split_gt
@@ -585,13 +592,15 @@ class Config(NamedTuple):
     attention: AttentionConfig = AttentionConfig()
     # 4 warps: 2 programs per SM (8 warps need 144 registers a thread, which allows one)
     gradients: TileConfig = TileConfig(128, 128, 32, 4, 6)
+    pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
 
 
 CONFIG = Config()
 # The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles;
 # 64-token attention blocks so that small shapes still give several programs per head.
 INTERPRETER_CONFIG = Config(pack=PackConfig(64, 1024, 256, 1 << 20, 1, 4), forward=TileConfig(128, 512, 256, 8, 1),
-                            attention=AttentionConfig(64, 64, 4, 1, 128, 2), gradients=TileConfig(512, 512, 256, 8, 1))
+                            attention=AttentionConfig(64, 64, 4, 1, 128, 2), gradients=TileConfig(512, 512, 256, 8, 1),
+                            pdl=False)
 SUM_ROWS, SUM_COLS = 32, 64  # bias gradients: partial sums per step, columns per reducing program
 
 
@@ -613,7 +622,7 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     nt = text.shape[1]
     tv, tt = batch * nv, batch * nt
     device = video.device
-    pk, fw, at, gr = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
+    pk, fw, at, gr, pdl = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
@@ -675,26 +684,27 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 grad_video, grad_text,
                 tv, tt, batch * HEADS, int(runs > 1 and not deterministic), int(split_wv > 1), int(split_wv > 1), int(split_wt > 1),
                 int(split_gv > 1), int(split_gt > 1),
-                ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, num_warps=pk.warps),
+                ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps),
             FORWARD_PRODUCTS.prepare(
                 (forward_tiles + HIDDEN // SUM_COLS,),
                 video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
                 q16, kv16, dc16, colsum_parts, grad_bo, ranges.block(forward_ranges),
                 tv, tt, go_tiles,
-                BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=fw.warps, num_stages=fw.stages),
+                BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, PDL=pdl, num_warps=fw.warps,
+                num_stages=fw.stages, launch_pdl=pdl),
             ATTENTION.prepare(
                 (attention_programs,),
                 q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges.block(attention_ranges),
                 nv, nt, tt, per_program, float(scale),
-                BM=at.bm, BN=text_tile, ONE_TILE=one_tile, DETERMINISTIC=deterministic, num_warps=at.warps,
-                num_stages=at.stages),
+                BM=at.bm, BN=text_tile, ONE_TILE=one_tile, DETERMINISTIC=deterministic, PDL=pdl, num_warps=at.warps,
+                num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 3 * HIDDEN // SUM_COLS,),
                 dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
                 grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
                 tv, tt, split_wv, split_wt, split_gv, split_gt, batch * runs,
-                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, num_warps=gr.warps,
-                num_stages=gr.stages),
+                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, PDL=pdl, num_warps=gr.warps,
+                num_stages=gr.stages, launch_pdl=pdl),
         ]
         for launch in launches:
             launch()
