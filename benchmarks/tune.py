@@ -41,6 +41,8 @@ VARIANTS = {
         "default": dict(config=C37()),
         "exp2_tanh": dict(config=C37(attention=A37(approx_tanh=False))),
         "no_pdl": dict(config=C37(pdl=False)),
+        "norm_rope_128x8": dict(config=C37(norm_rope=TileConfig(128, 128, 64, 8, 3))),
+        "norm_rope_64x4": dict(config=C37(norm_rope=TileConfig(64, 128, 64, 4, 1))),
         "triton": dict(config=C37(), products="triton"),
         "bwd_s2": dict(config=C37(attention=A37(stages=2))),
         "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),

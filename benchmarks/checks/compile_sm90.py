@@ -97,11 +97,11 @@ def gemma3_037_kernels(cfg=None):
 
     cfg = cfg or op.CONFIG
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    p, fw, at, gr, pdl = cfg
+    p, at, gr, pdl = cfg.pack, cfg.attention, cfg.gradients, cfg.pdl
     yield "037 pack", compile_sm90(
         op._pack_kernel, ints("T", "zero_gx", "zero_wqkv", "zero_wo"),
         dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
-    for products in (True, False):
+    for products, fw in ((True, cfg.forward), (False, cfg.norm_rope)):
         yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
             op._forward_products_kernel, {**ints("T"), "eps": "fp32", "q_scale": "fp32"},
             dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, PDL=pdl), fw.warps, fw.stages)

@@ -643,13 +643,17 @@ class Config(NamedTuple):
     attention: AttentionConfig = AttentionConfig()
     gradients: TileConfig = TileConfig(128, 128, 32, 4, 6)
     pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
+    # The forward launch when cuBLAS made the projections and it only norms and rotates: a pass over
+    # memory, so small tiles and few registers (71 at 32 rows, 4 warps) for many programs per SM.
+    norm_rope: TileConfig = TileConfig(32, HEAD_DIM, 64, 4, 1)
 
 
 CONFIG = Config()
 # The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
 INTERPRETER_CONFIG = Config(pack=PackConfig(1024, 1 << 20, 1, 4), forward=TileConfig(128, HEAD_DIM, 1024, 4, 1),
                             attention=AttentionConfig(32, 16, 4, 1, 32, 16, 32, 16, 4, 1, approx_tanh=False),
-                            gradients=TileConfig(1024, 1024, 256, 4, 1), pdl=False)
+                            gradients=TileConfig(1024, 1024, 256, 4, 1), pdl=False,
+                            norm_rope=TileConfig(128, HEAD_DIM, 1024, 4, 1))
 SUM_ROWS, SUM_COLS = 256, 16  # norm-weight gradients: partial rows per step, columns per program
 # From this much product work (FLOP) on, the products go to cuBLAS (measured: benchmarks/notes/037.md).
 CUBLAS_MIN_FLOP = 40e9
@@ -683,9 +687,11 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     batch, seq, _ = x.shape
     tokens = batch * seq
     device = x.device
-    pk, fw, at, gr, pdl = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
-    if fw.bn != HEAD_DIM:
-        raise ValueError(f"037 forward products: tile width must be one head ({HEAD_DIM}), got {fw.bn}")
+    cfg = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
+    pk, at, gr, pdl = cfg.pack, cfg.attention, cfg.gradients, cfg.pdl
+    if HEAD_DIM != cfg.forward.bn or HEAD_DIM != cfg.norm_rope.bn:
+        raise ValueError(f"037 forward launch: tile width must be one head ({HEAD_DIM}), got "
+                         f"{cfg.forward.bn} and {cfg.norm_rope.bn}")
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
@@ -709,6 +715,7 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
         flop = 2 * sum(m * n * k for m, n, k in gradient_products)
         products = "cublas" if device.type == "cuda" and flop >= CUBLAS_MIN_FLOP else "triton"
     on_cublas = products == "cublas"
+    fw = cfg.norm_rope if on_cublas else cfg.forward
     needs = needs or (True,) * 7
     wanted = [needs[0], any(needs[1:4]), needs[4]]
     if on_cublas:  # our launch only sums the norm-weight partials
