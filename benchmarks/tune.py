@@ -27,9 +27,14 @@ P72 = op072.PackConfig
 VARIANTS = {
     "072": {
         "triton_1launch": dict(products="triton", config=TileConfig(128, 256, 64, 8, 4)),
+        "triton_default": dict(products="triton"),
         "triton_2launch": dict(products="triton", config=TileConfig(128, 256, 64, 8, 4), one_launch=False),
         "cublas": dict(products="cublas"),
         "pack_r32_b4096_i16_w8": dict(pack=P72(32, 4096, 16, 8)),
+        # Smaller product tiles for the small (Triton-product) cases: more tiles than SMs, 2 per SM.
+        "triton_128x128_w8": dict(products="triton", config=TileConfig(128, 128, 64, 8, 4)),
+        "triton_128x128_w4": dict(products="triton", config=TileConfig(128, 128, 64, 4, 4)),
+        "triton_128x128_k32": dict(products="triton", config=TileConfig(128, 128, 32, 4, 6)),
     },
     "021": {
         "default": dict(config=C21()),

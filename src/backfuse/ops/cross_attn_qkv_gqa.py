@@ -310,9 +310,10 @@ class PackConfig(NamedTuple):
 PACK_CONFIG = PackConfig()
 
 
-# Our products' tiles (both operand layouts in one launch; measured: benchmarks/notes/072.md).
-GEMM_CONFIG = TileConfig(128, 256, 64, 8, 4)
-# From this much product work (FLOP) on, cuBLAS's products beat ours by more than its four extra
+# Our products' tiles (both operand layouts in one launch; measured: benchmarks/notes/072.md). They
+# run below CUBLAS_MIN_FLOP only, where 128 x 128 tiles at 4 warps (2 per SM) beat 128 x 256 by 5%.
+GEMM_CONFIG = TileConfig(128, 128, 32, 4, 6)
+# From this much product work (FLOP) on, cuBLAS's products beat ours by more than its three extra
 # launches can cost, even on a slow host: the GPU work then outlasts the launching (measured:
 # benchmarks/notes/072.md). Below it, cuBLAS wins only when the host keeps up.
 CUBLAS_MIN_FLOP = 100e9
