@@ -41,6 +41,8 @@ VARIANTS = {
         "no_pdl": dict(config=C21(pdl=False)),
         "att_half_sm": dict(config=C21(attention=A21(programs_per_sm=0.5))),
         "att_2sm": dict(config=C21(attention=A21(programs_per_sm=2))),
+        "fwd_128x128_k32": dict(config=C21(forward=TileConfig(128, 128, 32, 4, 6))),
+        "fwd_128x128_w4": dict(config=C21(forward=TileConfig(128, 128, 64, 4, 4))),
     },
     "037": {
         "default": dict(config=C37()),
