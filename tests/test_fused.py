@@ -15,7 +15,6 @@ from helpers import assert_official_pass, rel_err
 import backfuse
 from backfuse.kernels import buffers
 from backfuse.kernels.fp16_range import RangeSlots
-from backfuse.kernels.gemm import TileConfig
 from backfuse.ops import cross_attn_qkv_gqa, gemma3_attn_core, wan_text_video_xattn
 
 FP16_REL_ERR = 2e-3  # fp16 operands with fp32 accumulation land near 3e-4 (021's attention chain: 1e-3)
@@ -60,7 +59,7 @@ def test_072_fused_odd_shapes(axes):
 def test_072_fused_split_k_and_gpu_tiles():
     """Many processors force K splits (atomics into pre-zeroed outputs); the GPU's tile shape."""
     prob = backfuse.problem("072")
-    config = TileConfig(128, 256, 64, 8, 3)
+    config = cross_attn_qkv_gqa.GEMM_CONFIG
     fn = lambda *x, **kw: cross_attn_qkv_gqa.qkv_gqa_backward(*x, config=config, sms=132, **kw)  # noqa: E731
     _check_fused(prob, dict(batch_size=3, seq_len_dec=5, seq_len_enc=13), seed=5, fn=fn)
 
