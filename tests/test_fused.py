@@ -125,6 +125,34 @@ def test_037_cublas_products(needs):
         assert not need or rel_err(o, r) < FP16_REL_ERR, name
 
 
+def test_037_norm_rope_pass():
+    """The forward launch without products (the cuBLAS path's norm and RoPE pass, which on the CPU
+    no other test reaches): rot = RoPE(RMSNorm(q) (1 + w)), q heads times scaling / |cap|, from fp32
+    projections, every slot of rot and of its range regions written."""
+    op = gemma3_attn_core
+    prob = backfuse.problem("037")
+    _, hidden, cos, sin, wq, wk, _, _, qnw, knw, scaling, cap, eps = prob.make_inputs(
+        dict(batch_size=2, seq_len=19), seed=4, device=DEVICE)
+    tokens = hidden.shape[0] * hidden.shape[1]
+    x2 = hidden.reshape(tokens, op.HIDDEN)
+    qk32 = torch.cat([x2 @ wq.T, x2 @ wk.T], 1)
+    cfg = (op.CONFIG if DEVICE == "cuda" else op.INTERPRETER_CONFIG).norm_rope
+    row_blocks = -(-tokens // cfg.bm)
+    unused = torch.empty(1, dtype=torch.float16, device=DEVICE)  # operands of the products path
+    rot16 = torch.full((tokens, op.QK), float("nan"), dtype=torch.float16, device=DEVICE)
+    ranges = torch.full(((op.HEADS + op.KV_HEADS) * row_blocks,), float("nan"), device=DEVICE)
+    op.FORWARD_PRODUCTS((row_blocks * op.QKV // op.HEAD_DIM,), unused, unused, unused, unused, cos, sin, qnw, knw,
+                        qk32, unused, rot16, unused, ranges, tokens, float(eps), float(scaling) / abs(float(cap)),
+                        BM=cfg.bm, BK=cfg.bk, PRODUCTS=False, PDL=False, num_warps=cfg.warps)
+
+    _, q, k, _ = prob._project(hidden, cos, sin, wq, wk, wk, qnw, knw, eps)
+    expected = torch.cat([q["rotated"] * (scaling / abs(cap)), k["rotated"]], 1)  # [batch, heads, seq, 128]
+    expected = expected.transpose(1, 2).reshape(tokens, op.QK)
+    assert rel_err(rot16.float(), expected) < FP16_REL_ERR
+    largest = rot16.float().abs().max()  # the slots hold maxima before the rounding to fp16
+    assert torch.isfinite(ranges).all() and abs(ranges.max() - largest) <= 1e-3 * largest
+
+
 def test_037_single_token():
     """S = 1: each softmax row has one key, so dS, and with it every gradient through q and k, is
     exactly zero, in the reference too (where the official rule fails any all-zero output); the
