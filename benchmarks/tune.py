@@ -43,6 +43,10 @@ VARIANTS = {
         "att_2sm": dict(config=C21(attention=A21(programs_per_sm=2))),
         "fwd_128x128_k32": dict(config=C21(forward=TileConfig(128, 128, 32, 4, 6))),
         "fwd_128x128_w4": dict(config=C21(forward=TileConfig(128, 128, 64, 4, 4))),
+        # One text tile padded to a power of two (77 -> 128) instead of a head and a tail (64 + 16).
+        "no_split": dict(config=C21(attention=A21(split_text=False))),
+        "att_64x4": dict(config=C21(attention=A21(bm=64, warps=4))),
+        "att_64x4_2sm": dict(config=C21(attention=A21(bm=64, warps=4, programs_per_sm=2))),
     },
     "037": {
         "default": dict(config=C37()),

@@ -65,9 +65,15 @@ def test_072_fused_split_k_and_gpu_tiles():
 
 
 def test_021_fused_default_path():
-    """Problem.run as users call it; one block and one text tile per head: dK/dV written directly,
-    no partial sums."""
-    _check_fused(backfuse.problem("021"), dict(batch_size=1, num_video_tokens=37, num_text_tokens=19), seed=7)
+    """Problem.run as users call it; one block per head, its text as a 32-token head and a 16-token
+    tail: dK/dV written directly, no partial sums."""
+    _check_fused(backfuse.problem("021"), dict(batch_size=1, num_video_tokens=37, num_text_tokens=37), seed=7)
+
+
+@pytest.mark.parametrize("nt, tiles", [(1, (16, 0)), (19, (32, 0)), (33, (32, 16)), (77, (64, 16)), (100, (128, 0))])
+def test_021_text_tiles_pad_least(nt, tiles):
+    assert wan_text_video_xattn.text_tiles(nt) == tiles
+    assert wan_text_video_xattn.text_tiles(nt, split=False) == (max(16, 1 << (nt - 1).bit_length()), 0)
 
 
 _W = wan_text_video_xattn
@@ -78,7 +84,7 @@ def _021_with(config=None, sms=132, **kw):
 
 
 @pytest.mark.parametrize("axes", [
-    dict(batch_size=1, num_video_tokens=70, num_text_tokens=77),  # one text tile, runs of blocks
+    dict(batch_size=1, num_video_tokens=70, num_text_tokens=77),  # text as head + tail, runs of blocks
     dict(batch_size=1, num_video_tokens=70, num_text_tokens=150),  # text in tiles, one block per run
 ])
 def test_021_fused_shared_heads_and_text_tiles(axes):

@@ -67,12 +67,13 @@ def wan_021_kernels(cfg=None):
         op._forward_products_kernel, ints("TV", "TT", "n_parts"),
         dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), fw.warps,
         fw.stages)
-    for one_tile, bn in ((True, at.one_tile), (False, at.bn)):
+    # one tile of the widest text, the suite's 77 tokens as head + tail, text in tiles
+    for one_tile, (bn, tail) in ((True, (at.one_tile, 0)), (True, op.text_tiles(77)), (False, (at.bn, 0))):
         for deterministic in (False, True):
-            yield (f"021 attention {'one tile' if one_tile else 'tiles'} BN={bn}{' det' if deterministic else ''}",
+            yield (f"021 attention {'one tile' if one_tile else 'tiles'} BN={bn}+{tail}{' det' if deterministic else ''}",
                    compile_sm90(op._attention_kernel, {**ints("NV", "NT", "TT", "per_program"), "scale": "fp32"},
-                                dict(BM=at.bm, BN=bn, ONE_TILE=one_tile, DETERMINISTIC=deterministic, PDL=pdl), at.warps,
-                                at.stages, int_pointers=("arrivals",)))
+                                dict(BM=at.bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic,
+                                     PDL=pdl), at.warps, at.stages, int_pointers=("arrivals",)))
     yield "021 gradient products", compile_sm90(
         op._gradient_products_kernel, ints("TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "n_parts"),
         dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,

@@ -371,18 +371,27 @@ def _video_rows(q16, dc16, b, h, rm, NV):
     return tl.load(q16 + tok, mask=m_ok, other=0.0), tl.load(dc16 + tok, mask=m_ok, other=0.0), tok, m_ok
 
 
+@triton.jit
+def _logits(q, k, rn, NT, qk_scale):
+    """scale * Q K^T in base 2 for text tokens rn; -inf past the text."""
+    return tl.where(rn[None, :] < NT, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+
+
 @triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "scale"])
 def _attention_kernel(
     q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
     NV, NT, TT, per_program, scale,
-    BM: tl.constexpr, BN: tl.constexpr, ONE_TILE: tl.constexpr, DETERMINISTIC: tl.constexpr, PDL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (batch, head, run of `per_program` blocks of BM video tokens): C, dQ and the run's share
     of dK and dV.
 
     With P known, δ = rowsum(P∘dP) = rowsum(dC∘C), dP = dC V^T, dS = P(dP − δ)·scale, dQ = dS K,
-    dK = dS^T Q, dV = P^T dC. ONE_TILE (all NT text tokens within BN): K and V are loaded once, P
-    comes straight from one S tile, and dK, dV add up over the run in registers. Otherwise (runs
+    dK = dS^T Q, dV = P^T dC. ONE_TILE (all NT text tokens within BN + BN_TAIL): K and V are loaded
+    once, P comes straight from the logits, and dK, dV add up over the run in registers; BN_TAIL > 0
+    splits the text into a head of BN tokens and a tail of BN_TAIL (77 tokens: 64 + 16, not a
+    padded 128, since every product and every softmax step scales with the padded width). Otherwise (runs
     of one block) pass 1 is the forward over text tiles (online softmax) for C and the
     log-sum-exp, and pass 2 recomputes P tile by tile. A run that is its head's only one writes dK,
     dV in fp16; otherwise runs add fp32 partial sums and the last to arrive converts them.
@@ -411,19 +420,39 @@ def _attention_kernel(
         v = _kv_tile(kv16, b, h, rn, NT, _HIDDEN)
         dk = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
         dv = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
+        if BN_TAIL:
+            rt = BN + tl.arange(0, BN_TAIL)
+            kt = _kv_tile(kv16, b, h, rt, NT, 0)
+            vt = _kv_tile(kv16, b, h, rt, NT, _HIDDEN)
+            dkt = tl.zeros((BN_TAIL, _HEAD_DIM), dtype=tl.float32)
+            dvt = tl.zeros((BN_TAIL, _HEAD_DIM), dtype=tl.float32)
         # Row maxima of |dQ| over the run (a whole-tile maximum per step would cost a shared-memory
         # reduction and registers inside the loop).
         dq_rows = tl.zeros((BM,), dtype=tl.float32)
         for block in range(first, tl.minimum(first + per_program, m_blocks)):
             q, dc, tok, m_ok = _video_rows(q16, dc16, b, h, block * BM + tl.arange(0, BM), NV)
-            s = tl.where(rn[None, :] < NT, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-            p = tl.exp2(s - tl.max(s, 1)[:, None])
-            p = p / tl.sum(p, 1)[:, None]
+            s = _logits(q, k, rn, NT, qk_scale)
+            row_max = tl.max(s, 1)
+            if BN_TAIL:
+                st = _logits(q, kt, rt, NT, qk_scale)
+                row_max = tl.maximum(row_max, tl.max(st, 1))
+            p = tl.exp2(s - row_max[:, None])
+            row_sum = tl.sum(p, 1)
+            if BN_TAIL:
+                pt = tl.exp2(st - row_max[:, None])
+                row_sum += tl.sum(pt, 1)
+            p = p / row_sum[:, None]
             ctx = tl.dot(p.to(tl.float16), v)
+            if BN_TAIL:
+                pt = pt / row_sum[:, None]
+                ctx = tl.dot(pt.to(tl.float16), vt, ctx)
             tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
             delta = tl.sum(dc.to(tl.float32) * ctx, 1)
             ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale, dk, dv)
             dq = tl.dot(ds, k)
+            if BN_TAIL:
+                dst, dkt, dvt = _tile_grads(q, dc, vt, pt, delta, scale, dkt, dvt)
+                dq = tl.dot(dst, kt, dq)
             tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
             sum_dq += tl.sum(dq, 0)
             dq_rows = tl.maximum(dq_rows, tl.max(tl.abs(dq), 1))
@@ -433,6 +462,12 @@ def _attention_kernel(
         dq_largest = tl.max(dq_rows)
         dk_largest = max_abs(dk)
         dv_largest = max_abs(dv)
+        if BN_TAIL:
+            _emit_kv_grads(dkv16, dkv32, b, h, rt, NT, TT, pid % runs, dkt, dvt, alone, DETERMINISTIC)
+            sum_dk += tl.sum(dkt, 0)
+            sum_dv += tl.sum(dvt, 0)
+            dk_largest = tl.maximum(dk_largest, max_abs(dkt))
+            dv_largest = tl.maximum(dv_largest, max_abs(dvt))
     else:
         q, dc, tok, m_ok = _video_rows(q16, dc16, b, h, first * BM + tl.arange(0, BM), NV)
         row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
@@ -584,6 +619,7 @@ class AttentionConfig(NamedTuple):
     stages: int = 2
     one_tile: int = 128
     programs_per_sm: float = 1.0
+    split_text: bool = True  # one text tile as a head and a tail (text_tiles)
 
 
 class Config(NamedTuple):
@@ -602,6 +638,17 @@ INTERPRETER_CONFIG = Config(pack=PackConfig(64, 1024, 256, 1 << 20, 1, 4), forwa
                             attention=AttentionConfig(64, 64, 4, 1, 128, 2), gradients=TileConfig(512, 512, 256, 8, 1),
                             pdl=False)
 SUM_ROWS, SUM_COLS = 32, 64  # bias gradients: partial sums per step, columns per reducing program
+
+
+def text_tiles(nt, split=True):
+    """Widths (head, tail; tail 0: none) of the tiles that hold nt text tokens at once: powers of two
+    of at least 16 (what the tensor-core products take), split in two when that pads less."""
+    whole = max(16, triton.next_power_of_2(nt))
+    if split and whole >= 32:
+        tail = max(16, triton.next_power_of_2(nt - whole // 2))
+        if whole // 2 + tail < whole:
+            return whole // 2, tail
+    return whole, 0
 
 
 def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, needs=None,
@@ -634,7 +681,7 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     colsum_parts = f32(go_tiles, HIDDEN)
     m_blocks = triton.cdiv(nv, at.bm)
     one_tile = nt <= at.one_tile
-    text_tile = max(16, triton.next_power_of_2(nt)) if one_tile else at.bn
+    text_tile, text_tail = text_tiles(nt, at.split_text) if one_tile else (at.bn, 0)
     per_program = 1
     if one_tile:  # long runs of blocks (fewer fp32 partial sums) while the grid still fills the GPU
         runs = min(m_blocks, max(1, int(at.programs_per_sm * sms) // (batch * HEADS)))
@@ -696,7 +743,7 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 (attention_programs,),
                 q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges.block(attention_ranges),
                 nv, nt, tt, per_program, float(scale),
-                BM=at.bm, BN=text_tile, ONE_TILE=one_tile, DETERMINISTIC=deterministic, PDL=pdl, num_warps=at.warps,
+                BM=at.bm, BN=text_tile, BN_TAIL=text_tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic, PDL=pdl, num_warps=at.warps,
                 num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 3 * HIDDEN // SUM_COLS,),
