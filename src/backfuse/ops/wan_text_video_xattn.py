@@ -743,8 +743,8 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 (attention_programs,),
                 q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges.block(attention_ranges),
                 nv, nt, tt, per_program, float(scale),
-                BM=at.bm, BN=text_tile, BN_TAIL=text_tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic, PDL=pdl, num_warps=at.warps,
-                num_stages=at.stages, launch_pdl=pdl),
+                BM=at.bm, BN=text_tile, BN_TAIL=text_tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic, PDL=pdl,
+                num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 3 * HIDDEN // SUM_COLS,),
                 dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
