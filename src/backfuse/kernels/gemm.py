@@ -42,6 +42,7 @@ def mma_tile(
     BK: tl.constexpr,
 ):
     """A[off_m:+BM, k_lo:k_hi] @ B[k_lo:k_hi, off_n:+BN] with fp16 operands, as a [BM, BN] fp32 tile.
+    A or B may also be fp32 in memory: rounded to fp16 on the way to the tensor cores.
 
     Any layout works through the strides; rows past M, columns past N and k past k_hi read zeros.
     """
@@ -57,7 +58,7 @@ def mma_tile(
         k_ok = (k + rk) < k_hi
         a = tl.load(a_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)  # fp32 operands are rounded as they stream in
         a_ptrs += BK * stride_ak
         b_ptrs += BK * stride_bk
     return acc
