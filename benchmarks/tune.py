@@ -47,6 +47,7 @@ VARIANTS = {
         "no_split": dict(config=C21(attention=A21(split_text=False))),
         "att_64x4": dict(config=C21(attention=A21(bm=64, warps=4))),
         "att_64x4_2sm": dict(config=C21(attention=A21(bm=64, warps=4, programs_per_sm=2))),
+        "no_lone_block": dict(config=C21(attention=A21(lone_block=None))),
     },
     "037": {
         "default": dict(config=C37()),
@@ -65,6 +66,7 @@ VARIANTS = {
         "att_q32": dict(config=C37(attention=A37(q_bm=32))),
         "att_fwd_64x32": dict(config=C37(attention=A37(fwd_bn=32))),
         "att_fwd_32x64": dict(config=C37(attention=A37(fwd_bm=32))),
+        "no_short_fwd": dict(config=C37(attention=A37(short_fwd_bn=64))),
     },
 }
 BACKWARD = {  # the fused function on the official inputs, with a variant's keywords

@@ -67,13 +67,16 @@ def wan_021_kernels(cfg=None):
         op._forward_products_kernel, ints("TV", "TT", "n_parts"),
         dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), fw.warps,
         fw.stages)
-    # one tile of the widest text, the suite's 77 tokens as head + tail, text in tiles
-    for one_tile, (bn, tail) in ((True, (at.one_tile, 0)), (True, op.text_tiles(77)), (False, (at.bn, 0))):
+    # one tile of the widest text, the suite's 77 tokens as head + tail (also in lone blocks), text in tiles
+    lone_rows, lone_warps = at.lone_block or (at.bm, at.warps)
+    for one_tile, (bn, tail), (bm, warps) in (
+            (True, (at.one_tile, 0), (at.bm, at.warps)), (True, op.text_tiles(77), (at.bm, at.warps)),
+            (True, op.text_tiles(77), (lone_rows, lone_warps)), (False, (at.bn, 0), (at.bm, at.warps))):
         for deterministic in (False, True):
-            yield (f"021 attention {'one tile' if one_tile else 'tiles'} BN={bn}+{tail}{' det' if deterministic else ''}",
+            yield (f"021 attention {'one tile' if one_tile else 'tiles'} {bm}x{bn}+{tail}{' det' if deterministic else ''}",
                    compile_sm90(op._attention_kernel, {**ints("NV", "NT", "TT", "per_program"), "scale": "fp32"},
-                                dict(BM=at.bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic,
-                                     PDL=pdl), at.warps, at.stages, int_pointers=("arrivals",)))
+                                dict(BM=bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic,
+                                     PDL=pdl), warps, at.stages, int_pointers=("arrivals",)))
     yield "021 gradient products", compile_sm90(
         op._gradient_products_kernel, ints("TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "n_parts"),
         dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,
@@ -106,9 +109,10 @@ def gemma3_037_kernels(cfg=None):
         yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
             op._forward_products_kernel, {**ints("T"), "eps": "fp32", "q_scale": "fp32"},
             dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, PDL=pdl), fw.warps, fw.stages)
-    yield "037 attention forward", compile_sm90(
-        op._attention_forward_kernel, {**ints("S"), "cap": "fp32"},
-        dict(BM=at.fwd_bm, BN=at.fwd_bn, APPROX_TANH=at.approx_tanh, PDL=pdl), at.fwd_warps, at.fwd_stages)
+    for bn in (at.fwd_bn, at.short_fwd_bn):
+        yield f"037 attention forward BN={bn}", compile_sm90(
+            op._attention_forward_kernel, {**ints("S"), "cap": "fp32"},
+            dict(BM=at.fwd_bm, BN=bn, APPROX_TANH=at.approx_tanh, PDL=pdl), at.fwd_warps, at.fwd_stages)
     yield "037 attention backward", compile_sm90(
         op._attention_backward_kernel, {**ints("S", "kv_programs"), "scaling": "fp32", "cap": "fp32", "eps": "fp32"},
         dict(KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh, PDL=pdl),

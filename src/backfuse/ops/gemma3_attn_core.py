@@ -633,6 +633,10 @@ class AttentionConfig(NamedTuple):
     warps: int = 4
     stages: int = 3
     approx_tanh: bool = True
+    # Keys per forward step up to short_seq tokens: loops of at most four steps, half of them on the
+    # diagonal, where narrower steps compute fewer masked logits.
+    short_fwd_bn: int = 32
+    short_seq: int = 256
 
 
 class Config(NamedTuple):
@@ -651,7 +655,7 @@ class Config(NamedTuple):
 CONFIG = Config()
 # The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
 INTERPRETER_CONFIG = Config(pack=PackConfig(1024, 1 << 20, 1, 4), forward=TileConfig(128, HEAD_DIM, 1024, 4, 1),
-                            attention=AttentionConfig(32, 16, 4, 1, 32, 16, 32, 16, 4, 1, approx_tanh=False),
+                            attention=AttentionConfig(32, 16, 4, 1, 32, 16, 32, 16, 4, 1, approx_tanh=False, short_fwd_bn=16),
                             gradients=TileConfig(1024, 1024, 256, 4, 1), pdl=False,
                             norm_rope=TileConfig(128, HEAD_DIM, 1024, 4, 1))
 SUM_ROWS, SUM_COLS = 256, 16  # norm-weight gradients: partial rows per step, columns per program
@@ -770,7 +774,8 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
                 (fwd_programs,),
                 rot16, v16, d_attn16, attn16, lse, delta, ranges.block(attention_forward_ranges),
                 seq, cap,
-                BM=at.fwd_bm, BN=at.fwd_bn, APPROX_TANH=at.approx_tanh, PDL=pdl, num_warps=at.fwd_warps,
+                BM=at.fwd_bm, BN=at.short_fwd_bn if seq <= at.short_seq else at.fwd_bn, APPROX_TANH=at.approx_tanh,
+                PDL=pdl, num_warps=at.fwd_warps,
                 num_stages=at.fwd_stages, launch_pdl=pdl),
             ATTENTION_BACKWARD.prepare(
                 (kv_programs + q_programs,),

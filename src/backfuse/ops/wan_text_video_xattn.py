@@ -620,6 +620,9 @@ class AttentionConfig(NamedTuple):
     one_tile: int = 128
     programs_per_sm: float = 1.0
     split_text: bool = True  # one text tile as a head and a tail (text_tiles)
+    # Rows and warps of the blocks when a head's video tokens fit one block of bm (and the text one
+    # tile): a program then loops over two half blocks, the second's loads under the first's work.
+    lone_block: tuple | None = (64, 4)
 
 
 class Config(NamedTuple):
@@ -679,8 +682,9 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     wq16, wkv16, wo_t16 = f16(HIDDEN, HIDDEN), f16(2 * HIDDEN, HIDDEN), f16(HIDDEN, HIDDEN)
     go_tiles = triton.cdiv(tv, pk.rows)
     colsum_parts = f32(go_tiles, HIDDEN)
-    m_blocks = triton.cdiv(nv, at.bm)
     one_tile = nt <= at.one_tile
+    block_rows, block_warps = at.lone_block if one_tile and nv <= at.bm and at.lone_block else (at.bm, at.warps)
+    m_blocks = triton.cdiv(nv, block_rows)
     text_tile, text_tail = text_tiles(nt, at.split_text) if one_tile else (at.bn, 0)
     per_program = 1
     if one_tile:  # long runs of blocks (fewer fp32 partial sums) while the grid still fills the GPU
@@ -743,8 +747,8 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 (attention_programs,),
                 q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges.block(attention_ranges),
                 nv, nt, tt, per_program, float(scale),
-                BM=at.bm, BN=text_tile, BN_TAIL=text_tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic, PDL=pdl,
-                num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
+                BM=block_rows, BN=text_tile, BN_TAIL=text_tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic,
+                PDL=pdl, num_warps=block_warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 3 * HIDDEN // SUM_COLS,),
                 dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
