@@ -67,6 +67,13 @@ VARIANTS = {
         "att_fwd_64x32": dict(config=C37(attention=A37(fwd_bn=32))),
         "att_fwd_32x64": dict(config=C37(attention=A37(fwd_bm=32))),
         "no_short_fwd": dict(config=C37(attention=A37(short_fwd_bn=64))),
+        # Our product tiles run below 512 tokens only (cases 8, 11): 128-token tiles leave 64 forward
+        # programs for 132 SMs at 128 tokens.
+        "fwd_64x4_s4": dict(config=C37(forward=TileConfig(64, 128, 64, 4, 4))),
+        "fwd_64x4_s3": dict(config=C37(forward=TileConfig(64, 128, 64, 4, 3))),
+        "fwd_128x4": dict(config=C37(forward=TileConfig(128, 128, 64, 4, 3))),
+        "grad_64x128": dict(config=C37(gradients=TileConfig(64, 128, 32, 4, 6))),
+        "grad_128x128x64_w8": dict(config=C37(gradients=TileConfig(128, 128, 64, 8, 3))),
     },
 }
 BACKWARD = {  # the fused function on the official inputs, with a variant's keywords

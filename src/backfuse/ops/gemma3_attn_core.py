@@ -642,8 +642,8 @@ class AttentionConfig(NamedTuple):
 class Config(NamedTuple):
     pack: PackConfig = PackConfig()
     # bn: one head per tile (the norm is per head). Products run here below 512 tokens only (else
-    # cuBLAS), where 128-row tiles beat 256 (half-empty at 128-256 tokens).
-    forward: TileConfig = TileConfig(128, HEAD_DIM, 64, 8, 3)
+    # cuBLAS): 64-row tiles at 4 warps, so that 128 tokens still give 128 programs, not 64.
+    forward: TileConfig = TileConfig(64, HEAD_DIM, 64, 4, 4)
     attention: AttentionConfig = AttentionConfig()
     gradients: TileConfig = TileConfig(128, 128, 32, 4, 6)
     pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
