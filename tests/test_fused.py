@@ -13,7 +13,7 @@ from conftest import DEVICE
 from helpers import assert_official_pass, rel_err
 
 import backfuse
-from backfuse.kernels import buffers
+from backfuse.kernels import buffers, gemm
 from backfuse.kernels.fp16_range import RangeSlots
 from backfuse.ops import cross_attn_qkv_gqa, gemma3_attn_core, wan_text_video_xattn
 
@@ -68,6 +68,14 @@ def test_021_fused_default_path():
     """Problem.run as users call it; one block per head, its text as a 32-token head and a 16-token
     tail: dK/dV written directly, no partial sums."""
     _check_fused(backfuse.problem("021"), dict(batch_size=1, num_video_tokens=37, num_text_tokens=37), seed=7)
+
+
+def test_longest_first_orders_groups_by_tile_depth():
+    groups = [(512, 1024, 1), (312, 2048, 1), (256, 8192, 2), (128, 4928, 1), (0, 77, 0)]
+    starts = gemm.longest_first(groups)
+    spans = sorted((start, start + tiles) for start, (tiles, _, _) in zip(starts, groups))
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no overlap
+    assert starts[:4] == [696, 384, 128, 0]  # depths 1024, 2048, 4096, 4928: deepest first
 
 
 @pytest.mark.parametrize("nt, tiles", [(1, (16, 0)), (19, (32, 0)), (33, (32, 16)), (77, (64, 16)), (100, (128, 0))])

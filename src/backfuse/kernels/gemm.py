@@ -137,3 +137,18 @@ def choose_splits(gemms, BM: int, BN: int, BK: int, sms: int, *, min_chunk: int 
     chunk = min(max_chunk, max(min_chunk, work // (3 * sms)))
     chunk = triton.cdiv(chunk, BK) * BK
     return [max(1, round(k / chunk)) for _, _, k in gemms]
+
+
+def longest_first(groups) -> list:
+    """First program of each group of tiles in one launch, the groups ordered by the K length of
+    their tiles, longest first (ties keep the given order): programs start in order, so the short
+    tiles then fill the last wave instead of long ones trailing it.
+
+    groups: (tiles, K, splits) per group; a group's tiles are K / splits deep.
+    """
+    order = sorted(range(len(groups)), key=lambda g: -triton.cdiv(groups[g][1], max(1, groups[g][2])))
+    starts, first = [0] * len(groups), 0
+    for g in order:
+        starts[g] = first
+        first += groups[g][0]
+    return starts

@@ -16,7 +16,7 @@ import triton.language as tl
 from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, column_sums, transpose_tile, zero_chunk
 from ..kernels.fp16_range import RangeSlots, max_abs
-from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, mma_tile, tile_count
+from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, longest_first, mma_tile, tile_count
 from ..kernels.launch import FastKernel, after_previous_launch
 from ..problem import Problem, Scalar, Tensor, fp32_matmul
 
@@ -537,11 +537,12 @@ def _attention_kernel(
             tl.store(ranges + 2 * programs + pid, dv_largest)
 
 
-@triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "n_parts"])
+@triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "start_gv", "start_gt",
+                                "start_wv", "start_wt", "n_parts"])
 def _gradient_products_kernel(
     dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
     grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
-    TV, TT, split_wv, split_wt, split_gv, split_gt, n_parts,
+    TV, TT, split_wv, split_wt, split_gv, split_gt, start_gv, start_gt, start_wv, start_wt, n_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -550,42 +551,47 @@ def _gradient_products_kernel(
     grad_Wk = dK^T text, grad_Wv = dV^T text. One call site per layout, so one shared-memory ring
     each. K splits (outputs pre-zeroed when split; 0 skips the products): split_gv, split_gt for
     grad_video, grad_text; split_wv for the weight gradients over video tokens, split_wt for those
-    over text tokens. Then 3 * 1024 / SUM_COLS programs sum the attention's bias_parts into grad_bq,
-    grad_bk, grad_bv."""
+    over text tokens. The four groups of tiles (grad_video; grad_text; grad_Wq and grad_Wo; grad_Wk
+    and grad_Wv) start at program start_gv, start_gt, start_wv, start_wt (the host orders them
+    longest tiles first, so that short tiles fill the last wave). Then 3 * 1024 / SUM_COLS programs
+    sum the attention's bias_parts into grad_bq, grad_bk, grad_bv."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     t_gv = ((TV + BM - 1) // BM) * (_HIDDEN // BN) * split_gv
     t_gt = ((TT + BM - 1) // BM) * (_HIDDEN // BN) * split_gt
-    local = pid - t_gv - t_gt
     t_w = (_HIDDEN // BM) * (_HIDDEN // BN)
-    t_wv = t_w * split_wv
+    t_wv = t_w * split_wv  # per product of the pair
     t_wt = t_w * split_wt
-    if pid < t_gv + t_gt:
-        on_video = pid < t_gv
-        depth = tl.multiple_of(tl.where(on_video, _HIDDEN, 2 * _HIDDEN), 1024)
+    in_gv = (pid >= start_gv) & (pid < start_gv + t_gv)
+    in_gt = (pid >= start_gt) & (pid < start_gt + t_gt)
+    in_wv = (pid >= start_wv) & (pid < start_wv + 2 * t_wv)
+    in_wt = (pid >= start_wt) & (pid < start_wt + 2 * t_wt)
+    if in_gv | in_gt:
+        depth = tl.multiple_of(tl.where(in_gv, _HIDDEN, 2 * _HIDDEN), 1024)
         gemm_tile(
-            tl.where(on_video, pid, pid - t_gv),
-            tl.where(on_video, dq16, dkv16),
-            tl.where(on_video, wq16, wkv16),
-            tl.where(on_video, grad_video, grad_text),
-            tl.where(on_video, TV, TT), _HIDDEN, depth,
+            pid - tl.where(in_gv, start_gv, start_gt),
+            tl.where(in_gv, dq16, dkv16),
+            tl.where(in_gv, wq16, wkv16),
+            tl.where(in_gv, grad_video, grad_text),
+            tl.where(in_gv, TV, TT), _HIDDEN, depth,
             depth, 1, _HIDDEN, 1, _HIDDEN,
-            tl.where(on_video, split_gv, split_gt), BM, BN, BK,
+            tl.where(in_gv, split_gv, split_gt), BM, BN, BK,
         )
-    elif local < 2 * t_wv + 2 * t_wt:
-        on_video = local < 2 * t_wv  # grad_Wq, grad_Wo
-        i = tl.where(on_video, local // tl.maximum(t_wv, 1), (local - 2 * t_wv) // tl.maximum(t_wt, 1))  # of the pair
+    elif in_wv | in_wt:
+        local = pid - tl.where(in_wv, start_wv, start_wt)
+        tiles = tl.where(in_wv, t_wv, t_wt)
+        i = local // tiles  # of the pair
         gemm_tile(
-            tl.where(on_video, local - i * t_wv, local - 2 * t_wv - i * t_wt),
-            tl.where(on_video, tl.where(i == 0, dq16, go16), dkv16 + i * _HIDDEN),
-            tl.where(on_video, tl.where(i == 0, video16, ctx16), text16),
-            tl.where(on_video, tl.where(i == 0, grad_wq, grad_wo), tl.where(i == 0, grad_wk, grad_wv)),
-            _HIDDEN, _HIDDEN, tl.where(on_video, TV, TT),
-            1, tl.multiple_of(tl.where(on_video, _HIDDEN, 2 * _HIDDEN), 1024), _HIDDEN, 1, _HIDDEN,
-            tl.where(on_video, split_wv, split_wt), BM, BN, BK,
+            local - i * tiles,
+            tl.where(in_wv, tl.where(i == 0, dq16, go16), dkv16 + i * _HIDDEN),
+            tl.where(in_wv, tl.where(i == 0, video16, ctx16), text16),
+            tl.where(in_wv, tl.where(i == 0, grad_wq, grad_wo), tl.where(i == 0, grad_wk, grad_wv)),
+            _HIDDEN, _HIDDEN, tl.where(in_wv, TV, TT),
+            1, tl.multiple_of(tl.where(in_wv, _HIDDEN, 2 * _HIDDEN), 1024), _HIDDEN, 1, _HIDDEN,
+            tl.where(in_wv, split_wv, split_wt), BM, BN, BK,
         )
     else:
-        strip = local - 2 * t_wv - 2 * t_wt
+        strip = pid - (t_gv + t_gt + 2 * t_wv + 2 * t_wt)
         cols = strip * SUM_COLS + tl.arange(0, SUM_COLS)
         which = (strip * SUM_COLS) // _HIDDEN  # 0: q, 1: k, 2: v
         out = tl.where(which == 0, grad_bq, tl.where(which == 1, grad_bk, grad_bv)) + cols - which * _HIDDEN
@@ -706,7 +712,12 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     splits = [1] * 6 if deterministic else choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms)
     splits = [s * w for s, w in zip(splits, wanted)]
     split_gv, split_gt, split_wv, _, split_wt, _ = splits  # 0: skipped
-    gradient_tiles = sum(tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gradient_products, splits))
+    tiles = [tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gradient_products, splits)]
+    gradient_tiles = sum(tiles)
+    # groups: grad_video, grad_text, grad_Wq + grad_Wo, grad_Wk + grad_Wv
+    start_gv, start_gt, start_wv, start_wt = longest_first(
+        [(tiles[0], gradient_products[0][2], split_gv), (tiles[1], gradient_products[1][2], split_gt),
+         (tiles[2] + tiles[3], tv, split_wv), (tiles[4] + tiles[5], tt, split_wt)])
     flat = lambda n: chunks(n, pk.block, pk.iters)  # noqa: E731
     n_weight = flat(HIDDEN * HIDDEN)
     n_pack = (go_tiles + flat(tv * HIDDEN) + flat(tt * HIDDEN) + 3 * n_weight + (HIDDEN // pk.tile) ** 2 + 1
@@ -753,7 +764,7 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 (gradient_tiles + 3 * HIDDEN // SUM_COLS,),
                 dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
                 grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
-                tv, tt, split_wv, split_wt, split_gv, split_gt, batch * runs,
+                tv, tt, split_wv, split_wt, split_gv, split_gt, start_gv, start_gt, start_wv, start_wt, batch * runs,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, PDL=pdl, num_warps=gr.warps,
                 num_stages=gr.stages, launch_pdl=pdl),
         ]
