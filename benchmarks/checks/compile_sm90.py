@@ -92,7 +92,8 @@ def qkv_gqa_072_kernels():
         op._pack_kernel, ints("zero_dec", "zero_enc", "zero_wq", "zero_wkv", "B", "SD", "SE"),
         dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters, PDL=True), p.warps, 1)
     yield "072 products", compile_sm90(
-        op._projection_grads_kernel, ints("TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc"),
+        op._projection_grads_kernel, ints("TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc", "start_wq",
+                                          "start_wkv", "start_dec", "start_enc"),
         dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk, PDL=True), g.warps, g.stages)
 
 

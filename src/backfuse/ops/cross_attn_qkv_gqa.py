@@ -18,7 +18,7 @@ import triton.language as tl
 from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, zero_chunk
 from ..kernels.fp16_range import RangeSlots, max_abs
-from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, tile_count
+from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, longest_first, tile_count
 from ..kernels.launch import FastKernel, after_previous_launch
 from ..problem import Problem, Tensor, fp32_matmul
 
@@ -236,12 +236,14 @@ def _pack_kernel(
         tl.store(ranges + pid, largest)
 
 
-@triton.jit(do_not_specialize=["TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc"])
+@triton.jit(do_not_specialize=["TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc", "start_wq", "start_wkv",
+                                "start_dec", "start_enc"])
 def _projection_grads_kernel(
     gq16, gkv16, dec16, enc16, wq16, wkv16,
     grad_dec, grad_enc, grad_wq, grad_wkv,
     TD, TE,
     split_wq, split_wkv, split_dec, split_enc,
+    start_wq, start_wkv, start_dec, start_enc,
     WEIGHT_GRADS: tl.constexpr,
     INPUT_GRADS: tl.constexpr,
     BM: tl.constexpr,
@@ -254,21 +256,21 @@ def _projection_grads_kernel(
     With GQ [TD, 4096] and [GK | GV] [TE, 2048] in fp16: grad_Wq = GQ^T dec, grad_[Wk; Wv] =
     [GK | GV]^T enc, grad_dec = GQ Wq, grad_enc = [GK | GV] [Wk; Wv]. The weight gradients read
     their A operand transposed (feature-contiguous), the input gradients row-major; Triton gives
-    each layout its own shared-memory ring, so one launch of both needs a smaller ring.
+    each layout its own shared-memory ring, so one launch of both needs a smaller ring. Each
+    product's tiles start at program start_* (the host orders them deepest first:
+    gemm.longest_first).
     """
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    n_weight = 0
     if WEIGHT_GRADS:
         # One call site for both (so they share one shared-memory ring); operands by select.
         t_q = ((_Q_OUT + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_wq
         t_kv = ((2 * _KV_OUT + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_wkv
-        n_weight = t_q + t_kv
-        if pid < n_weight:
-            on_q = pid < t_q
+        on_q = (pid >= start_wq) & (pid < start_wq + t_q)
+        if on_q | ((pid >= start_wkv) & (pid < start_wkv + t_kv)):
             width = tl.multiple_of(tl.where(on_q, _HIDDEN, _CROSS), 256)
             gemm_tile(
-                tl.where(on_q, pid, pid - t_q),
+                pid - tl.where(on_q, start_wq, start_wkv),
                 tl.where(on_q, gq16, gkv16),
                 tl.where(on_q, dec16, enc16),
                 tl.where(on_q, grad_wq, grad_wkv),
@@ -277,14 +279,14 @@ def _projection_grads_kernel(
                 tl.where(on_q, split_wq, split_wkv), BM, BN, BK,
             )
     if INPUT_GRADS:
-        local = pid - n_weight
         t_dec = ((TD + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_dec
-        if local >= 0:
-            on_dec = local < t_dec
+        t_enc = ((TE + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_enc
+        on_dec = (pid >= start_dec) & (pid < start_dec + t_dec)
+        if on_dec | ((pid >= start_enc) & (pid < start_enc + t_enc)):
             width = tl.multiple_of(tl.where(on_dec, _HIDDEN, _CROSS), 256)
             depth = tl.multiple_of(tl.where(on_dec, _Q_OUT, 2 * _KV_OUT), 256)
             gemm_tile(
-                tl.where(on_dec, local, local - t_dec),
+                pid - tl.where(on_dec, start_dec, start_enc),
                 tl.where(on_dec, gq16, gkv16),
                 tl.where(on_dec, wq16, wkv16),
                 tl.where(on_dec, grad_dec, grad_enc),
@@ -367,8 +369,8 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
     splits = choose_splits(weight_products + input_products, bm, bn, bk, sms) \
         if products == "triton" and not deterministic else [1] * 4
     split_wq, split_wkv, split_dec, split_enc = splits
-    weight_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(weight_products, splits[:2]))
-    input_tiles = sum(tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(input_products, splits[2:]))
+    tiles = [tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(weight_products + input_products, splits)]
+    weight_tiles, input_tiles = sum(tiles[:2]), sum(tiles[2:])
 
     flat = lambda n: chunks(n, pack.block, pack.iters)  # noqa: E731
     n_gq, n_gk = batch * HEADS * triton.cdiv(sd, pack.rows), batch * KV_HEADS * triton.cdiv(se, pack.rows)
@@ -401,13 +403,15 @@ def qkv_gqa_backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, determinis
             batch, sd, se, ROWS=pack.rows, BLOCK=pack.block, ITERS=pack.iters, PDL=on_gpu, num_warps=pack.warps)
         product_launches = [] if products == "cublas" else [
             PRODUCTS.prepare(
-                (tiles,),
+                (n_tiles,),
                 gq16, gkv16, dec16, enc16, wq16, wkv16,
                 grad_dec, grad_enc, grad_wq, grad_wkv,
                 td, te, split_wq, split_wkv, split_dec, split_enc,
+                *longest_first([(t * (with_weights if i < 2 else with_inputs), k, s) for i, (t, (_, _, k), s)
+                                in enumerate(zip(tiles, weight_products + input_products, splits))]),
                 WEIGHT_GRADS=with_weights, INPUT_GRADS=with_inputs,
                 BM=bm, BN=bn, BK=bk, PDL=on_gpu, num_warps=config.warps, num_stages=config.stages, launch_pdl=on_gpu)
-            for with_weights, with_inputs, tiles in launches]
+            for with_weights, with_inputs, n_tiles in launches]
         pack_launch()
         if products == "cublas":
             for a, b, out, needed in cublas_products:
