@@ -67,6 +67,7 @@ VARIANTS = {
         "att_fwd_64x32": dict(config=C37(attention=A37(fwd_bn=32))),
         "att_fwd_32x64": dict(config=C37(attention=A37(fwd_bm=32))),
         "no_short_fwd": dict(config=C37(attention=A37(short_fwd_bn=64))),
+        "no_few_kv": dict(config=C37(attention=A37(few_kv_bn=64))),
         # Our product tiles run below 512 tokens only (cases 8, 11): 128-token tiles leave 64 forward
         # programs for 132 SMs at 128 tokens.
         "fwd_64x4_s4": dict(config=C37(forward=TileConfig(64, 128, 64, 4, 4))),

@@ -637,6 +637,9 @@ class AttentionConfig(NamedTuple):
     # diagonal, where narrower steps compute fewer masked logits.
     short_fwd_bn: int = 32
     short_seq: int = 256
+    # Keys per dK/dV program when kv_bn-key programs would not fill the GPU once (batch 1-4 at short
+    # sequences): twice the programs, each half as long on the launch's critical path.
+    few_kv_bn: int = 32
 
 
 class Config(NamedTuple):
@@ -704,7 +707,8 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     qk32, v16, rot16, g16 = f32(tokens, QK), f16(tokens, KV_OUT), f16(tokens, QK), f16(tokens, QKV)
     wqkv16, wo_t16 = f16(QKV, HIDDEN), f16(HIDDEN, Q_OUT)
     lse, delta = f32(batch * HEADS * seq), f32(batch * HEADS * seq)
-    kv_programs = batch * KV_HEADS * triton.cdiv(seq, at.kv_bn)
+    kv_bn = at.few_kv_bn if batch * KV_HEADS * triton.cdiv(seq, at.kv_bn) <= sms else at.kv_bn
+    kv_programs = batch * KV_HEADS * triton.cdiv(seq, kv_bn)
     q_programs = batch * HEADS * triton.cdiv(seq, at.q_bm)
     q_norm_parts, k_norm_parts = f32(q_programs, HEAD_DIM), f32(kv_programs, HEAD_DIM)
     grad_x = f32(batch, seq, HIDDEN)
@@ -782,7 +786,7 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
                 rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
                 g16, q_norm_parts, k_norm_parts, ranges.block(attention_backward_ranges),
                 seq, kv_programs, float(scaling), cap, float(eps),
-                KV_BN=at.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh, PDL=pdl,
+                KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh, PDL=pdl,
                 num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 2 * HEAD_DIM // SUM_COLS,),
