@@ -41,8 +41,9 @@ VARIANTS = {
         "no_pdl": dict(config=C21(pdl=False)),
         "att_half_sm": dict(config=C21(attention=A21(programs_per_sm=0.5))),
         "att_2sm": dict(config=C21(attention=A21(programs_per_sm=2))),
-        "fwd_128x128_k32": dict(config=C21(forward=TileConfig(128, 128, 32, 4, 6))),
-        "fwd_128x128_w4": dict(config=C21(forward=TileConfig(128, 128, 64, 4, 4))),
+        # Persistent TMA forward products: 128 x 128 tiles, or 4 stages.
+        "fwd_128x128": dict(config=C21(forward=TileConfig(128, 128, 64, 8, 3))),
+        "fwd_s4": dict(config=C21(forward=TileConfig(128, 256, 64, 8, 4))),
         # One text tile padded to a power of two (77 -> 128) instead of a head and a tail (64 + 16).
         "no_split": dict(config=C21(attention=A21(split_text=False))),
         "att_64x4": dict(config=C21(attention=A21(bm=64, warps=4))),

@@ -24,8 +24,10 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def compile_sm90(jit_fn, scalars: dict, constexprs: dict, num_warps: int, num_stages: int, int_pointers=()):
-    """scalars: name -> 'i32' or 'fp32'; every other non-constexpr argument is a pointer: fp16 when its
-    name ends in 16 (our fp16 operand buffers), int32 when listed in int_pointers, else fp32."""
+    """scalars: name -> 'i32' or 'fp32' (arguments in the kernel's do_not_specialize default to 'i32');
+    every other non-constexpr argument is a pointer: fp16 when its name ends in 16 (our fp16 operand
+    buffers), int32 when listed in int_pointers, else fp32."""
+    scalars = {**{p.name: "i32" for p in jit_fn.params if p.do_not_specialize}, **scalars}
     signature, attrs = {}, {}
     for i, name in enumerate(jit_fn.arg_names):
         if name in constexprs:
@@ -57,14 +59,13 @@ def wan_021_kernels(cfg=None):
     from backfuse.ops import wan_text_video_xattn as op
 
     cfg = cfg or op.CONFIG
-    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    p, fw, at, gr, pdl = cfg
+    p, fw, at, gr, pdl = cfg.pack, cfg.forward, cfg.attention, cfg.gradients, cfg.pdl
     yield "021 pack", compile_sm90(
-        op._pack_kernel, ints("TV", "TT", "n_heads", "zero_dkv", "zero_wq", "zero_wo", "zero_wkv", "zero_gv", "zero_gt"),
+        op._pack_kernel, {},
         dict(ROWS=p.rows, COLS=p.cols, T=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1,
         int_pointers=("arrivals",))
     yield "021 forward products", compile_sm90(
-        op._forward_products_kernel, ints("TV", "TT", "n_parts"),
+        op._forward_products_kernel, {},
         dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), fw.warps,
         fw.stages)
     # one tile of the widest text, the suite's 77 tokens as head + tail (also in lone blocks), text in tiles
@@ -74,11 +75,11 @@ def wan_021_kernels(cfg=None):
             (True, op.text_tiles(77), (lone_rows, lone_warps)), (False, (at.bn, 0), (at.bm, at.warps))):
         for deterministic in (False, True):
             yield (f"021 attention {'one tile' if one_tile else 'tiles'} {bm}x{bn}+{tail}{' det' if deterministic else ''}",
-                   compile_sm90(op._attention_kernel, {**ints("NV", "NT", "TT", "per_program"), "scale": "fp32"},
+                   compile_sm90(op._attention_kernel, {"scale": "fp32"},
                                 dict(BM=bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic,
                                      PDL=pdl), warps, at.stages, int_pointers=("arrivals",)))
     yield "021 gradient products", compile_sm90(
-        op._gradient_products_kernel, ints("TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "n_parts"),
+        op._gradient_products_kernel, {},
         dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,
         gr.stages)
 
@@ -86,14 +87,12 @@ def wan_021_kernels(cfg=None):
 def qkv_gqa_072_kernels():
     from backfuse.ops import cross_attn_qkv_gqa as op
 
-    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     p, g = op.PACK_CONFIG, op.GEMM_CONFIG
     yield "072 pack", compile_sm90(
-        op._pack_kernel, ints("zero_dec", "zero_enc", "zero_wq", "zero_wkv", "B", "SD", "SE"),
+        op._pack_kernel, {},
         dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters, PDL=True), p.warps, 1)
     yield "072 products", compile_sm90(
-        op._projection_grads_kernel, ints("TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc", "start_wq",
-                                          "start_wkv", "start_dec", "start_enc"),
+        op._projection_grads_kernel, {},
         dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk, PDL=True), g.warps, g.stages)
 
 
@@ -101,26 +100,25 @@ def gemma3_037_kernels(cfg=None):
     from backfuse.ops import gemma3_attn_core as op
 
     cfg = cfg or op.CONFIG
-    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     p, at, gr, pdl = cfg.pack, cfg.attention, cfg.gradients, cfg.pdl
     yield "037 pack", compile_sm90(
-        op._pack_kernel, ints("T", "zero_gx", "zero_wqkv", "zero_wo"),
+        op._pack_kernel, {},
         dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
     for products, fw in ((True, cfg.forward), (False, cfg.norm_rope)):
         yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
-            op._forward_products_kernel, {**ints("T"), "eps": "fp32", "q_scale": "fp32"},
+            op._forward_products_kernel, {"eps": "fp32", "q_scale": "fp32"},
             dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, PDL=pdl), fw.warps, fw.stages)
     for bn in (at.fwd_bn, at.short_fwd_bn):
         yield f"037 attention forward BN={bn}", compile_sm90(
-            op._attention_forward_kernel, {**ints("S"), "cap": "fp32"},
+            op._attention_forward_kernel, {"cap": "fp32"},
             dict(BM=at.fwd_bm, BN=bn, APPROX_TANH=at.approx_tanh, PDL=pdl), at.fwd_warps, at.fwd_stages)
     for kv_bn in (at.kv_bn, at.few_kv_bn):
         yield f"037 attention backward KV_BN={kv_bn}", compile_sm90(
-            op._attention_backward_kernel, {**ints("S", "kv_programs"), "scaling": "fp32", "cap": "fp32", "eps": "fp32"},
+            op._attention_backward_kernel, {"scaling": "fp32", "cap": "fp32", "eps": "fp32"},
             dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh, PDL=pdl),
             at.warps, at.stages)
     yield "037 gradient products", compile_sm90(
-        op._gradient_products_kernel, ints("T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"),
+        op._gradient_products_kernel, {},
         dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,
         gr.stages)
 

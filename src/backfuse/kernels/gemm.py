@@ -65,6 +65,23 @@ def mma_tile(
 
 
 @triton.jit
+def tma_tile(a_desc, b_desc, a_row, b_row, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """A[a_row:+BM, k_lo:k_hi] @ B[b_row:+BN, k_lo:k_hi]^T as a [BM, BN] fp32 tile, both operands
+    row-major fp16 read through TMA tensor descriptors (blocks [BM, BK] and [BN, BK]); rows past a
+    descriptor's shape read zeros.
+
+    Persistent programs that loop over tiles with this body, the tile loop flattened
+    (`tl.range(..., flatten=True)`), keep the next tile's loads in flight during an epilogue:
+    benchmarks/checks/persistent_products.py measured 590 against 471 TFLOP/s for one program per
+    128 x 128 tile at 8192 x 1024 x 1024.
+    """
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        acc = tl.dot(a_desc.load([a_row, k]), b_desc.load([b_row, k]).T, acc)
+    return acc
+
+
+@triton.jit
 def store_tile(c_ptr, acc, off_m, off_n, M, N, stride_cm, stride_cn, accumulate, BM: tl.constexpr, BN: tl.constexpr):
     """Write (or, for split-K partial sums, atomically add) a [BM, BN] fp32 tile, masked at the edges."""
     rm = off_m + tl.arange(0, BM)

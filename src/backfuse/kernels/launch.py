@@ -11,10 +11,13 @@ the lookup key.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.runtime import _allocation
 
 ALIGNMENT = 16  # bytes; Triton specializes pointer arguments on it
 
@@ -34,7 +37,9 @@ class FastKernel:
 
         Preparing every launch of an operator before the first one runs lets them follow each other
         with no host work in between. Tensors go to the launcher as raw addresses, which skips its
-        per-pointer attribute queries; the callable keeps the tensors alive.
+        per-pointer attribute queries; the callable keeps the tensors alive. A kernel that needs
+        global scratch (TMA descriptors made on the device) gets it allocated here, not by Triton's
+        per-launch allocator call (measured: 13-55 us of host time per launch in the official clock).
         """
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if not tensors[0].is_cuda:  # the Triton interpreter
@@ -43,15 +48,27 @@ class FastKernel:
         handle = self.handles.get(key)
         if handle is None:  # first launch of this specialization: through the JIT, which compiles it
             self._check_unspecialized(args)
-            return lambda: self.handles.setdefault(key, self.fn[grid](*args, **meta))
+
+            def first_launch():
+                with scratch_allocator():
+                    self.handles.setdefault(key, self.fn[grid](*args, **meta))
+
+            return first_launch
         full = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         full += [meta[p.name] for p in self.params[len(args):]]
         grid = tuple(grid) + (1,) * (3 - len(grid))
         stream = torch.cuda.current_stream().cuda_stream
-        run, function, packed = handle.run, handle.function, handle.packed_metadata
+        function, packed, launcher = handle.function, handle.packed_metadata, handle.run
+        # What the launcher's __call__ does, with the scratch allocated once: Triton 3.6's CudaLauncher.
+        run, cooperative, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+        scratch = None
+        if launcher.global_scratch_size:
+            scratch = torch.empty(grid[0] * grid[1] * grid[2] * launcher.num_ctas * launcher.global_scratch_size,
+                                  dtype=torch.int8, device=tensors[0].device)
 
         def launch(tensors=tensors):
-            run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *full)
+            run(grid[0], grid[1], grid[2], stream, function, cooperative, pdl, scratch, None,
+                packed, None, None, None, *full)
 
         return launch
 
@@ -59,6 +76,23 @@ class FastKernel:
         for p, a in zip(self.params, args):
             if isinstance(a, int) and not p.do_not_specialize:
                 raise TypeError(f"{self.fn.__name__}: integer argument '{p.name}' must be listed in do_not_specialize")
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the allocator's blocks are 512-byte aligned
+
+
+@contextlib.contextmanager
+def scratch_allocator():
+    """Global scratch for the JIT launches inside (kernels that build TMA tensor descriptors on the
+    device write them there), from torch's allocator on the current device and stream. Triton keeps
+    its allocator in a context variable; it is set for these launches only and restored after, so a
+    caller's own `triton.set_allocator` is left as it was."""
+    token = _allocation._allocator.set(_torch_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 @triton.jit

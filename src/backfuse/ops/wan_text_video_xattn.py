@@ -16,7 +16,7 @@ import triton.language as tl
 from ..kernels import buffers
 from ..kernels.elementwise import cast_chunk, chunks, column_sums, transpose_tile, zero_chunk
 from ..kernels.fp16_range import RangeSlots, max_abs
-from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, longest_first, mma_tile, tile_count
+from ..kernels.gemm import TileConfig, choose_splits, gemm_tile, longest_first, tile_count, tma_tile
 from ..kernels.launch import FastKernel, after_previous_launch
 from ..problem import Problem, Scalar, Tensor, fp32_matmul
 
@@ -248,11 +248,11 @@ def _pack_kernel(
         tl.store(ranges + pid, largest)
 
 
-@triton.jit(do_not_specialize=["TV", "TT", "n_parts"])
+@triton.jit(do_not_specialize=["TV", "TT", "n_parts", "n_programs"])
 def _forward_products_kernel(
-    video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
+    act16, w16, bq, bk, bv,
     q16, kv16, dc16, colsum_parts, grad_bo, ranges,
-    TV, TT, n_parts,
+    TV, TT, n_parts, n_programs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -260,37 +260,42 @@ def _forward_products_kernel(
     then grad_bo from the pack's column sums. Each tile's largest |value| goes to ranges, column
     tiles outermost within each product, so that Q, K, V and dC each have one range of slots.
 
-    All three read a row-major [tokens, 1024] A and a [N, 1024] B^T (hence Wo transposed in the
-    pack), so they share one call site and one shared-memory ring.
+    act16 is [video; text; grad_output] and w16 is [Wq; Wk; Wv; Wo^T], each [rows, 1024] row-major,
+    so every product reads row blocks of the same two TMA descriptors (a tile's rows past its
+    product's read the next product's rows, which only reach rows it does not store). The first
+    n_programs programs loop over all tiles (persistent); the rest sum columns for grad_bo.
     """
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     t_q = ((TV + BM - 1) // BM) * (_HIDDEN // BN)
     t_kv = ((TT + BM - 1) // BM) * (2 * _HIDDEN // BN)
-    if pid < 2 * t_q + t_kv:
-        on_q = pid < t_q
-        on_kv = (pid >= t_q) & (pid < t_q + t_kv)
-        local = tl.where(on_q, pid, tl.where(on_kv, pid - t_q, pid - t_q - t_kv))
-        width = tl.multiple_of(tl.where(on_kv, 2 * _HIDDEN, _HIDDEN), 1024)
-        rows = tl.where(on_kv, TT, TV)
-        off_m = (local // (width // BN)) * BM
-        off_n = (local % (width // BN)) * BN
-        acc = mma_tile(
-            tl.where(on_q, video16, tl.where(on_kv, text16, go16)),
-            tl.where(on_q, wq16, tl.where(on_kv, wkv16, wo_t16)),
-            off_m, off_n, rows, width, 0, _HIDDEN, _HIDDEN, 1, 1, _HIDDEN, BM, BN, BK,
-        )
-        rn = off_n + tl.arange(0, BN)
-        bias = tl.where(on_q, bq + rn, tl.where(rn < _HIDDEN, bk + rn, bv + rn - _HIDDEN))
-        acc += tl.load(bias, mask=(rn < width) & (on_q | on_kv), other=0.0)[None, :]
-        rm = off_m + tl.arange(0, BM)
-        out = tl.where(on_q, q16, tl.where(on_kv, kv16, dc16))
-        tl.store(out + rm[:, None].to(tl.int64) * width + rn[None, :], acc.to(tl.float16), mask=rm[:, None] < rows)
-        row_blocks = (rows + BM - 1) // BM
-        slot = pid - local + (off_n // BN) * row_blocks + off_m // BM
-        tl.store(ranges + slot, max_abs(tl.where(rm[:, None] < rows, acc, 0.0)))
+    if pid < n_programs:
+        a_desc = tl.make_tensor_descriptor(act16, shape=[2 * TV + TT, _HIDDEN], strides=[_HIDDEN, 1],
+                                           block_shape=[BM, BK])
+        b_desc = tl.make_tensor_descriptor(w16, shape=[4 * _HIDDEN, _HIDDEN], strides=[_HIDDEN, 1],
+                                           block_shape=[BN, BK])
+        for tile in tl.range(pid, 2 * t_q + t_kv, n_programs, flatten=True):
+            on_q = tile < t_q
+            on_kv = (tile >= t_q) & (tile < t_q + t_kv)
+            local = tl.where(on_q, tile, tl.where(on_kv, tile - t_q, tile - t_q - t_kv))
+            width = tl.where(on_kv, 2 * _HIDDEN, _HIDDEN)
+            rows = tl.where(on_kv, TT, TV)
+            off_m = (local // (width // BN)) * BM
+            off_n = (local % (width // BN)) * BN
+            acc = tma_tile(a_desc, b_desc, tl.where(on_q, 0, tl.where(on_kv, TV, TV + TT)) + off_m,
+                           tl.where(on_q, 0, tl.where(on_kv, _HIDDEN, 3 * _HIDDEN)) + off_n, 0, _HIDDEN, BM, BN, BK)
+            rn = off_n + tl.arange(0, BN)
+            bias = tl.where(on_q, bq + rn, tl.where(rn < _HIDDEN, bk + rn, bv + rn - _HIDDEN))
+            acc += tl.load(bias, mask=on_q | on_kv, other=0.0)[None, :]
+            rm = off_m + tl.arange(0, BM)
+            out = tl.where(on_q, q16, tl.where(on_kv, kv16, dc16))
+            tl.store(out + rm[:, None].to(tl.int64) * width + rn[None, :], acc.to(tl.float16),
+                     mask=rm[:, None] < rows)
+            row_blocks = (rows + BM - 1) // BM
+            slot = tile - local + (off_n // BN) * row_blocks + off_m // BM
+            tl.store(ranges + slot, max_abs(tl.where(rm[:, None] < rows, acc, 0.0)))
     else:
-        cols = (pid - 2 * t_q - t_kv) * SUM_COLS + tl.arange(0, SUM_COLS)
+        cols = (pid - n_programs) * SUM_COLS + tl.arange(0, SUM_COLS)
         tl.store(grad_bo + cols, column_sums(colsum_parts, n_parts, _HIDDEN, cols, SUM_ROWS, SUM_COLS))
 
 
@@ -633,11 +638,15 @@ class AttentionConfig(NamedTuple):
 
 class Config(NamedTuple):
     pack: PackConfig = PackConfig()
-    forward: TileConfig = TileConfig()
+    # Persistent programs over 128 x 256 tiles (benchmarks/notes/021.md row 24).
+    forward: TileConfig = TileConfig(128, 256, 64, 8, 3)
     attention: AttentionConfig = AttentionConfig()
     # 4 warps: 2 programs per SM (8 warps need 144 registers a thread, which allows one)
     gradients: TileConfig = TileConfig(128, 128, 32, 4, 6)
     pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
+    # Forward tiles when those of `forward` would not fill the GPU once (up to ~2000 video tokens):
+    # then each program has one tile, and a half-width tile takes half as long.
+    forward_small: TileConfig = TileConfig(128, 128, 64, 8, 3)
 
 
 CONFIG = Config()
@@ -645,7 +654,7 @@ CONFIG = Config()
 # 64-token attention blocks so that small shapes still give several programs per head.
 INTERPRETER_CONFIG = Config(pack=PackConfig(64, 1024, 256, 1 << 20, 1, 4), forward=TileConfig(128, 512, 256, 8, 1),
                             attention=AttentionConfig(64, 64, 4, 1, 128, 2), gradients=TileConfig(512, 512, 256, 8, 1),
-                            pdl=False)
+                            pdl=False, forward_small=TileConfig(128, 256, 256, 8, 1))
 SUM_ROWS, SUM_COLS = 32, 64  # bias gradients: partial sums per step, columns per reducing program
 
 
@@ -678,14 +687,18 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     nt = text.shape[1]
     tv, tt = batch * nv, batch * nt
     device = video.device
-    pk, fw, at, gr, pdl = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
+    cfg = config or (CONFIG if device.type == "cuda" else INTERPRETER_CONFIG)
+    pk, at, gr, pdl = cfg.pack, cfg.attention, cfg.gradients, cfg.pdl
     if sms is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     f16 = lambda *shape: buffers.empty(shape, torch.float16, device)  # noqa: E731
     f32 = lambda *shape: buffers.empty(shape, torch.float32, device)  # noqa: E731
-    go16, video16, ctx16, q16, dc16, dq16 = (f16(tv, HIDDEN) for _ in range(6))
-    text16, kv16, dkv16 = f16(tt, HIDDEN), f16(tt, 2 * HIDDEN), f16(tt, 2 * HIDDEN)
-    wq16, wkv16, wo_t16 = f16(HIDDEN, HIDDEN), f16(2 * HIDDEN, HIDDEN), f16(HIDDEN, HIDDEN)
+    # The forward products' operands, stacked so that one TMA descriptor each covers them.
+    act16, w16 = f16(2 * tv + tt, HIDDEN), f16(4 * HIDDEN, HIDDEN)
+    video16, text16, go16 = act16[:tv], act16[tv:tv + tt], act16[tv + tt:]
+    wq16, wkv16, wo_t16 = w16[:HIDDEN], w16[HIDDEN:3 * HIDDEN], w16[3 * HIDDEN:]
+    ctx16, q16, dc16, dq16 = (f16(tv, HIDDEN) for _ in range(4))
+    kv16, dkv16 = f16(tt, 2 * HIDDEN), f16(tt, 2 * HIDDEN)
     go_tiles = triton.cdiv(tv, pk.rows)
     colsum_parts = f32(go_tiles, HIDDEN)
     one_tile = nt <= at.one_tile
@@ -723,7 +736,9 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     n_pack = (go_tiles + flat(tv * HIDDEN) + flat(tt * HIDDEN) + 3 * n_weight + (HIDDEN // pk.tile) ** 2 + 1
               + (runs > 1 and not deterministic) * flat(tt * 2 * HIDDEN) + 2 * ((split_wv > 1) + (split_wt > 1)) * n_weight
               + (split_gv > 1) * flat(tv * HIDDEN) + (split_gt > 1) * flat(tt * HIDDEN))
-    forward_tiles = 2 * tile_count(tv, HIDDEN, 1, fw.bm, fw.bn) + tile_count(tt, 2 * HIDDEN, 1, fw.bm, fw.bn)
+    forward_count = lambda t: 2 * tile_count(tv, HIDDEN, 1, t.bm, t.bn) + tile_count(tt, 2 * HIDDEN, 1, t.bm, t.bn)  # noqa: E731
+    fw = cfg.forward if forward_count(cfg.forward) >= sms else cfg.forward_small
+    forward_programs = min(forward_count(fw), sms)
     attention_programs = batch * HEADS * runs
     ranges = ranges or RangeSlots()
     pack_ranges = ranges.reserve({"grad_output": go_tiles, "video_latents": flat(tv * HIDDEN),
@@ -748,10 +763,10 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 int(split_gv > 1), int(split_gt > 1),
                 ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps),
             FORWARD_PRODUCTS.prepare(
-                (forward_tiles + HIDDEN // SUM_COLS,),
-                video16, text16, go16, wq16, wkv16, wo_t16, bq, bk, bv,
+                (forward_programs + HIDDEN // SUM_COLS,),
+                act16, w16, bq, bk, bv,
                 q16, kv16, dc16, colsum_parts, grad_bo, ranges.block(forward_ranges),
-                tv, tt, go_tiles,
+                tv, tt, go_tiles, forward_programs,
                 BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, PDL=pdl, num_warps=fw.warps,
                 num_stages=fw.stages, launch_pdl=pdl),
             ATTENTION.prepare(
