@@ -19,6 +19,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime import _allocation
 
+from . import buffers
+
 ALIGNMENT = 16  # bytes; Triton specializes pointer arguments on it
 
 
@@ -63,8 +65,8 @@ class FastKernel:
         run, cooperative, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
         scratch = None
         if launcher.global_scratch_size:
-            scratch = torch.empty(grid[0] * grid[1] * grid[2] * launcher.num_ctas * launcher.global_scratch_size,
-                                  dtype=torch.int8, device=tensors[0].device)
+            scratch = buffers.empty((grid[0] * grid[1] * grid[2] * launcher.num_ctas * launcher.global_scratch_size,),
+                                    torch.int8, tensors[0].device)
 
         def launch(tensors=tensors):
             run(grid[0], grid[1], grid[2], stream, function, cooperative, pdl, scratch, None,
@@ -79,7 +81,7 @@ class FastKernel:
 
 
 def _torch_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")  # the allocator's blocks are 512-byte aligned
+    return buffers.empty((size,), torch.int8, torch.device("cuda", torch.cuda.current_device()))  # 512-byte aligned
 
 
 @contextlib.contextmanager
