@@ -73,6 +73,9 @@ VARIANTS = {
         "att_fwd_32x64": dict(config=C37(attention=A37(fwd_bm=32))),
         "no_short_fwd": dict(config=C37(attention=A37(short_fwd_bn=64))),
         "no_few_kv": dict(config=C37(attention=A37(few_kv_bn=64))),
+        # dK/dV programs split by query head: never, or also below 256 tokens.
+        "no_head_split": dict(config=C37(attention=A37(head_split_per_sm=0))),
+        "head_split_short": dict(config=C37(attention=A37(head_split_min_seq=0))),
         # Our product tiles run below 512 tokens only (cases 8, 11): 128-token tiles leave 64 forward
         # programs for 132 SMs at 128 tokens.
         "fwd_64x4_s4": dict(config=C37(forward=TileConfig(64, 128, 64, 4, 4))),

@@ -124,6 +124,20 @@ def test_037_fused_causal_blocks_and_split_k():
     _check_fused(backfuse.problem("037"), dict(batch_size=1, seq_len=37), seed=9, fn=_037_with())
 
 
+def _037_head_split_config():
+    """The launch shapes of this device with dK/dV programs split by query head at any length (the
+    shipped rule splits at batch 1 from 256 tokens)."""
+    cfg = gemma3_attn_core.CONFIG if DEVICE == "cuda" else gemma3_attn_core.INTERPRETER_CONFIG
+    return cfg._replace(attention=cfg.attention._replace(head_split_min_seq=0))
+
+
+def test_037_fused_dkdv_programs_split_by_query_head():
+    """Three programs per key block, one per query head of the group; the last to finish sums their
+    fp32 partials and runs the RoPE/RMSNorm epilogue (37 tokens: several key blocks, padded ones)."""
+    _check_fused(backfuse.problem("037"), dict(batch_size=1, seq_len=37), seed=10,
+                 fn=_037_with(config=_037_head_split_config()))
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's fp16 products run on the GPU only")
 @pytest.mark.parametrize("needs", [None, (True, False, False, False, True, True, True)])
 def test_037_cublas_products(needs):
@@ -237,6 +251,9 @@ def test_backward_computes_only_what_is_needed(pid, axes, wanted):
     pytest.param("037", dict(batch_size=1, seq_len=7), _037_with(deterministic=True),
                  marks=pytest.mark.skipif(DEVICE != "cuda", reason="037's only atomics are K splits, which the "
                                           "interpreter runs in order; its no-split path is test_037_fused_shipped_path")),
+    pytest.param("037", dict(batch_size=1, seq_len=77), _037_with(deterministic=True, config=_037_head_split_config()),
+                 marks=pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter runs the split programs in order"),
+                 id="037-head-split"),
 ])
 def test_deterministic_mode(pid, axes, fn):
     """Partial sums stored per program and added in a fixed order: correct, and the same bits twice

@@ -112,11 +112,11 @@ def gemma3_037_kernels(cfg=None):
         yield f"037 attention forward BN={bn}", compile_sm90(
             op._attention_forward_kernel, {"cap": "fp32"},
             dict(BM=at.fwd_bm, BN=bn, APPROX_TANH=at.approx_tanh, PDL=pdl), at.fwd_warps, at.fwd_stages)
-    for kv_bn in (at.kv_bn, at.few_kv_bn):
-        yield f"037 attention backward KV_BN={kv_bn}", compile_sm90(
+    for kv_bn, split in ((at.kv_bn, 1), (at.few_kv_bn, 1), (at.few_kv_bn, op.GROUP)):
+        yield f"037 attention backward KV_BN={kv_bn} split {split}", compile_sm90(
             op._attention_backward_kernel, {"scaling": "fp32", "cap": "fp32", "eps": "fp32"},
-            dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh, PDL=pdl),
-            at.warps, at.stages)
+            dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=split,
+                 APPROX_TANH=at.approx_tanh, PDL=pdl), at.warps, at.stages, int_pointers=("arrivals",))
     yield "037 gradient products", compile_sm90(
         op._gradient_products_kernel, {},
         dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,

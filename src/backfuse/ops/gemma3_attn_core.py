@@ -233,17 +233,18 @@ _QK = tl.constexpr(QK)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit(do_not_specialize=["T", "zero_gx", "zero_wqkv", "zero_wo"])
+@triton.jit(do_not_specialize=["T", "zero_gx", "zero_wqkv", "zero_wo", "n_arrivals"])
 def _pack_kernel(
     go, x, wq, wk, wv, wo,
-    go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wqkv, grad_wo,
-    T, zero_gx, zero_wqkv, zero_wo,
+    go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wqkv, grad_wo, arrivals,
+    T, zero_gx, zero_wqkv, zero_wo, n_arrivals,
     TILE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program ranges, in order: flat casts of grad_output, X, Wq, Wk, Wv (into [Wq; Wk; Wv]), Wo^T
-    tiles, then zero fills of the split-K products' outputs whose flag is set. Each converting
-    program stores the largest |value| it converted in ranges[pid]."""
+    tiles, then zero fills of the split-K products' outputs whose flag is set and of the attention
+    backward's n_arrivals counters. Each converting program stores the largest |value| it converted
+    in ranges[pid]."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     CHUNK: tl.constexpr = BLOCK * ITERS
@@ -262,6 +263,7 @@ def _pack_kernel(
     e_wo = e_wv + (_HIDDEN // TILE) * (_Q_OUT // TILE)
     e_gx = e_wo + zero_gx * act_chunks
     e_zwqkv = e_gx + zero_wqkv * WQKV_CHUNKS
+    e_zwo = e_zwqkv + zero_wo * WQ_CHUNKS
     largest = 0.0
     if pid < e_go:
         largest = cast_chunk(go, go16, n_act, pid, BLOCK, ITERS)
@@ -279,8 +281,10 @@ def _pack_kernel(
         zero_chunk(grad_x, n_act, pid - e_wo, BLOCK, ITERS)
     elif pid < e_zwqkv:
         zero_chunk(grad_wqkv, _QKV * _HIDDEN, pid - e_gx, BLOCK, ITERS)
-    else:
+    elif pid < e_zwo:
         zero_chunk(grad_wo, WQ, pid - e_zwqkv, BLOCK, ITERS)
+    else:
+        zero_chunk(arrivals, n_arrivals, pid - e_zwo, BLOCK, ITERS)
     if pid < e_wo:
         tl.store(ranges + pid, largest)
 
@@ -459,15 +463,41 @@ def _rope_norm_backward(d_rot, qk32, cos, sin, norm_w, g16, tok, ok, column, eps
 
 
 @triton.jit
+def _group_sum(kv_parts, arrivals, slot, g, dk, dv, key_tok, col_ok, kv, tokens, HEAD_SPLIT: tl.constexpr):
+    """Hand-off between the HEAD_SPLIT programs that share a key block, one per query head: each
+    stores its fp32 dK, dV partial and counts itself in; the last to arrive (acq_rel, so the others'
+    stores are visible) sums the partials in head order, the same order on every call. Returns the
+    sums and whether this program was the last."""
+    d = tl.arange(0, _HEAD_DIM)
+    off = key_tok[:, None].to(tl.int64) * (2 * _KV_OUT) + kv * _HEAD_DIM + d[None, :]
+    part = tokens.to(tl.int64) * (2 * _KV_OUT)
+    tl.store(kv_parts + g * part + off, dk, mask=col_ok)
+    tl.store(kv_parts + g * part + off + _KV_OUT, dv, mask=col_ok)
+    last = tl.atomic_add(arrivals + slot, 1, sem="acq_rel") == HEAD_SPLIT - 1
+    dk = tl.zeros_like(dk)
+    dv = tl.zeros_like(dv)
+    if last:
+        for i in tl.static_range(HEAD_SPLIT):  # L2 reads (.cg): other programs wrote them
+            dk += tl.load(kv_parts + i * part + off, mask=col_ok, other=0.0, cache_modifier=".cg")
+            dv += tl.load(kv_parts + i * part + off + _KV_OUT, mask=col_ok, other=0.0, cache_modifier=".cg")
+    return dk, dv, last
+
+
+@triton.jit
 def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
-                     S, kv_programs, scaling, cap, eps, KV_BN: tl.constexpr, KV_BM: tl.constexpr,
-                     APPROX_TANH: tl.constexpr):
+                     kv_parts, arrivals, S, kv_programs, scaling, cap, eps, KV_BN: tl.constexpr,
+                     KV_BM: tl.constexpr, HEAD_SPLIT: tl.constexpr, APPROX_TANH: tl.constexpr):
     """dK, dV of one (batch, KV head, block of KV_BN keys), summed over the group's query heads and
-    the causal query blocks (KV_BM at a time); RoPE and RMSNorm backward of dK into G."""
+    the causal query blocks (KV_BM at a time); RoPE and RMSNorm backward of dK into G. HEAD_SPLIT >
+    1: each of that many programs takes GROUP / HEAD_SPLIT of the query heads and the last to finish
+    sums them (_group_sum) — for small grids, whose first key blocks' programs (all later queries
+    of three heads) would otherwise be the launch's critical path. Outputs of a key block go to
+    slot pid // HEAD_SPLIT of k_norm_parts and ranges."""
     n_kv = kv_programs // ((S + KV_BN - 1) // KV_BN)
     block = pid // n_kv
-    b = (pid % n_kv) // _KV_HEADS
-    kv = (pid % n_kv) % _KV_HEADS
+    g0 = (pid % n_kv) % HEAD_SPLIT * (_GROUP // HEAD_SPLIT)
+    b = (pid % n_kv) // HEAD_SPLIT // _KV_HEADS
+    kv = (pid % n_kv) // HEAD_SPLIT % _KV_HEADS
     cols = block * KV_BN + tl.arange(0, KV_BN)
     key_tok = b * S + cols
     col_ok = (cols < S)[:, None]
@@ -475,7 +505,7 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
     v = _head_rows(v16, _KV_OUT, kv * _HEAD_DIM, key_tok, col_ok)
     dk = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
-    for g in range(_GROUP):
+    for g in range(g0, g0 + _GROUP // HEAD_SPLIT):
         bh = b * _HEADS + kv * _GROUP + g
         for m0 in range((block * KV_BN) // KV_BM * KV_BM, S, KV_BM):
             rows = m0 + tl.arange(0, KV_BM)
@@ -491,21 +521,28 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
             dp = tl.dot(v, tl.trans(d_attn))
             ds = p * (dp - row_delta[None, :]) * (1.0 - t * t)  # dS / scaling
             dk = tl.dot(ds.to(tl.float16), q, dk)
-    # dK = scaling * sum dS^T q = cap * sum dS^T (q scaling / cap)
-    part, dk_largest = _rope_norm_backward(dk * cap, qk32, cos, sin, k_norm_w, g16, key_tok, col_ok,
-                                           _Q_OUT + kv * _HEAD_DIM, eps)
-    tl.store(k_norm_parts + pid * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
-    d = tl.arange(0, _HEAD_DIM)
-    tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
-             mask=col_ok)
-    tl.store(ranges + pid, max_abs(v.to(tl.float32)))
-    tl.store(ranges + kv_programs + pid, dk_largest)
-    tl.store(ranges + 2 * kv_programs + pid, max_abs(dv))
+    slot = pid // HEAD_SPLIT
+    slots = kv_programs // HEAD_SPLIT
+    last = True
+    if HEAD_SPLIT > 1:
+        dk, dv, last = _group_sum(kv_parts, arrivals, slot, g0 // (_GROUP // HEAD_SPLIT), dk, dv, key_tok, col_ok,
+                                  kv, n_kv // HEAD_SPLIT // _KV_HEADS * S, HEAD_SPLIT)
+    if last:
+        # dK = scaling * sum dS^T q = cap * sum dS^T (q scaling / cap)
+        part, dk_largest = _rope_norm_backward(dk * cap, qk32, cos, sin, k_norm_w, g16, key_tok, col_ok,
+                                               _Q_OUT + kv * _HEAD_DIM, eps)
+        tl.store(k_norm_parts + slot * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
+        d = tl.arange(0, _HEAD_DIM)
+        tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
+                 mask=col_ok)
+        tl.store(ranges + slot, max_abs(v.to(tl.float32)))
+        tl.store(ranges + slots + slot, dk_largest)
+        tl.store(ranges + 2 * slots + slot, max_abs(dv))
 
 
 @triton.jit
 def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, g16, q_norm_parts,
-                       ranges, S, kv_programs, scaling, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
+                       ranges, S, kv_slots, scaling, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
                        APPROX_TANH: tl.constexpr):
     """dQ of one (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time), heaviest
     blocks first; RoPE and RMSNorm backward into G."""
@@ -532,16 +569,16 @@ def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta
     part, dq_largest = _rope_norm_backward(dq * scaling, qk32, cos, sin, q_norm_w, g16, tok, row_ok[:, None],
                                            h * _HEAD_DIM, eps)
     tl.store(q_norm_parts + local * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
-    tl.store(ranges + 3 * kv_programs + local, dq_largest)
+    tl.store(ranges + 3 * kv_slots + local, dq_largest)
 
 
 @triton.jit(do_not_specialize=["S", "kv_programs"])
 def _attention_backward_kernel(
     rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-    g16, q_norm_parts, k_norm_parts, ranges,
+    g16, q_norm_parts, k_norm_parts, ranges, kv_parts, arrivals,
     S, kv_programs, scaling, cap, eps,
-    KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, APPROX_TANH: tl.constexpr,
-    PDL: tl.constexpr,
+    KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, HEAD_SPLIT: tl.constexpr,
+    APPROX_TANH: tl.constexpr, PDL: tl.constexpr,
 ):
     """The first kv_programs programs: dK, dV of a key block; the rest: dQ of a query block (one
     launch of both kinds beat two launches: benchmarks/notes/037.md). P is recomputed from the
@@ -549,16 +586,16 @@ def _attention_backward_kernel(
     (the factor scaling is applied to dK and dQ once, after the sums; rot q arrives scaled by
     scaling / cap, so dK's factor is cap).
     The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to
-    ranges, in that order of regions (kv_programs slots each for the first three)."""
+    ranges, in that order of regions (kv_programs / HEAD_SPLIT slots each for the first three)."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     if pid < kv_programs:
         _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
-                         S, kv_programs, scaling, cap, eps, KV_BN, KV_BM, APPROX_TANH)
+                         kv_parts, arrivals, S, kv_programs, scaling, cap, eps, KV_BN, KV_BM, HEAD_SPLIT, APPROX_TANH)
     else:
         _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, qk32, v16, d_attn16, lse,
-                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, kv_programs, scaling, cap,
-                           eps, Q_BM, Q_BN, APPROX_TANH)
+                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, kv_programs // HEAD_SPLIT, scaling,
+                           cap, eps, Q_BM, Q_BN, APPROX_TANH)
 
 
 @triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])
@@ -640,6 +677,12 @@ class AttentionConfig(NamedTuple):
     # Keys per dK/dV program when kv_bn-key programs would not fill the GPU once (batch 1-4 at short
     # sequences): twice the programs, each half as long on the launch's critical path.
     few_kv_bn: int = 32
+    # dK/dV programs split by query head (summed by the last of the group) while the split grid
+    # has at most head_split_per_sm programs per SM, from head_split_min_seq tokens: at batch 1 the
+    # first key blocks' programs (three heads times every later query) are the launch's critical
+    # path; shorter loops gain nothing (benchmarks/notes/037.md row 27). 0: never.
+    head_split_per_sm: float = 3.0
+    head_split_min_seq: int = 256
 
 
 class Config(NamedTuple):
@@ -708,9 +751,14 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     wqkv16, wo_t16 = f16(QKV, HIDDEN), f16(HIDDEN, Q_OUT)
     lse, delta = f32(batch * HEADS * seq), f32(batch * HEADS * seq)
     kv_bn = at.few_kv_bn if batch * KV_HEADS * triton.cdiv(seq, at.kv_bn) <= sms else at.kv_bn
-    kv_programs = batch * KV_HEADS * triton.cdiv(seq, kv_bn)
+    kv_slots = batch * KV_HEADS * triton.cdiv(seq, kv_bn)  # one per (batch, KV head, key block)
+    head_split = GROUP if kv_slots * GROUP <= at.head_split_per_sm * sms and seq >= at.head_split_min_seq else 1
+    kv_programs = kv_slots * head_split
     q_programs = batch * HEADS * triton.cdiv(seq, at.q_bm)
-    q_norm_parts, k_norm_parts = f32(q_programs, HEAD_DIM), f32(kv_programs, HEAD_DIM)
+    q_norm_parts, k_norm_parts = f32(q_programs, HEAD_DIM), f32(kv_slots, HEAD_DIM)
+    # the split programs' fp32 dK, dV partials and arrival counters (placeholders when unsplit)
+    kv_parts = f32(head_split * tokens if head_split > 1 else 1, 2 * KV_OUT)
+    arrivals = buffers.empty((kv_slots if head_split > 1 else 1,), torch.int32, device)
     grad_x = f32(batch, seq, HIDDEN)
     # grad_Wq, grad_Wk, grad_Wv are row blocks of one tensor, which one product writes.
     grad_wqkv, grad_wo = f32(QKV, HIDDEN), f32(HIDDEN, Q_OUT)
@@ -735,8 +783,10 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
                          zip(gradient_products, (split_gx, split_wqkv, split_wo)))
     flat = lambda n: chunks(n, pk.block, pk.iters)  # noqa: E731
     n_act, n_wq, n_wkv = flat(tokens * HIDDEN), flat(Q_OUT * HIDDEN), flat(KV_OUT * HIDDEN)
+    n_arrivals = kv_slots if head_split > 1 else 0
     n_pack = (2 * n_act + n_wq + 2 * n_wkv + (HIDDEN // pk.tile) * (Q_OUT // pk.tile)
-              + (split_gx > 1) * n_act + (split_wqkv > 1) * flat(QKV * HIDDEN) + (split_wo > 1) * n_wq)
+              + (split_gx > 1) * n_act + (split_wqkv > 1) * flat(QKV * HIDDEN) + (split_wo > 1) * n_wq
+              + flat(n_arrivals))
     forward_tiles = tile_count(tokens, QKV, 1, fw.bm, fw.bn) + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm,
                                                                                            fw.bn)
     fwd_programs = batch * HEADS * triton.cdiv(seq, at.fwd_bm)
@@ -747,8 +797,8 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
     forward_ranges = ranges.reserve({"normed, rotated q": HEADS * row_blocks, "normed, rotated k": KV_HEADS * row_blocks})
     attention_forward_ranges = ranges.reserve({"gradient of attention output": fwd_programs})
     gradients = ("gradient of k projection", "gradient of v projection", "gradient of q projection")
-    attention_backward_ranges = ranges.reserve({"v projection": kv_programs, gradients[0]: kv_programs,
-                                                gradients[1]: kv_programs, gradients[2]: q_programs},
+    attention_backward_ranges = ranges.reserve({"v projection": kv_slots, gradients[0]: kv_slots,
+                                                gradients[1]: kv_slots, gradients[2]: q_programs},
                                                overflow_only=gradients)
     ranges.allocate(device)
     # cap tanh(z / cap) depends on |cap| only; the kernels take cap > 0.
@@ -763,8 +813,8 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
         pack = PACK.prepare(
             (n_pack,),
             go, x, wq, wk, wv, wo,
-            go16, x16, wqkv16, wo_t16, ranges.block(pack_ranges), grad_x, grad_wqkv, grad_wo,
-            tokens, int(split_gx > 1), int(split_wqkv > 1), int(split_wo > 1),
+            go16, x16, wqkv16, wo_t16, ranges.block(pack_ranges), grad_x, grad_wqkv, grad_wo, arrivals,
+            tokens, int(split_gx > 1), int(split_wqkv > 1), int(split_wo > 1), n_arrivals,
             TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps)
         launches = [
             FORWARD_PRODUCTS.prepare(
@@ -784,15 +834,16 @@ def gemma3_attention_backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_
             ATTENTION_BACKWARD.prepare(
                 (kv_programs + q_programs,),
                 rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-                g16, q_norm_parts, k_norm_parts, ranges.block(attention_backward_ranges),
+                g16, q_norm_parts, k_norm_parts, ranges.block(attention_backward_ranges), kv_parts, arrivals,
                 seq, kv_programs, float(scaling), cap, float(eps),
-                KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, APPROX_TANH=at.approx_tanh, PDL=pdl,
+                KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=head_split,
+                APPROX_TANH=at.approx_tanh, PDL=pdl,
                 num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 2 * HEAD_DIM // SUM_COLS,),
                 g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
                 grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
-                tokens, split_gx, split_wqkv, split_wo, q_programs, kv_programs,
+                tokens, split_gx, split_wqkv, split_wo, q_programs, kv_slots,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=SUM_ROWS, SUM_COLS=SUM_COLS, PDL=pdl, num_warps=gr.warps,
                 num_stages=gr.stages, launch_pdl=pdl),
         ]
