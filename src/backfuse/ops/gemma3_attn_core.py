@@ -473,6 +473,7 @@ def _group_sum(kv_parts, arrivals, slot, g, dk, dv, key_tok, col_ok, kv, tokens,
     part = tokens.to(tl.int64) * (2 * _KV_OUT)
     tl.store(kv_parts + g * part + off, dk, mask=col_ok)
     tl.store(kv_parts + g * part + off + _KV_OUT, dv, mask=col_ok)
+    tl.debug_barrier()  # every thread's stores before the (one-thread) release below
     last = tl.atomic_add(arrivals + slot, 1, sem="acq_rel") == HEAD_SPLIT - 1
     dk = tl.zeros_like(dk)
     dv = tl.zeros_like(dv)
