@@ -109,6 +109,22 @@ def test_021_fused_single_tokens():
         assert_official_pass(prob, _021_with()(*x), prob.reference(*x))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's fp16 products run on the GPU only")
+@pytest.mark.parametrize("needs", [None, (False, True, False, False, True, True, True, True, False, False)])
+def test_021_cublas_gradient_products(needs):
+    """Gradient products by cuBLAS; our fourth launch then only sums the bias gradients."""
+    prob = backfuse.problem("021")
+    if needs is None:
+        _check_fused(prob, dict(batch_size=2, num_video_tokens=70, num_text_tokens=77), seed=13,
+                     fn=_021_with(products="cublas"))
+        return
+    x = prob.make_inputs(dict(batch_size=1, num_video_tokens=29, num_text_tokens=13), seed=13, device=DEVICE)
+    with buffers.poisoned():
+        outs = _021_with(products="cublas", needs=needs)(*x)
+    for name, need, o, r in zip(prob.output_names, needs, outs, prob.reference(*x)):
+        assert not need or name in NEAR_ZERO or rel_err(o, r) < FP16_REL_ERR, name
+
+
 def test_037_fused_shipped_path():
     """Problem.run as users call it: one attention block per head, no K splits on the CPU."""
     _check_fused(backfuse.problem("037"), dict(batch_size=2, seq_len=19), seed=4)

@@ -143,15 +143,16 @@ def tile_count(M: int, N: int, splits: int, BM: int, BN: int) -> int:
     return triton.cdiv(M, BM) * triton.cdiv(N, BN) * splits
 
 
-def choose_splits(gemms, BM: int, BN: int, BK: int, sms: int, *, min_chunk: int = 512, max_chunk: int = 4096) -> list:
+def choose_splits(gemms, BM: int, BN: int, BK: int, sms: int, *, slices_per_sm: float = 2, min_chunk: int = 512,
+                  max_chunk: int = 4096) -> list:
     """K splits per product so that every tile's K slice is near one common length.
 
-    gemms: (M, N, K) per product. The common length is a third of an even share of the total work
-    per SM, kept within [min_chunk, max_chunk] so short slices don't drown in pipeline fill; equal
-    slices let one launch of mixed products balance across SMs.
+    gemms: (M, N, K) per product. The common length is an even share of the total work per SM
+    divided by slices_per_sm, kept within [min_chunk, max_chunk] so short slices don't drown in
+    pipeline fill; equal slices let one launch of mixed products balance across SMs.
     """
     work = sum(triton.cdiv(m, BM) * triton.cdiv(n, BN) * k for m, n, k in gemms)
-    chunk = min(max_chunk, max(min_chunk, work // (3 * sms)))
+    chunk = min(max_chunk, max(min_chunk, int(work // (slices_per_sm * sms))))
     chunk = triton.cdiv(chunk, BK) * BK
     return [max(1, round(k / chunk)) for _, _, k in gemms]
 

@@ -149,7 +149,8 @@ PROBLEM = WanTextVideoCrossAttnBackward()
 # 1. pack: fp16 copies of every product operand (Wo transposed), column sums of grad_output, zero fills;
 # 2. forward products: Q, [K | V] (bias added) and dC = grad_output Wo, all fp16;
 # 3. attention: per (batch, head, block of video tokens) C, dQ, dK/dV and the q/k/v bias gradients;
-# 4. gradient products: grad_Wq, grad_Wo, grad_Wk, grad_Wv, grad_video, grad_text.
+# 4. gradient products: grad_Wq, grad_Wo, grad_Wk, grad_Wv, grad_video, grad_text, and the q/k/v bias
+#    gradients. From CUBLAS_MIN_FLOP on, cuBLAS does these products and launch 4 only sums the biases.
 
 _HIDDEN = tl.constexpr(HIDDEN)
 _HEADS = tl.constexpr(HEADS)
@@ -656,6 +657,9 @@ INTERPRETER_CONFIG = Config(pack=PackConfig(64, 1024, 256, 1 << 20, 1, 4), forwa
                             attention=AttentionConfig(64, 64, 4, 1, 128, 2), gradients=TileConfig(512, 512, 256, 8, 1),
                             pdl=False, forward_small=TileConfig(128, 256, 256, 8, 1))
 SUM_ROWS, SUM_COLS = 32, 64  # bias gradients: partial sums per step, columns per reducing program
+# From this much gradient-product work (FLOP) on, cuBLAS does those products: below it, the host
+# time of five torch.mm calls is not hidden (benchmarks/notes/021.md row 28).
+CUBLAS_MIN_FLOP = 60e9
 
 
 def text_tiles(nt, split=True):
@@ -670,7 +674,7 @@ def text_tiles(nt, split=True):
 
 
 def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale, *, needs=None,
-                              deterministic=False, ranges=None, config=None, sms=None):
+                              deterministic=False, ranges=None, config=None, sms=None, products=None):
     """The 021 outputs from the official inputs (validated by the caller; the output bias is unused).
 
     needs: one bool per output (None: all); without input gradients (grad_video, grad_text) or
@@ -682,6 +686,8 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     receives the largest |value| of every tensor rounded to fp16. config: shapes of the four
     launches (None: CONFIG on a GPU, INTERPRETER_CONFIG on the CPU); sms: processors to balance the
     products' K splits and the attention's runs over (the GPU's count; on the CPU interpreter, 1).
+    products: the gradient products by "triton" (our tiles, launch 4) or "cublas" (five torch.mm on
+    our fp16 operands; launch 4 then only sums the bias gradients); None picks by size on a GPU.
     """
     batch, nv, _ = video.shape
     nt = text.shape[1]
@@ -714,16 +720,25 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
     arrivals = buffers.empty((batch * HEADS,), torch.int32, device)
     bias_parts = f32(batch * runs, 3 * HIDDEN)
     grad_video, grad_text = f32(batch, nv, HIDDEN), f32(batch, nt, HIDDEN)
-    grad_wq, grad_wk, grad_wv, grad_wo = (f32(HIDDEN, HIDDEN) for _ in range(4))
+    # grad_Wk and grad_Wv are the row blocks of one tensor, which one cuBLAS product writes.
+    grad_wq, grad_wo, grad_wkv = f32(HIDDEN, HIDDEN), f32(HIDDEN, HIDDEN), f32(2 * HIDDEN, HIDDEN)
+    grad_wk, grad_wv = grad_wkv[:HIDDEN], grad_wkv[HIDDEN:]
     grad_bq, grad_bk, grad_bv, grad_bo = (f32(HIDDEN) for _ in range(4))
 
     # grad_video, grad_text, grad_Wq, grad_Wo, grad_Wk, grad_Wv as (M, N, K).
     gradient_products = [(tv, HIDDEN, HIDDEN), (tt, HIDDEN, 2 * HIDDEN)] + [(HIDDEN, HIDDEN, tv)] * 2 \
         + [(HIDDEN, HIDDEN, tt)] * 2
+    if products is None:
+        flop = 2 * sum(m * n * k for m, n, k in gradient_products)
+        products = "cublas" if device.type == "cuda" and flop >= CUBLAS_MIN_FLOP else "triton"
+    on_cublas = products == "cublas"
     needs = needs or (True,) * 10
     wanted = [any(needs[:2])] * 2 + [any(needs[2::2])] * 4  # input products, weight products
-    splits = [1] * 6 if deterministic else choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms)
-    splits = [s * w for s, w in zip(splits, wanted)]
+    if on_cublas:  # launch 4 only sums the bias gradients
+        splits = [0] * 6
+    else:
+        splits = [1] * 6 if deterministic else choose_splits(gradient_products, gr.bm, gr.bn, gr.bk, sms)
+        splits = [s * w for s, w in zip(splits, wanted)]
     split_gv, split_gt, split_wv, _, split_wt, _ = splits  # 0: skipped
     tiles = [tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gradient_products, splits)]
     gradient_tiles = sum(tiles)
@@ -785,4 +800,11 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
         ]
         for launch in launches:
             launch()
+        if on_cublas:
+            for a, b, out, needed in ((dq16, wq16, grad_video.view(tv, HIDDEN), wanted[0]),
+                                      (dkv16, wkv16, grad_text.view(tt, HIDDEN), wanted[1]),
+                                      (dq16.T, video16, grad_wq, wanted[2]), (go16.T, ctx16, grad_wo, wanted[2]),
+                                      (dkv16.T, text16, grad_wkv, wanted[2])):
+                if needed:
+                    torch.mm(a, b, out_dtype=torch.float32, out=out)
     return grad_video, grad_text, grad_wq, grad_bq, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo
