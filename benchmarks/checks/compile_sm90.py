@@ -73,11 +73,13 @@ def wan_021_kernels(cfg=None):
     for one_tile, (bn, tail), (bm, warps) in (
             (True, (at.one_tile, 0), (at.bm, at.warps)), (True, op.text_tiles(77), (at.bm, at.warps)),
             (True, op.text_tiles(77), (lone_rows, lone_warps)), (False, (at.bn, 0), (at.bm, at.warps))):
-        for deterministic in (False, True):
-            yield (f"021 attention {'one tile' if one_tile else 'tiles'} {bm}x{bn}+{tail}{' det' if deterministic else ''}",
+        for alone, deterministic in ((False, False), (False, True), (True, False)):
+            yield (f"021 attention {'one tile' if one_tile else 'tiles'} {bm}x{bn}+{tail}"
+                   f"{' det' if deterministic else ''}{' alone' if alone else ''}",
                    compile_sm90(op._attention_kernel, {"scale": "fp32"},
-                                dict(BM=bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic,
-                                     PDL=pdl), warps, at.stages, int_pointers=("arrivals",)))
+                                dict(BM=bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile, ALONE=alone,
+                                     DETERMINISTIC=deterministic, PDL=pdl), warps, at.stages,
+                                int_pointers=("arrivals",)))
     yield "021 gradient products", compile_sm90(
         op._gradient_products_kernel, {},
         dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,

@@ -301,16 +301,17 @@ def _forward_products_kernel(
 
 
 @triton.jit
-def _kv_tile(kv16, b, h, rn, NT, column0):
-    """K (column0 = 0) or V (column0 = _HIDDEN) of head h for text tokens rn of batch b: [BN, 64] fp16."""
+def _kv_tile(kv16, h, rn, NT, column0):
+    """K (column0 = 0) or V (column0 = _HIDDEN) of head h for text tokens rn: [BN, 64] fp16 (kv16 at
+    the batch's first row)."""
     d = tl.arange(0, _HEAD_DIM)
-    ptrs = kv16 + (b * NT + rn[:, None]).to(tl.int64) * _KV + column0 + h * _HEAD_DIM + d[None, :]
+    ptrs = kv16 + rn[:, None] * _KV + column0 + h * _HEAD_DIM + d[None, :]
     return tl.load(ptrs, mask=rn[:, None] < NT, other=0.0)
 
 
 @triton.jit
-def _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN: tl.constexpr, DETERMINISTIC: tl.constexpr):
-    """dK, dV of head h, batch b: the runs' fp32 sums (read from L2, bypassing L1) to fp16; returns
+def _finish_kv_grads(dkv32, dkv16, h, NT, TT, runs, BN: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """dK, dV of head h (dkv32, dkv16 at the batch's first row): the runs' fp32 sums (read from L2, bypassing L1) to fp16; returns
     their column sums and largest |value|s. DETERMINISTIC: one partial per run, added in run order;
     else one atomic sum."""
     d = tl.arange(0, _HEAD_DIM)
@@ -320,7 +321,7 @@ def _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN: tl.constexpr, DETERMI
     dv_largest = 0.0
     for n0 in range(0, NT, BN):
         rn = n0 + tl.arange(0, BN)
-        kv_off = (b * NT + rn[:, None]).to(tl.int64) * _KV + h * _HEAD_DIM + d[None, :]
+        kv_off = rn[:, None] * _KV + h * _HEAD_DIM + d[None, :]
         n_ok = rn[:, None] < NT
         dk = tl.load(dkv32 + kv_off, mask=n_ok, other=0.0, cache_modifier=".cg")
         dv = tl.load(dkv32 + kv_off + _HIDDEN, mask=n_ok, other=0.0, cache_modifier=".cg")
@@ -339,55 +340,64 @@ def _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN: tl.constexpr, DETERMI
 
 
 @triton.jit
-def _tile_grads(q, dc, v, p, delta, scale, dk, dv):
-    """One text tile's backward from its P (fp32): dS (fp16, for dQ += dS K), and dK += dS^T Q,
-    dV += P^T dC."""
+def _tile_grads(q, dc, v, p, scaled_delta, scale, dk, dv):
+    """One text tile's backward from its P (fp32) and δ·scale: dS = P (dP − δ) scale (fp16, for
+    dQ += dS K; a multiply-add and a multiply per element), and dK += dS^T Q, dV += P^T dC."""
     dp = tl.dot(dc, tl.trans(v))
-    ds = (p * (dp - delta[:, None]) * scale).to(tl.float16)
+    ds = (p * (dp * scale - scaled_delta[:, None])).to(tl.float16)
     return ds, tl.dot(tl.trans(ds), q, dk), tl.dot(tl.trans(p.to(tl.float16)), dc, dv)
 
 
 @triton.jit
-def _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, TT, run, dk, dv, alone, DETERMINISTIC: tl.constexpr):
-    """A lone run writes its tile's dK, dV in fp16; runs sharing a head add fp32 partial sums
-    (DETERMINISTIC: each run stores its own partial, summed in order by the last to arrive).
+def _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, run, dk, dv, ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """ALONE (every head has one run): the tile's dK, dV in fp16; else runs sharing a head add fp32
+    partial sums (DETERMINISTIC: each run stores its own partial, summed in order by the last to
+    arrive). dkv16, dkv32 point at the batch's first row.
 
-    Masks rather than a branch: Triton's software pipeliner rejects a branch inside the text loop.
-    """
+    A constexpr, not a runtime branch on the run count: a branch made these stores and atomics 4x
+    narrower (they then left straight from the products' register layout; 021.md row 29), and
+    masks still issue the unused half."""
     d = tl.arange(0, _HEAD_DIM)
-    off = (b * NT + rn[:, None]).to(tl.int64) * _KV + h * _HEAD_DIM + d[None, :]
+    off = rn[:, None] * _KV + h * _HEAD_DIM + d[None, :]
     n_ok = rn[:, None] < NT
-    tl.store(dkv16 + off, dk.to(tl.float16), mask=n_ok & alone)
-    tl.store(dkv16 + off + _HIDDEN, dv.to(tl.float16), mask=n_ok & alone)
-    if DETERMINISTIC:
+    if ALONE:
+        tl.store(dkv16 + off, dk.to(tl.float16), mask=n_ok)
+        tl.store(dkv16 + off + _HIDDEN, dv.to(tl.float16), mask=n_ok)
+    elif DETERMINISTIC:
         part = dkv32 + run * (TT * _KV).to(tl.int64) + off
-        tl.store(part, dk, mask=n_ok & ~alone)
-        tl.store(part + _HIDDEN, dv, mask=n_ok & ~alone)
+        tl.store(part, dk, mask=n_ok)
+        tl.store(part + _HIDDEN, dv, mask=n_ok)
     else:
-        tl.atomic_add(dkv32 + off, dk, mask=n_ok & ~alone, sem="relaxed")
-        tl.atomic_add(dkv32 + off + _HIDDEN, dv, mask=n_ok & ~alone, sem="relaxed")
+        tl.atomic_add(dkv32 + off, dk, mask=n_ok, sem="relaxed")
+        tl.atomic_add(dkv32 + off + _HIDDEN, dv, mask=n_ok, sem="relaxed")
 
 
 @triton.jit
-def _video_rows(q16, dc16, b, h, rm, NV):
-    """Q and dC of head h for video tokens rm of batch b ([BM, 64] fp16), their offsets and row mask."""
+def _video_rows(q16, dc16, h, rm, NV):
+    """Q and dC of head h for video tokens rm ([BM, 64] fp16; q16, dc16 at the batch's first row),
+    their offsets and row mask."""
     d = tl.arange(0, _HEAD_DIM)
-    tok = (b * NV + rm[:, None]).to(tl.int64) * _HIDDEN + h * _HEAD_DIM + d[None, :]
+    tok = rm[:, None] * _HIDDEN + h * _HEAD_DIM + d[None, :]
     m_ok = rm[:, None] < NV
     return tl.load(q16 + tok, mask=m_ok, other=0.0), tl.load(dc16 + tok, mask=m_ok, other=0.0), tok, m_ok
 
 
 @triton.jit
-def _logits(q, k, rn, NT, qk_scale):
-    """scale * Q K^T in base 2 for text tokens rn; -inf past the text."""
-    return tl.where(rn[None, :] < NT, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+def _logits(q, k, rn, NT, MASKED: tl.constexpr):
+    """Q K^T for text tokens rn, unscaled; MASKED: -inf past the text (a head tile followed by a tail
+    lies wholly within it)."""
+    s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        s = tl.where(rn[None, :] < NT, s, float("-inf"))
+    return s
 
 
 @triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "scale"])
 def _attention_kernel(
     q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
     NV, NT, TT, per_program, scale,
-    BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr, ALONE: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One (batch, head, run of `per_program` blocks of BM video tokens): C, dQ and the run's share
@@ -399,8 +409,8 @@ def _attention_kernel(
     splits the text into a head of BN tokens and a tail of BN_TAIL (77 tokens: 64 + 16, not a
     padded 128, since every product and every softmax step scales with the padded width). Otherwise (runs
     of one block) pass 1 is the forward over text tiles (online softmax) for C and the
-    log-sum-exp, and pass 2 recomputes P tile by tile. A run that is its head's only one writes dK,
-    dV in fp16; otherwise runs add fp32 partial sums and the last to arrive converts them.
+    log-sum-exp, and pass 2 recomputes P tile by tile. ALONE (one run per head: runs == 1) writes
+    dK, dV in fp16; otherwise runs add fp32 partial sums and the last to arrive converts them.
     Column sums of dQ, dK, dV (the bias gradients) go to this program's row of bias_parts
     ([programs / 16, 3 * 1024]: batch-major, then run), summed later in a fixed order. The largest
     |value| of the dQ, dK and dV this program rounds to fp16 goes to ranges[pid + i * programs],
@@ -411,89 +421,102 @@ def _attention_kernel(
     pid = tl.program_id(0)
     m_blocks = (NV + BM - 1) // BM
     runs = (m_blocks + per_program - 1) // per_program
-    alone = runs == 1
     bh = pid // runs
     b = bh // _HEADS
     h = bh % _HEADS
     d = tl.arange(0, _HEAD_DIM)
     first = (pid % runs) * per_program
     qk_scale = scale * _LOG2E  # softmax in base 2
+    # The batch's first rows: offsets within a batch fit 32 bits (one wide multiply-add per address).
+    video_row0 = (b * NV).to(tl.int64) * _HIDDEN
+    q16 += video_row0
+    dc16 += video_row0
+    ctx16 += video_row0
+    dq16 += video_row0
+    text_row0 = (b * NT).to(tl.int64) * _KV
+    kv16 += text_row0
+    dkv16 += text_row0
+    dkv32 += text_row0
     sum_dq = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
 
     if ONE_TILE:
         rn = tl.arange(0, BN)
-        k = _kv_tile(kv16, b, h, rn, NT, 0)
-        v = _kv_tile(kv16, b, h, rn, NT, _HIDDEN)
+        k = _kv_tile(kv16, h, rn, NT, 0)
+        v = _kv_tile(kv16, h, rn, NT, _HIDDEN)
         dk = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
         dv = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
         if BN_TAIL:
             rt = BN + tl.arange(0, BN_TAIL)
-            kt = _kv_tile(kv16, b, h, rt, NT, 0)
-            vt = _kv_tile(kv16, b, h, rt, NT, _HIDDEN)
+            kt = _kv_tile(kv16, h, rt, NT, 0)
+            vt = _kv_tile(kv16, h, rt, NT, _HIDDEN)
             dkt = tl.zeros((BN_TAIL, _HEAD_DIM), dtype=tl.float32)
             dvt = tl.zeros((BN_TAIL, _HEAD_DIM), dtype=tl.float32)
         # Row maxima of |dQ| over the run (a whole-tile maximum per step would cost a shared-memory
         # reduction and registers inside the loop).
         dq_rows = tl.zeros((BM,), dtype=tl.float32)
         for block in range(first, tl.minimum(first + per_program, m_blocks)):
-            q, dc, tok, m_ok = _video_rows(q16, dc16, b, h, block * BM + tl.arange(0, BM), NV)
-            s = _logits(q, k, rn, NT, qk_scale)
+            q, dc, tok, m_ok = _video_rows(q16, dc16, h, block * BM + tl.arange(0, BM), NV)
+            # Row maxima of the unscaled logits (scale > 0), so that scaling and subtracting the
+            # maximum are one multiply-add per logit.
+            s = _logits(q, k, rn, NT, BN_TAIL == 0)
             row_max = tl.max(s, 1)
             if BN_TAIL:
-                st = _logits(q, kt, rt, NT, qk_scale)
+                st = _logits(q, kt, rt, NT, True)
                 row_max = tl.maximum(row_max, tl.max(st, 1))
-            p = tl.exp2(s - row_max[:, None])
+            row_max *= qk_scale
+            p = tl.exp2(s * qk_scale - row_max[:, None])
             row_sum = tl.sum(p, 1)
             if BN_TAIL:
-                pt = tl.exp2(st - row_max[:, None])
+                pt = tl.exp2(st * qk_scale - row_max[:, None])
                 row_sum += tl.sum(pt, 1)
-            p = p / row_sum[:, None]
+            inv_sum = 1.0 / row_sum  # one division per row, then multiplies
+            p = p * inv_sum[:, None]
             ctx = tl.dot(p.to(tl.float16), v)
             if BN_TAIL:
-                pt = pt / row_sum[:, None]
+                pt = pt * inv_sum[:, None]
                 ctx = tl.dot(pt.to(tl.float16), vt, ctx)
             tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
-            delta = tl.sum(dc.to(tl.float32) * ctx, 1)
-            ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale, dk, dv)
+            scaled_delta = tl.sum(dc.to(tl.float32) * ctx, 1) * scale
+            ds, dk, dv = _tile_grads(q, dc, v, p, scaled_delta, scale, dk, dv)
             dq = tl.dot(ds, k)
             if BN_TAIL:
-                dst, dkt, dvt = _tile_grads(q, dc, vt, pt, delta, scale, dkt, dvt)
+                dst, dkt, dvt = _tile_grads(q, dc, vt, pt, scaled_delta, scale, dkt, dvt)
                 dq = tl.dot(dst, kt, dq)
             tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
             sum_dq += tl.sum(dq, 0)
             dq_rows = tl.maximum(dq_rows, tl.max(tl.abs(dq), 1))
-        _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, TT, pid % runs, dk, dv, alone, DETERMINISTIC)
+        _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, pid % runs, dk, dv, ALONE, DETERMINISTIC)
         sum_dk = tl.sum(dk, 0)
         sum_dv = tl.sum(dv, 0)
         dq_largest = tl.max(dq_rows)
         dk_largest = max_abs(dk)
         dv_largest = max_abs(dv)
         if BN_TAIL:
-            _emit_kv_grads(dkv16, dkv32, b, h, rt, NT, TT, pid % runs, dkt, dvt, alone, DETERMINISTIC)
+            _emit_kv_grads(dkv16, dkv32, h, rt, NT, TT, pid % runs, dkt, dvt, ALONE, DETERMINISTIC)
             sum_dk += tl.sum(dkt, 0)
             sum_dv += tl.sum(dvt, 0)
             dk_largest = tl.maximum(dk_largest, max_abs(dkt))
             dv_largest = tl.maximum(dv_largest, max_abs(dvt))
     else:
-        q, dc, tok, m_ok = _video_rows(q16, dc16, b, h, first * BM + tl.arange(0, BM), NV)
+        q, dc, tok, m_ok = _video_rows(q16, dc16, h, first * BM + tl.arange(0, BM), NV)
         row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
         row_sum = tl.zeros((BM,), dtype=tl.float32)
         ctx = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
         for n0 in range(0, NT, BN):
             rn = n0 + tl.arange(0, BN)
-            k = _kv_tile(kv16, b, h, rn, NT, 0)
-            v = _kv_tile(kv16, b, h, rn, NT, _HIDDEN)
-            s = tl.where(rn[None, :] < NT, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(s, 1))
+            k = _kv_tile(kv16, h, rn, NT, 0)
+            v = _kv_tile(kv16, h, rn, NT, _HIDDEN)
+            s = _logits(q, k, rn, NT, True)
+            new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
             shrink = tl.exp2(row_max - new_max)
-            p = tl.exp2(s - new_max[:, None])
+            p = tl.exp2(s * qk_scale - new_max[:, None])
             row_sum = row_sum * shrink + tl.sum(p, 1)
             ctx = tl.dot(p.to(tl.float16), v, ctx * shrink[:, None])
             row_max = new_max
-        ctx = ctx / row_sum[:, None]
+        ctx = ctx * (1.0 / row_sum)[:, None]
         lse = row_max + tl.log2(row_sum)
         tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
-        delta = tl.sum(dc.to(tl.float32) * ctx, 1)
+        scaled_delta = tl.sum(dc.to(tl.float32) * ctx, 1) * scale
 
         dq = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
         sum_dk = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
@@ -502,14 +525,14 @@ def _attention_kernel(
         dv_rows = tl.zeros((BN,), dtype=tl.float32)
         for n0 in range(0, NT, BN):
             rn = n0 + tl.arange(0, BN)
-            k = _kv_tile(kv16, b, h, rn, NT, 0)
-            v = _kv_tile(kv16, b, h, rn, NT, _HIDDEN)
+            k = _kv_tile(kv16, h, rn, NT, 0)
+            v = _kv_tile(kv16, h, rn, NT, _HIDDEN)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             p = tl.where(rn[None, :] < NT, tl.exp2(s - lse[:, None]), 0.0)
             zero = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
-            ds, dk, dv = _tile_grads(q, dc, v, p, delta, scale, zero, zero)
+            ds, dk, dv = _tile_grads(q, dc, v, p, scaled_delta, scale, zero, zero)
             dq = tl.dot(ds, k, dq)
-            _emit_kv_grads(dkv16, dkv32, b, h, rn, NT, TT, pid % runs, dk, dv, alone, DETERMINISTIC)
+            _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, pid % runs, dk, dv, ALONE, DETERMINISTIC)
             sum_dk += tl.sum(dk, 0)
             sum_dv += tl.sum(dv, 0)
             dk_rows = tl.maximum(dk_rows, tl.max(tl.abs(dk), 1))
@@ -523,9 +546,9 @@ def _attention_kernel(
     tl.store(row, sum_dq)
     programs = tl.num_programs(0)
     tl.store(ranges + pid, dq_largest)
-    tl.store(ranges + programs + pid, tl.where(alone, dk_largest, 0.0))
-    tl.store(ranges + 2 * programs + pid, tl.where(alone, dv_largest, 0.0))
-    if alone:
+    tl.store(ranges + programs + pid, dk_largest if ALONE else 0.0)
+    tl.store(ranges + 2 * programs + pid, dv_largest if ALONE else 0.0)
+    if ALONE:
         tl.store(row + _HIDDEN, sum_dk)
         tl.store(row + 2 * _HIDDEN, sum_dv)
     else:
@@ -535,7 +558,7 @@ def _attention_kernel(
         # Publish this run's sums; the last run of the head to arrive converts them all.
         tl.debug_barrier()
         if tl.atomic_add(arrivals + bh, 1, sem="acq_rel") == runs - 1:
-            sum_dk, sum_dv, dk_largest, dv_largest = _finish_kv_grads(dkv32, dkv16, b, h, NT, TT, runs, BN,
+            sum_dk, sum_dv, dk_largest, dv_largest = _finish_kv_grads(dkv32, dkv16, h, NT, TT, runs, BN,
                                                                       DETERMINISTIC)
             tl.store(row + _HIDDEN, sum_dk)
             tl.store(row + 2 * _HIDDEN, sum_dv)
@@ -788,7 +811,8 @@ def text_video_xattn_backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, scale
                 (attention_programs,),
                 q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges.block(attention_ranges),
                 nv, nt, tt, per_program, float(scale),
-                BM=block_rows, BN=text_tile, BN_TAIL=text_tail, ONE_TILE=one_tile, DETERMINISTIC=deterministic,
+                BM=block_rows, BN=text_tile, BN_TAIL=text_tail, ONE_TILE=one_tile, ALONE=runs == 1,
+                DETERMINISTIC=deterministic,
                 PDL=pdl, num_warps=block_warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (gradient_tiles + 3 * HIDDEN // SUM_COLS,),
