@@ -53,6 +53,8 @@ VARIANTS = {
         "att_64x4": dict(config=C21(attention=A21(bm=64, warps=4))),
         "att_64x4_2sm": dict(config=C21(attention=A21(bm=64, warps=4, programs_per_sm=2))),
         "no_lone_block": dict(config=C21(attention=A21(lone_block=None))),
+        "att_s1": dict(config=C21(attention=A21(stages=1))),
+        "att_s3": dict(config=C21(attention=A21(stages=3))),
         "grad_cublas": dict(config=C21(), products="cublas"),
         "grad_triton": dict(config=C21(), products="triton"),
     },
