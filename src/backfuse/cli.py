@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sol = sub.add_parser("sol", help="speed-of-light table (no GPU needed)",
                          description="Per official case: matrix GFLOP, minimal fp32 I/O in MB, and speed-of-light times "
-                         "max(2 * MACs / tensor-core rate, I/O bytes / HBM bandwidth) at the fp16 and TF32 rates.")
+                         "max(2 * MACs / tensor-core rate, I/O bytes / HBM bandwidth) at the fp16 and TF32 rates. No GPU needed.")
     sol.add_argument("problems", nargs="*", metavar="PROBLEM", help="072, 037, 021 or an official name (default: all three)")
     sol.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="GPU peaks to use (default h200)")
 

@@ -139,7 +139,8 @@ def readme_table(results: dict) -> str:
     counts = {len(i.get("cases", [])) for e in results["problems"].values() for i in e["impls"].values()}
     over = f"{counts.pop()} cases" if len(counts) == 1 else "the cases run"
     versions = f"torch {results['torch']}, triton {results['triton']}, {results['date']}"
-    if is_timed(results):
+    timed = is_timed(results)
+    if timed:
         calls = results.get("iters", 50)
         head = (f"Measured on {results['device']} ({versions}), official protocol: median CUPTI span of {calls} calls, "
                 f"L2 flushed, fresh input addresses; mean over {over}.")
@@ -161,7 +162,8 @@ def readme_table(results: dict) -> str:
             pct = f"{100 * sol / mean:.0f}%" if mean else "–"
             mean_text = f"{mean:.3f}" if mean else "–"
             lines.append(f"| {pid} | {impl_label(name, impl)} | {mean_text} | {passed} | {pct} | {speedup} |")
-        lines.append(f"| {pid} | *speed of light (fp16)* | {sol:.3f} | | 100% | |")
+        if timed:  # (the SOL of reduced shapes compares with nothing)
+            lines.append(f"| {pid} | *speed of light (fp16)* | {sol:.3f} | | 100% | |")
     return "\n".join(lines)
 
 
@@ -175,6 +177,17 @@ def plot(results: dict, path: str, *, gpu: str = "h200", only: str | None = None
     Cases are labelled by their official index and axes; the legend sits to the right of the axes.
     Raises NothingToPlot when the results hold no latencies (a CPU run times nothing).
     """
+    fig = figure(results, gpu=gpu, only=only)
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+
+
+def figure(results: dict, *, gpu: str = "h200", only: str | None = None):
+    """The matplotlib figure `plot` saves (the caller closes it)."""
     problems = [(pid, e) for pid, e in results["problems"].items() if (only is None or pid == only) and is_timed(e)]
     if not problems:
         raise NothingToPlot("nothing to plot: these results hold no latencies (a run without a CUDA GPU times nothing)")
@@ -209,8 +222,7 @@ def plot(results: dict, path: str, *, gpu: str = "h200", only: str | None = None
         ax.set_title(f"{prob.name} — {results['device']}", fontsize=9)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    return fig
 
 
 def markdown_report(results: dict, plots: dict, *, gpu: str = "h200") -> str:
