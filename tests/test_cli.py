@@ -302,3 +302,45 @@ def test_subset_tables_and_plots_use_official_indices():
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+def test_merged_subset_next_to_full_runs_reports_and_plots(tmp_path):
+    """A 2-case run merged into the 16-case file: rows stay by official index, missing cells say so."""
+    doc = _h200()
+    impl = doc["problems"]["021"]["impls"]["backfuse"]
+    impl["cases"] = [dict(impl["cases"][5], index=5), dict(impl["cases"][0], index=0)]
+    table = report.case_table("021", doc["problems"]["021"]).splitlines()
+    assert [r.split()[0] for r in table[2:18]] == [str(i) for i in range(16)]
+    assert table[3].rstrip().endswith("–") and "%" in table[7].split()[-1]
+    assert "mean over the cases run" in report.readme_table(doc)
+    report.plot(doc, str(tmp_path / "p.png"), only="021")
+
+
+# ---- the GPU path's plumbing, with the GPU and the measurements faked -----------------------
+
+def test_gpu_bench_plumbing(tmp_path, capsys, monkeypatch):
+    from backfuse.bench.runner import CaseResult
+
+    def fake_run(prob, impls, *, cases, device, rounds, warmup, iters, timing, seed, progress):
+        assert device == "cuda" and timing and iters == 5 and warmup == 2
+        return {name: [CaseResult(prob.workloads[i].uuid, dict(prob.workloads[i].axes), True, 1.0, latency_ms=0.5 + i,
+                                  event_ms=0.6 + i, kernels=4, index=i) for i in cases] for name in impls}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "run_problem", fake_run)
+    monkeypatch.setattr(cli, "environment", lambda: {"device": "NVIDIA H200", "torch": "t", "triton": "t", "date": "d"})
+    into = tmp_path / "h200.json"
+    shutil.copy(H200, into)
+    png = tmp_path / "plots" / "g.png"
+    args = ["bench", "021", "--cases", "7,2", "--impl", "reference", "backfuse", "--warmup", "2", "--iters", "5",
+            "--rounds", "1", "--baseline", "reference", "--json", str(into), "--merge", "--plot", str(png)]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "median of CUPTI spans of 5 calls" in out and "fallback" not in out and "score S" in out
+    assert [line.split()[0] for line in out.splitlines()[2:4]] == ["7", "2"]
+    doc = json.loads(into.read_text())
+    assert doc["timed"] is True and doc["iters"] == 5 and doc["shapes"] == "official" and "triton_interpret" not in doc
+    assert [c["index"] for c in doc["problems"]["021"]["impls"]["backfuse"]["cases"]] == [7, 2]
+    assert len(doc["problems"]["021"]["impls"]["torch_compile"]["cases"]) == 16  # kept by --merge
+    assert "021's implementations now cover different cases" in err
+    assert png.read_bytes()[:4] == b"\x89PNG"

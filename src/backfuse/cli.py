@@ -388,6 +388,18 @@ def _write_json(doc: dict, path: str, *, merge: bool) -> None:
             kept = old.get("problems", {}).get(pid, {}).get("impls", {})
             entry["impls"] = {**kept, **entry["impls"]}
         doc = {**doc, "problems": {**old.get("problems", {}), **doc["problems"]}}
+        _note_uneven_cases(doc)
     _write_file(path, json.dumps(doc, indent=1))
     log(f"wrote {path}")
+
+
+def _note_uneven_cases(doc: dict) -> None:
+    """After a merge, say where implementations of one problem cover different cases (their means don't compare)."""
+    for pid, entry in doc["problems"].items():
+        prob = problem(pid)
+        covered = {name: sorted(report.case_index(prob, c, k) for k, c in enumerate(impl.get("cases", [])))
+                   for name, impl in entry.get("impls", {}).items()}
+        if len({tuple(v) for v in covered.values()}) > 1:
+            text = "; ".join(f"{name} {v if len(v) < 16 else 'all 16'}" for name, v in covered.items())
+            log(f"note: {pid}'s implementations now cover different cases ({text}): their means don't compare")
 
