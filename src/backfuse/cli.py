@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     rpt.add_argument("--out", metavar="DIR",
                      help="where to write (default: the benchmarks directory holding the results file, i.e. the parent "
                      "of its results/ folder; else the file's own directory)")
-    rpt.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="GPU whose SOL the report compares with")
+    rpt.add_argument("--gpu", choices=sorted(GPUS), default="h200",
+                     help="GPU whose SOL the per-case tables and plots compare with (default h200; the summary table "
+                     "always uses the H200's)")
 
     merge = sub.add_parser("merge", help="merge results files (from `bench --json`) into one",
                            description="Copies every problem's implementations from each FROM file into INTO (created "
