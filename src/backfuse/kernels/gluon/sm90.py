@@ -1,0 +1,62 @@
+"""Compiling Gluon kernels for sm_90 on any machine (no GPU needed), and reading what they use.
+
+Gluon has no interpreter: a CPU-only machine (CI) checks these kernels by compiling them for the
+H100/H200 target, which catches API breaks, shared-memory overruns and register limits (ptxas
+refuses a wgmma accumulator that does not fit under `maxnreg`) before any GPU time is spent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+SM90 = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+_CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def descriptor_type(dtype, block, layout=None) -> str:
+    """The signature type of a host TensorDescriptor argument with this block (default NVMMA layout)."""
+    layout = layout or gl.NVMMASharedLayout.get_default_for(block, dtype)
+    name = {gl.float32: "fp32", gl.float16: "fp16"}[dtype]
+    return f"tensordesc<{name}[{', '.join(map(str, block))}],{layout!r}>"
+
+
+@dataclass(frozen=True)
+class Usage:
+    shared: int  # bytes
+    registers: int  # per thread, as compiled
+    local: int  # bytes of local memory per thread (spills)
+    wgmma: int  # HGMMA instructions in the SASS
+
+    def __str__(self) -> str:
+        return (f"smem {self.shared / 1024:6.1f} KB  regs {self.registers:3d}  local {self.local:4d} B  "
+                f"HGMMA {self.wgmma:3d}")
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, maxnreg: int | None = None):
+    """fn compiled for sm_90. signature: name -> type for every non-constexpr argument ('*fp32',
+    'i32', descriptor_type(...)); pointers are taken as 16-byte aligned, as the allocator gives them."""
+    sig = {name: "constexpr" if name in constexprs else signature[name] for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
+    options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=SM90, options=options)
+
+
+def usage(kernel) -> Usage:
+    """Shared memory, registers, spills and wgmma count of a compiled kernel (cuobjdump on its cubin)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([_CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([_CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return Usage(kernel.metadata.shared, int(re.search(r"REG:(\d+)", res).group(1)),
+                 int(re.search(r"LOCAL:(\d+)", res).group(1)), sass.count("HGMMA"))
