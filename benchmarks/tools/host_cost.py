@@ -1,7 +1,7 @@
 """Host time of what a fused call issues, on the GPU machine: cuBLAS products through torch.mm in
 the forms the operators use, and one whole call of an official case under cProfile.
 
-    python3 benchmarks/checks/host_cost.py 037 14
+    python3 benchmarks/tools/host_cost.py 037 14
 
 The products run on tiny operands, so the loop measures the host's cost per call, not the GPU's.
 A call whose GPU work is shorter than the host time between its first and last launch is
@@ -33,7 +33,7 @@ def host_us(fn, calls=500):
 ap = argparse.ArgumentParser()
 ap.add_argument("problem")
 ap.add_argument("case", type=int)
-ap.add_argument("--products", default=None, help="037: force 'cublas' or 'triton'")
+ap.add_argument("--products", default=None, help="force 'cublas' or 'triton' products")
 args = ap.parse_args()
 
 a16 = torch.randn(128, 128, device="cuda", dtype=torch.float16)
@@ -56,9 +56,7 @@ prob = backfuse.problem(args.problem)
 x = prob.make_inputs(prob.workloads[args.case].axes, seed=0, device="cuda")
 run = prob.run
 if args.products:
-    from backfuse.ops import gemma3_attn_core as op
-
-    run = lambda *x: op.gemma3_attention_backward(*x, products=args.products)  # noqa: E731
+    run = lambda *x: prob.fused(*x, products=args.products)  # noqa: E731
 print(f"{prob.id} case {args.case}: {host_us(lambda: run(*x), calls=50):.1f} us host per call")
 cProfile.runctx("for _ in range(50): run(*x)", globals(), {"run": run, "x": x}, "/tmp/host.prof")
 pstats.Stats("/tmp/host.prof").sort_stats("tottime").print_stats(14)

@@ -1,9 +1,9 @@
-"""Memory passes used inside operators' prologue kernels: fp32 -> fp16 casts (flat or transposing,
-returning the largest |value| they converted for the fp16 range guard), zero fills, and
-fixed-order column sums of per-program partial rows.
+"""Memory passes used inside operators' pack kernels: fp32 -> fp16 casts (flat or transposing,
+returning the largest |value| they converted for the fp16 range guard), zero fills, fixed-order
+column sums of per-program partial rows, and the guard's tile maximum.
 
-A program handles one chunk of BLOCK * ITERS elements, BLOCK at a time, so that a pass over a
-large tensor needs few programs.
+A flat pass's program handles one chunk of BLOCK * ITERS elements, BLOCK at a time, so that a pass
+over a large tensor needs few programs (`kernels/schedule.py: chunks` counts them).
 """
 
 from __future__ import annotations
@@ -11,7 +11,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp16_range import max_abs
+
+@triton.jit
+def max_abs(x):
+    """Largest |x| over a tile, for the fp16 range guard (`backfuse/fp16_guard.py`). (NaN needs no
+    check: the kernels make none from finite fp16 operands, and NaN inputs give NaN outputs, as in
+    the reference.)"""
+    return tl.max(tl.abs(x))
 
 
 @triton.jit
@@ -57,8 +63,3 @@ def column_sums(parts, n_parts, width, cols, SUM_ROWS: tl.constexpr, SUM_COLS: t
         rows = part + tl.arange(0, SUM_ROWS)
         total += tl.load(parts + rows[:, None] * width + cols[None, :], mask=rows[:, None] < n_parts, other=0.0)
     return tl.sum(total, 0)
-
-
-def chunks(n: int, block: int, iters: int) -> int:
-    """Programs a flat pass over n elements needs."""
-    return triton.cdiv(n, block * iters)

@@ -1,7 +1,7 @@
 """One call of an official case, traced as the official clock traces it: every device activity
 with its start, duration and the idle gap before it, and when the host launched it.
 
-    python3 benchmarks/checks/timeline.py 037 14 [--products cublas]
+    python3 benchmarks/tools/timeline.py 037 14 [--products cublas]
 
 Gaps whose launch came late (host column after the previous activity ended) are host-bound.
 """
@@ -17,15 +17,13 @@ from backfuse.bench.timing import CLOSE_API, DEVICE_ACTIVITIES, LAUNCH_ACTIVITIE
 ap = argparse.ArgumentParser()
 ap.add_argument("problem")
 ap.add_argument("case", type=int)
-ap.add_argument("--products", default=None, help="037: force 'cublas' or 'triton'")
+ap.add_argument("--products", default=None, help="force 'cublas' or 'triton' products")
 args = ap.parse_args()
 prob = backfuse.problem(args.problem)
 x = prob.make_inputs(prob.workloads[args.case].axes, seed=0, device="cuda")
 run = prob.run
 if args.products:
-    from backfuse.ops import gemma3_attn_core as op
-
-    run = lambda *x: op.gemma3_attention_backward(*x, products=args.products)  # noqa: E731
+    run = lambda *x: prob.fused(*x, products=args.products)  # noqa: E731
 flush, fresh = L2Flush(x[0].device), FreshInputs(x, 12)
 for _ in range(10):
     run(*fresh())

@@ -2,21 +2,21 @@
 The weight-gradient layout on its own: C[1024, 1024] (+)= A^T B with A, B stored [tokens, 1024]
 fp16, K = tokens split `s` ways into a pre-zeroed fp32 C by atomics (the operators' split-K), as
 
-- `tile`: one program per (tile, split), pointer loads (kernels/gemm.py's gemm_tile; the operators'
+- `tile`: one program per (tile, split), pointer loads (kernels/triton/gemm.py's gemm_tile; the operators'
   128 x 128 x 32 tiles at 4 warps, 6 stages);
 - `persist`: one program per SM over all (tile, split) pairs, TMA loads of A^T as [BK, BM] blocks;
 - cuBLAS (`torch.mm(A.T, B, out_dtype=float32)`, which picks its own split).
 
 Times from CUDA-graph replays include zeroing C (TFLOP/s; '!' marks a wrong result).
 
-    PYTHONPATH=src python benchmarks/checks/weight_grad_products.py
+    PYTHONPATH=src python benchmarks/experiments/weight_grad_products.py
 """
 import torch
 import triton
 import triton.language as tl
-from persistent_products import replay_ms
+from common import measure, replay_ms, use_torch_allocator
 
-from backfuse.kernels.gemm import gemm_tile, store_tile, tile_coords
+from backfuse.kernels.triton.gemm import gemm_tile, store_tile, tile_coords
 
 
 @triton.jit
@@ -48,33 +48,28 @@ def run(K):
     cublas_ms = replay_ms(lambda: torch.mm(a.T, b, out_dtype=torch.float32, out=c))
     cells = [f"zero C {zero_ms * 1e3:4.1f} us", f"cublas {flop / cublas_ms / 1e9:4.0f}"]
 
-    def measure(name, kernel, grid, splits, **meta):
+    def variant(name, kernel, grid, splits, **meta):
         def fn():
             c.zero_()
             kernel[grid](a, b, c, K, splits, **meta)
-        try:
-            c.fill_(float("nan"))
-            fn()
-            ok = torch.allclose(c, ref, atol=1e-2, rtol=1e-2)
-            cells.append(f"{name} {flop / replay_ms(fn) / 1e9:4.0f}{'' if ok else '!'}")
-        except Exception as e:  # a variant Triton cannot compile is a result too
-            cells.append(f"{name} ERR {type(e).__name__}: {str(e)[:80]}")
+
+        measure(cells, name, fn, c, ref, flop, atol=1e-2, rtol=1e-2)
 
     for splits in (2, 4, 8, 16):
         if K // splits < 256:
             continue
         tiles = 64 * splits
-        measure(f"s{splits} tile 128x128x32w4s6", weight_grad_tile, (tiles,), splits, BM=128, BN=128, BK=32,
+        variant(f"s{splits} tile 128x128x32w4s6", weight_grad_tile, (tiles,), splits, BM=128, BN=128, BK=32,
                 num_warps=4, num_stages=6)
         for bm, bn, bk, w, s in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3)):
             t = (1024 // bm) * (1024 // bn) * splits
             per_sm = 2 if bn == 128 else 1
-            measure(f"s{splits} persist {bm}x{bn}x{bk}w{w}s{s}", weight_grad_persistent, (min(t, per_sm * sms),),
+            variant(f"s{splits} persist {bm}x{bn}x{bk}w{w}s{s}", weight_grad_persistent, (min(t, per_sm * sms),),
                     splits, BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=s)
     print(f"K={K}:\n  " + "\n  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    use_torch_allocator()
     for K in (1024, 4096, 8192, 16384):
         run(K)

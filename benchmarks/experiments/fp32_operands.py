@@ -4,14 +4,16 @@ in memory (`mma_tile` rounds fp32 ones to fp16 as they stream in), next to the c
 fp32 read would replace (torch's .half(): one read, one half-size write). TFLOP/s from CUDA-graph replays;
 '!' marks a wrong result.
 
-    PYTHONPATH=src python benchmarks/checks/fp32_operands.py
+    PYTHONPATH=src python benchmarks/experiments/fp32_operands.py
 """
 import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
-from backfuse.kernels.gemm import TileConfig, choose_splits, gemm_tile, tile_count
+from backfuse.kernels.config import TileConfig
+from backfuse.kernels.schedule import choose_splits, tile_count
+from backfuse.kernels.triton.gemm import gemm_tile
 
 SMS = 132
 
@@ -53,7 +55,8 @@ def run(name, m, n, k, a_t, b_t, a32, b32, cfg):
 
 
 if __name__ == "__main__":
-    configs = {"fwd 128x128x64 w8 s3": TileConfig(), "grad 128x128x32 w4 s6": TileConfig(128, 128, 32, 4, 6)}
+    configs = {"fwd 128x128x64 w8 s3": TileConfig(), "grad 128x128x32 w4 s6": TileConfig(bm=128, bn=128, bk=32, warps=4,
+                                                                                          stages=6)}
     for cname, cfg in configs.items():
         print(f"== {cname}")
         for tokens in (8192, 4096, 1024):

@@ -6,7 +6,7 @@ several seeds, the elements outside the official tolerance for backfuse and for 
 reference: every matrix-product operand rounded to fp16 (what the suite's fp16 anchor measures),
 and that plus the q/k projections stored in fp16 before the norm.
 
-    PYTHONPATH=src python benchmarks/checks/norm_weight_error.py [case] [seeds]
+    PYTHONPATH=src python benchmarks/tools/norm_weight_error.py [case] [seeds]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import torch
 
 import backfuse
-from backfuse.ops.gemma3_attn_core import GROUP, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, rotate_half, rotate_half_transposed
+from backfuse.ops.gemma3_core.spec import GROUP, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, rotate_half, rotate_half_transposed
 
 
 def emulate(go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, round_ops, round_raw):

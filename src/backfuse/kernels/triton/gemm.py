@@ -2,25 +2,14 @@
 
 Operators write one kernel each that maps its programs onto the products it needs and calls these
 device functions, with the constant widths of the model passed as constexpr so that Triton knows
-the contiguous dimension and alignment of every operand (16-byte loads, wgmma on Hopper).
+the contiguous dimension and alignment of every operand (16-byte loads, wgmma on Hopper). Their
+host side (tile counts, K splits, launch order) is `kernels/schedule.py`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import triton
 import triton.language as tl
-
-
-class TileConfig(NamedTuple):
-    """Shape and schedule of a launch of product tiles: BM x BN outputs per program, BK deep per step."""
-
-    bm: int = 128
-    bn: int = 128
-    bk: int = 64
-    warps: int = 8
-    stages: int = 3
 
 
 @triton.jit
@@ -72,7 +61,7 @@ def tma_tile(a_desc, b_desc, a_row, b_row, k_lo, k_hi, BM: tl.constexpr, BN: tl.
 
     Persistent programs that loop over tiles with this body, the tile loop flattened
     (`tl.range(..., flatten=True)`), keep the next tile's loads in flight during an epilogue:
-    benchmarks/checks/persistent_products.py measured 590 against 471 TFLOP/s for one program per
+    benchmarks/experiments/persistent_products.py measured 590 against 471 TFLOP/s for one program per
     128 x 128 tile at 8192 x 1024 x 1024.
     """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -136,37 +125,3 @@ def gemm_tile(
     acc = mma_tile(a_ptr, b_ptr, off_m, off_n, M, N, k_lo, k_hi,
                    stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK)
     store_tile(c_ptr, acc, off_m, off_n, M, N, stride_cm, 1, splits > 1, BM, BN)
-
-
-def tile_count(M: int, N: int, splits: int, BM: int, BN: int) -> int:
-    """Programs `gemm_tile` needs for C[M, N] split `splits` ways."""
-    return triton.cdiv(M, BM) * triton.cdiv(N, BN) * splits
-
-
-def choose_splits(gemms, BM: int, BN: int, BK: int, sms: int, *, slices_per_sm: float = 2, min_chunk: int = 512,
-                  max_chunk: int = 4096) -> list:
-    """K splits per product so that every tile's K slice is near one common length.
-
-    gemms: (M, N, K) per product. The common length is an even share of the total work per SM
-    divided by slices_per_sm, kept within [min_chunk, max_chunk] so short slices don't drown in
-    pipeline fill; equal slices let one launch of mixed products balance across SMs.
-    """
-    work = sum(triton.cdiv(m, BM) * triton.cdiv(n, BN) * k for m, n, k in gemms)
-    chunk = min(max_chunk, max(min_chunk, int(work // (slices_per_sm * sms))))
-    chunk = triton.cdiv(chunk, BK) * BK
-    return [max(1, round(k / chunk)) for _, _, k in gemms]
-
-
-def longest_first(groups) -> list:
-    """First program of each group of tiles in one launch, the groups ordered by the K length of
-    their tiles, longest first (ties keep the given order): programs start in order, so the short
-    tiles then fill the last wave instead of long ones trailing it.
-
-    groups: (tiles, K, splits) per group; a group's tiles are K / splits deep.
-    """
-    order = sorted(range(len(groups)), key=lambda g: -triton.cdiv(groups[g][1], max(1, groups[g][2])))
-    starts, first = [0] * len(groups), 0
-    for g in order:
-        starts[g] = first
-        first += groups[g][0]
-    return starts

@@ -2,7 +2,7 @@
 only (frozen weights); weight gradients only (frozen inputs); deterministic mode; the fp16 range
 guard turned off.
 
-    python3 benchmarks/checks/option_timing.py 021 1 6 072 0 6
+    python3 benchmarks/experiments/option_timing.py 021 1 6 072 0 6
 """
 
 import argparse

@@ -6,33 +6,32 @@ copy); this is the persistent TMA form (`persistent_products.py`), C = A B + bia
 with CUDA-graph replays (TFLOP/s; '!' marks a wrong result), next to the fp16-A product plus the
 fp32 -> fp16 copy it would replace.
 
-    PYTHONPATH=src python benchmarks/checks/fp32_tma_operand.py
+    PYTHONPATH=src python benchmarks/experiments/fp32_tma_operand.py
 """
 import torch
 import triton
 import triton.language as tl
-from persistent_products import _epilogue, replay_ms
+from common import bias_fp16_epilogue, measure, replay_ms, tile_origin, use_torch_allocator
 
 
 @triton.jit
 def gemm_tma(a, b16, bias, c, M, N, K, B_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
              STAGES: tl.constexpr):
     """a: fp16 or fp32 [M, K]; rounded to fp16 after the load."""
-    nt = tl.cdiv(N, BN)
     da = tl.make_tensor_descriptor(a, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     if B_T:
         db = tl.make_tensor_descriptor(b16, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
     else:
         db = tl.make_tensor_descriptor(b16, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
-    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * nt, tl.num_programs(0), flatten=True, num_stages=STAGES):
-        off_m = (tile // nt) * BM
-        off_n = (tile % nt) * BN
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), tl.num_programs(0), flatten=True,
+                         num_stages=STAGES):
+        off_m, off_n = tile_origin(tile, N, BM, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, K, BK):
             x = da.load([off_m, k]).to(tl.float16)
             y = db.load([off_n, k]).T if B_T else db.load([k, off_n])
             acc = tl.dot(x, y, acc)
-        _epilogue(c, bias, acc, off_m, off_n, M, N, BM, BN)
+        bias_fp16_epilogue(c, bias, acc, off_m, off_n, M, N, BM, BN)
 
 
 def run(M, N, K, b_t):
@@ -51,20 +50,15 @@ def run(M, N, K, b_t):
         for name, a in (("fp16 A", a16), ("fp32 A", a32)):
             def fn(a=a):
                 gemm_tma[(progs,)](a, b, bias, c, M, N, K, B_T=b_t, BM=bm, BN=bn, BK=bk, STAGES=s, num_warps=w)
-            try:
-                c.fill_(float("nan"))
-                fn()
-                ok = torch.allclose(c.float(), ref.float(), atol=2e-2, rtol=2e-2)
-                ms = replay_ms(fn)
-                extra = f" (+copy {flop / (ms + cast_ms) / 1e9:4.0f})" if a is a16 else ""
-                cells.append(f"{bm}x{bn}x{bk}w{w}s{s} {name} {flop / ms / 1e9:4.0f}{'' if ok else '!'}{extra}")
-            except Exception as e:  # a variant Triton cannot compile is a result too
-                cells.append(f"{bm}x{bn}x{bk}w{w}s{s} {name} ERR {type(e).__name__}: {str(e)[:80]}")
+
+            ms = measure(cells, f"{bm}x{bn}x{bk}w{w}s{s} {name}", fn, c, ref, flop)
+            if ms is not None and a is a16:
+                cells[-1] += f" (+copy {flop / (ms + cast_ms) / 1e9:4.0f})"
     print(f"M={M} N={N} K={K} B_T={b_t}:\n  " + "\n  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    use_torch_allocator()
     # 021 forward (x W^T: 8192 and 16384 tokens), 072 grad_dec (GQ Wq, K 4096) and grad_enc ([GK | GV] [Wk; Wv]).
     for M, N, K, b_t in ((8192, 1024, 1024, True), (16384, 1024, 1024, True), (8192, 1536, 4096, False),
                          (8192, 1024, 2048, False)):

@@ -1,9 +1,11 @@
 """Device experiment per operator: variants of the fused path (launch shapes, product backends),
 each with its per-kernel breakdown.
 
-Run on the GPU machine from the checkout: PYTHONPATH=src python benchmarks/tune.py 037 --out DIR
+Run on the GPU machine from the checkout: PYTHONPATH=src python benchmarks/tools/tune.py 037 --out DIR
 Every variant is checked (official rule, 2 rounds) and timed under the official clock (CUPTI span,
 L2 flushed, fresh addresses). Prints a short table; writes everything to DIR/tune_<problem>.json.
+A variant is the keywords of the operator's fused backward (`ops/<stem>/backward.py`): a `config`
+(its `config.Config`, keyword-built), `products`, ...
 """
 
 from __future__ import annotations
@@ -16,25 +18,28 @@ import torch
 
 import backfuse
 from backfuse.bench import check_outputs, sol_ms, time_calls
-from backfuse.kernels.gemm import TileConfig
-from backfuse.ops import cross_attn_qkv_gqa as op072
-from backfuse.ops import gemma3_attn_core as op037
-from backfuse.ops import wan_text_video_xattn as op021
+from backfuse.kernels.config import PackConfig, TileConfig
+from backfuse.ops.gemma3_core.config import AttentionConfig as A37
+from backfuse.ops.gemma3_core.config import Config as C37
+from backfuse.ops.qkv_gqa.config import Config as C72
+from backfuse.ops.wan_xattn.config import AttentionConfig as A21
+from backfuse.ops.wan_xattn.config import Config as C21
 
-C21, A21 = op021.Config, op021.AttentionConfig
-C37, A37 = op037.Config, op037.AttentionConfig
-P72 = op072.PackConfig
+
+def T(bm, bn, bk, warps, stages):  # a TileConfig, briefly
+    return TileConfig(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages)
+
+
 VARIANTS = {
     "072": {
-        "triton_1launch": dict(products="triton", config=TileConfig(128, 256, 64, 8, 4)),
+        "triton_1launch": dict(products="triton", config=C72(tiles=T(128, 256, 64, 8, 4))),
         "triton_default": dict(products="triton"),
-        "triton_2launch": dict(products="triton", config=TileConfig(128, 256, 64, 8, 4), one_launch=False),
         "cublas": dict(products="cublas"),
-        "pack_r32_b4096_i16_w8": dict(pack=P72(32, 4096, 16, 8)),
+        "pack_r32_b4096_i16_w8": dict(config=C72(pack=PackConfig(rows=32, block=4096, iters=16, warps=8))),
         # Smaller product tiles for the small (Triton-product) cases: more tiles than SMs, 2 per SM.
-        "triton_128x128_w8": dict(products="triton", config=TileConfig(128, 128, 64, 8, 4)),
-        "triton_128x128_w4": dict(products="triton", config=TileConfig(128, 128, 64, 4, 4)),
-        "triton_128x128_k32": dict(products="triton", config=TileConfig(128, 128, 32, 4, 6)),
+        "triton_128x128_w8": dict(products="triton", config=C72(tiles=T(128, 128, 64, 8, 4))),
+        "triton_128x128_w4": dict(products="triton", config=C72(tiles=T(128, 128, 64, 4, 4))),
+        "triton_128x128_k32": dict(products="triton", config=C72(tiles=T(128, 128, 32, 4, 6))),
     },
     "021": {
         "default": dict(config=C21()),
@@ -42,12 +47,11 @@ VARIANTS = {
         "att_half_sm": dict(config=C21(attention=A21(programs_per_sm=0.5))),
         "att_2sm": dict(config=C21(attention=A21(programs_per_sm=2))),
         # Persistent TMA forward products: 128 x 128 tiles, or 4 stages.
-        "fwd_128x128": dict(config=C21(forward=TileConfig(128, 128, 64, 8, 3))),
-        "fwd_s4": dict(config=C21(forward=TileConfig(128, 256, 64, 8, 4))),
+        "fwd_128x128": dict(config=C21(forward=T(128, 128, 64, 8, 3))),
+        "fwd_s4": dict(config=C21(forward=T(128, 256, 64, 8, 4))),
         # 4 stages: fp32_tma_operand.py measured 128 x 128 tiles at 580 TFLOP/s with 4, 534 with 3.
-        "fwd_small_s4": dict(config=C21(forward_small=TileConfig(128, 128, 64, 8, 4))),
-        "fwd_128x128_s4": dict(config=C21(forward=TileConfig(128, 128, 64, 8, 4),
-                                          forward_small=TileConfig(128, 128, 64, 8, 4))),
+        "fwd_small_s4": dict(config=C21(forward_small=T(128, 128, 64, 8, 4))),
+        "fwd_128x128_s4": dict(config=C21(forward=T(128, 128, 64, 8, 4), forward_small=T(128, 128, 64, 8, 4))),
         # One text tile padded to a power of two (77 -> 128) instead of a head and a tail (64 + 16).
         "no_split": dict(config=C21(attention=A21(split_text=False))),
         "att_64x4": dict(config=C21(attention=A21(bm=64, warps=4))),
@@ -62,12 +66,12 @@ VARIANTS = {
         "default": dict(config=C37()),
         "exp2_tanh": dict(config=C37(attention=A37(approx_tanh=False))),
         "no_pdl": dict(config=C37(pdl=False)),
-        "norm_rope_128x8": dict(config=C37(norm_rope=TileConfig(128, 128, 64, 8, 3))),
-        "norm_rope_64x4": dict(config=C37(norm_rope=TileConfig(64, 128, 64, 4, 1))),
+        "norm_rope_128x8": dict(config=C37(norm_rope=T(128, 128, 64, 8, 3))),
+        "norm_rope_64x4": dict(config=C37(norm_rope=T(64, 128, 64, 4, 1))),
         "triton": dict(config=C37(), products="triton"),
         "bwd_s2": dict(config=C37(attention=A37(stages=2))),
         "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),
-        "forward_256": dict(config=C37(forward=TileConfig(256, 128, 64, 8, 3))),
+        "forward_256": dict(config=C37(forward=T(256, 128, 64, 8, 3))),
         # Attention shapes for short sequences (S <= 256: loops of 2-8 steps, mostly diagonal blocks).
         "att_64_steps": dict(config=C37(attention=A37(kv_bm=64, q_bn=64))),
         "att_32_blocks": dict(config=C37(attention=A37(kv_bn=32, kv_bm=32, q_bm=32, q_bn=32))),
@@ -82,17 +86,12 @@ VARIANTS = {
         "head_split_short": dict(config=C37(attention=A37(head_split_min_seq=0))),
         # Our product tiles run below 512 tokens only (cases 8, 11): 128-token tiles leave 64 forward
         # programs for 132 SMs at 128 tokens.
-        "fwd_64x4_s4": dict(config=C37(forward=TileConfig(64, 128, 64, 4, 4))),
-        "fwd_64x4_s3": dict(config=C37(forward=TileConfig(64, 128, 64, 4, 3))),
-        "fwd_128x4": dict(config=C37(forward=TileConfig(128, 128, 64, 4, 3))),
-        "grad_64x128": dict(config=C37(gradients=TileConfig(64, 128, 32, 4, 6))),
-        "grad_128x128x64_w8": dict(config=C37(gradients=TileConfig(128, 128, 64, 8, 3))),
+        "fwd_64x4_s4": dict(config=C37(forward=T(64, 128, 64, 4, 4))),
+        "fwd_64x4_s3": dict(config=C37(forward=T(64, 128, 64, 4, 3))),
+        "fwd_128x4": dict(config=C37(forward=T(128, 128, 64, 4, 3))),
+        "grad_64x128": dict(config=C37(gradients=T(64, 128, 32, 4, 6))),
+        "grad_128x128x64_w8": dict(config=C37(gradients=T(128, 128, 64, 8, 3))),
     },
-}
-BACKWARD = {  # the fused function on the official inputs, with a variant's keywords
-    "072": lambda x, kw: op072.qkv_gqa_backward(*x, **kw),
-    "021": lambda x, kw: op021.text_video_xattn_backward(*x[:10], x[11], **kw),
-    "037": lambda x, kw: op037.gemma3_attention_backward(*x, **kw),
 }
 
 
@@ -107,14 +106,14 @@ def main():
     cases = range(16) if args.cases is None else [int(c) for c in args.cases.split(",")]
     names = args.variants.split(",") if args.variants else list(VARIANTS[args.problem])
     variants = {k: VARIANTS[args.problem][k] for k in names}
-    backward = BACKWARD[args.problem]
+    backward = prob.fused  # the fused function on the official inputs, with a variant's keywords
     rows = []
     for i in cases:
         w = prob.workloads[i]
         a = w.axes
         row = {"case": i, "axes": a, "sol_ms": sol_ms(prob, a), "variants": {}}
         for name, kw in variants.items():
-            fn = lambda *x, kw=kw: backward(x, kw)  # noqa: E731
+            fn = lambda *x, kw=kw: backward(*x, **kw)  # noqa: E731
             worst, ok = 1.0, True
             try:
                 for r in range(2):

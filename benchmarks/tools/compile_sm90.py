@@ -4,8 +4,8 @@ Shared memory over the 227 KB a block may use, register spills or missing HGMMA 
 show here, before any device time is spent. Pointers are taken as 16-byte aligned (as the
 allocator gives them); integers as unspecialized.
 
-    python benchmarks/checks/compile_sm90.py            # every configured kernel
-    python benchmarks/checks/compile_sm90.py 037        # one operator's
+    python benchmarks/tools/compile_sm90.py            # every configured kernel
+    python benchmarks/tools/compile_sm90.py 037        # one operator's
 """
 
 from __future__ import annotations
@@ -56,73 +56,71 @@ def report(name: str, kernel) -> str:
 
 
 def wan_021_kernels(cfg=None):
-    from backfuse.ops import wan_text_video_xattn as op
+    from backfuse.ops.wan_xattn import config, triton_attention, triton_kernels
 
-    cfg = cfg or op.CONFIG
-    p, fw, at, gr, pdl = cfg.pack, cfg.forward, cfg.attention, cfg.gradients, cfg.pdl
+    cfg = cfg or config.CONFIG
+    p, fw, at, gr, sums, pdl = cfg.pack, cfg.forward, cfg.attention, cfg.gradients, cfg.sums, cfg.pdl
     yield "021 pack", compile_sm90(
-        op._pack_kernel, {},
+        triton_kernels.pack_kernel, {},
         dict(ROWS=p.rows, COLS=p.cols, T=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1,
         int_pointers=("arrivals",))
     yield "021 forward products", compile_sm90(
-        op._forward_products_kernel, {},
-        dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), fw.warps,
-        fw.stages)
+        triton_kernels.forward_products_kernel, {},
+        dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), fw.warps, fw.stages)
     # one tile of the widest text, the suite's 77 tokens as head + tail (also in lone blocks), text in tiles
     lone_rows, lone_warps = at.lone_block or (at.bm, at.warps)
     for one_tile, (bn, tail), (bm, warps) in (
-            (True, (at.one_tile, 0), (at.bm, at.warps)), (True, op.text_tiles(77), (at.bm, at.warps)),
-            (True, op.text_tiles(77), (lone_rows, lone_warps)), (False, (at.bn, 0), (at.bm, at.warps))):
+            (True, (at.one_tile, 0), (at.bm, at.warps)), (True, config.text_tiles(77), (at.bm, at.warps)),
+            (True, config.text_tiles(77), (lone_rows, lone_warps)), (False, (at.bn, 0), (at.bm, at.warps))):
         for alone, deterministic in ((False, False), (False, True), (True, False)):
             yield (f"021 attention {'one tile' if one_tile else 'tiles'} {bm}x{bn}+{tail}"
                    f"{' det' if deterministic else ''}{' alone' if alone else ''}",
-                   compile_sm90(op._attention_kernel, {"scale": "fp32"},
+                   compile_sm90(triton_attention.attention_kernel, {"scale": "fp32"},
                                 dict(BM=bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile, ALONE=alone,
                                      DETERMINISTIC=deterministic, PDL=pdl), warps, at.stages,
                                 int_pointers=("arrivals",)))
     yield "021 gradient products", compile_sm90(
-        op._gradient_products_kernel, {},
-        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,
-        gr.stages)
+        triton_kernels.gradient_products_kernel, {},
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages)
 
 
-def qkv_gqa_072_kernels():
-    from backfuse.ops import cross_attn_qkv_gqa as op
+def qkv_gqa_072_kernels(cfg=None):
+    from backfuse.ops.qkv_gqa import config, triton_kernels
 
-    p, g = op.PACK_CONFIG, op.GEMM_CONFIG
+    cfg = cfg or config.CONFIG
+    p, g, pdl = cfg.pack, cfg.tiles, cfg.pdl
     yield "072 pack", compile_sm90(
-        op._pack_kernel, {},
-        dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters, PDL=True), p.warps, 1)
+        triton_kernels.pack_kernel, {},
+        dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
     yield "072 products", compile_sm90(
-        op._projection_grads_kernel, {},
-        dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk, PDL=True), g.warps, g.stages)
+        triton_kernels.projection_grads_kernel, {},
+        dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk, PDL=pdl), g.warps, g.stages)
 
 
 def gemma3_037_kernels(cfg=None):
-    from backfuse.ops import gemma3_attn_core as op
+    from backfuse.ops.gemma3_core import config, spec, triton_kernels
 
-    cfg = cfg or op.CONFIG
-    p, at, gr, pdl = cfg.pack, cfg.attention, cfg.gradients, cfg.pdl
+    cfg = cfg or config.CONFIG
+    p, at, gr, sums, pdl = cfg.pack, cfg.attention, cfg.gradients, cfg.sums, cfg.pdl
     yield "037 pack", compile_sm90(
-        op._pack_kernel, {},
+        triton_kernels.pack_kernel, {},
         dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
     for products, fw in ((True, cfg.forward), (False, cfg.norm_rope)):
         yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
-            op._forward_products_kernel, {"eps": "fp32", "q_scale": "fp32"},
+            triton_kernels.forward_products_kernel, {"eps": "fp32", "q_scale": "fp32"},
             dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, PDL=pdl), fw.warps, fw.stages)
     for bn in (at.fwd_bn, at.short_fwd_bn):
         yield f"037 attention forward BN={bn}", compile_sm90(
-            op._attention_forward_kernel, {"cap": "fp32"},
+            triton_kernels.attention_forward_kernel, {"cap": "fp32"},
             dict(BM=at.fwd_bm, BN=bn, APPROX_TANH=at.approx_tanh, PDL=pdl), at.fwd_warps, at.fwd_stages)
-    for kv_bn, split in ((at.kv_bn, 1), (at.few_kv_bn, 1), (at.few_kv_bn, op.GROUP)):
+    for kv_bn, split in ((at.kv_bn, 1), (at.few_kv_bn, 1), (at.few_kv_bn, spec.GROUP)):
         yield f"037 attention backward KV_BN={kv_bn} split {split}", compile_sm90(
-            op._attention_backward_kernel, {"scaling": "fp32", "cap": "fp32", "eps": "fp32"},
+            triton_kernels.attention_backward_kernel, {"scaling": "fp32", "cap": "fp32", "eps": "fp32"},
             dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=split,
                  APPROX_TANH=at.approx_tanh, PDL=pdl), at.warps, at.stages, int_pointers=("arrivals",))
     yield "037 gradient products", compile_sm90(
-        op._gradient_products_kernel, {},
-        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=op.SUM_ROWS, SUM_COLS=op.SUM_COLS, PDL=pdl), gr.warps,
-        gr.stages)
+        triton_kernels.gradient_products_kernel, {},
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages)
 
 
 KERNELS = {"072": qkv_gqa_072_kernels, "021": wan_021_kernels, "037": gemma3_037_kernels}
