@@ -7,6 +7,8 @@ the device and its processor count, which config applies, and the call's buffers
     cfg = host.config(config, CONFIG, INTERPRETER_CONFIG)
     p = plan(cfg, axes, host.sms, gpu=host.gpu, ...)
     out = host.f32(rows, cols)
+    ...
+    cublas_products([(a16, b16, out, needed), ...])   # where the plan says cuBLAS
 """
 
 from __future__ import annotations
@@ -46,3 +48,11 @@ class Host:
 
     def i32(self, *shape) -> torch.Tensor:
         return buffers.empty(shape, torch.int32, self.device)
+
+
+def cublas_products(products) -> None:
+    """out = a @ b by cuBLAS (torch.mm on our fp16 operands, fp32 sums and output) for every
+    (a, b, out, needed) that is needed."""
+    for a, b, out, needed in products:
+        if needed:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)

@@ -9,7 +9,7 @@ import torch
 
 from ...fp16_guard import RangeSlots
 from ...kernels import buffers
-from ...kernels.host import Host, fits_int32
+from ...kernels.host import Host, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HEAD_DIM, HEADS, HIDDEN, KV_OUT, PROBLEM, Q_OUT, QK, QKV
@@ -136,7 +136,5 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
         for launch in launches:
             launch()
         if p.products == "cublas":
-            for (a, b, out), needed in zip(cublas_gradients, p.wanted):
-                if needed:
-                    torch.mm(a, b, out_dtype=torch.float32, out=out)
+            cublas_products((*product, needed) for product, needed in zip(cublas_gradients, p.wanted))
     return grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm_w, grad_k_norm_w

@@ -3,11 +3,9 @@ launch, or cuBLAS), as `config.plan` lays them out."""
 
 from __future__ import annotations
 
-import torch
-
 from ...fp16_guard import RangeSlots
 from ...kernels import buffers
-from ...kernels.host import Host, fits_int32
+from ...kernels.host import Host, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import CROSS_HIDDEN, HIDDEN, KV_OUT, PROBLEM, Q_OUT
@@ -53,8 +51,8 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
     (pack_ranges,) = (r.reserve(ranges) for r in p.ranges)
     ranges.allocate(host.device)
     if p.products == "cublas":  # operand views made before the first launch, so they add no gaps
-        cublas_products = [(gq16, wq16, grad_dec.view(td, HIDDEN)), (gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN)),
-                           (gq16.T, dec16, grad_wq), (gkv16.T, enc16, grad_wkv)]
+        cublas = [(gq16, wq16, grad_dec.view(td, HIDDEN)), (gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN)),
+                  (gq16.T, dec16, grad_wq), (gkv16.T, enc16, grad_wkv)]
     t, pk = cfg.tiles, cfg.pack
     with buffers.on_device(host.device):
         # Every Triton launch prepared before the first runs: no host work between them.
@@ -75,9 +73,7 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
                 BM=t.bm, BN=t.bn, BK=t.bk, PDL=p.pdl, num_warps=t.warps, num_stages=t.stages, launch_pdl=p.pdl)]
         pack_launch()
         if p.products == "cublas":
-            for (a, b, out), needed in zip(cublas_products, p.cublas):
-                if needed:
-                    torch.mm(a, b, out_dtype=torch.float32, out=out)
+            cublas_products((*product, needed) for product, needed in zip(cublas, p.cublas))
         for launch in product_launches:
             launch()
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv

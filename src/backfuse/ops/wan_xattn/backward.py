@@ -3,11 +3,9 @@ gradient products by cuBLAS from `cublas_min_flop` on, as `config.plan` lays the
 
 from __future__ import annotations
 
-import torch
-
 from ...fp16_guard import RangeSlots
 from ...kernels import buffers
-from ...kernels.host import Host, fits_int32
+from ...kernels.host import Host, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HEADS, HIDDEN, PROBLEM
@@ -101,10 +99,8 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
         for launch in launches:
             launch()
         if p.products == "cublas":
-            for a, b, out, needed in ((dq16, wq16, grad_video.view(tv, HIDDEN), p.wanted[0]),
-                                      (dkv16, wkv16, grad_text.view(tt, HIDDEN), p.wanted[1]),
-                                      (dq16.T, video16, grad_wq, p.wanted[2]), (go16.T, ctx16, grad_wo, p.wanted[2]),
-                                      (dkv16.T, text16, grad_wkv, p.wanted[2])):
-                if needed:
-                    torch.mm(a, b, out_dtype=torch.float32, out=out)
+            cublas_products([(dq16, wq16, grad_video.view(tv, HIDDEN), p.wanted[0]),
+                             (dkv16, wkv16, grad_text.view(tt, HIDDEN), p.wanted[1]),
+                             (dq16.T, video16, grad_wq, p.wanted[2]), (go16.T, ctx16, grad_wo, p.wanted[2]),
+                             (dkv16.T, text16, grad_wkv, p.wanted[2])])
     return grad_video, grad_text, grad_wq, grad_bq, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo
