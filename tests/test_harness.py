@@ -212,12 +212,17 @@ def test_cli_bench_without_gpu_checks_reduced_shapes(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "no CUDA GPU" in r.stderr
     doc = json.loads(out.read_text())
-    assert set(doc) == {"device", "torch", "triton", "date", "problems"}
+    # The first schema's fields, and the ones added since (additively: old files still load).
+    assert set(doc) == {"device", "torch", "triton", "date", "problems"} | {"shapes", "timed", "rounds", "triton_interpret"}
+    assert doc["shapes"] == "reduced" and doc["timed"] is False and doc["rounds"] == 1
     entry = doc["problems"]["021"]
     assert set(entry) == {"sol_h200_mean_ms", "impls"}
     case = entry["impls"]["backfuse"]["cases"][0]
-    assert set(case) == {"uuid", "axes", "latency_ms", "passed", "min_matched"}
-    assert case["passed"] and case["latency_ms"] is None and case["axes"]["batch_size"] == 2
+    assert set(case) == {"uuid", "axes", "latency_ms", "passed", "min_matched"} | {"index"}
+    assert case["passed"] and case["latency_ms"] is None and case["axes"]["batch_size"] == 2 and case["index"] == 12
+    # The subprocess inherits TRITON_INTERPRET=1 from conftest on a CPU: then the kernels ran, no fallback.
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    assert doc["triton_interpret"] is interpreted and ("fallback" in entry["impls"]["backfuse"]) is not interpreted
 
 
 def test_cli_merge_keeps_other_entries(tmp_path):

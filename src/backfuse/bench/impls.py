@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..problem import Problem, fp32_matmul
+from ..problem import Problem, fp32_matmul, fused_kernels_usable
 
 IMPLS = ("reference", "reference_tf32", "torch_compile", "backfuse")
 BASELINES = IMPLS[:3]
@@ -23,6 +23,19 @@ def implementation(problem: Problem, name: str):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         return _with_precision(problem, torch.compile(problem.reference_math), tf32=False)
     raise ValueError(f"unknown implementation {name!r}; expected one of {list(IMPLS)}")
+
+
+def fallback(problem: Problem, name: str, device) -> str | None:
+    """"reference" when the named impl on this device is really the fp32 reference, else None.
+
+    `backfuse` runs the fused kernels on CUDA tensors, and on CPU tensors only under
+    TRITON_INTERPRET=1 (set before triton is first imported); elsewhere `problem.run` is the reference.
+    """
+    if name != "backfuse":
+        return None
+    if problem.fused is None or not fused_kernels_usable(torch.device(device)):
+        return "reference"
+    return None
 
 
 def _with_precision(problem: Problem, math_fn, *, tf32: bool):

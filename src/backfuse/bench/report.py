@@ -14,50 +14,140 @@ def axes_text(axes: dict) -> str:
     return " ".join(f"{short.get(k, k)}={v}" for k, v in axes.items())
 
 
-def case_table(pid: str, entry: dict, *, gpu: str = "h200", baseline: str | None = None) -> str:
-    """Per case: axes, SOL, and for each impl its latency, % of SOL and pass/fail; then the means."""
+def case_index(prob, case: dict, position: int) -> int:
+    """A result case's index among the problem's official workloads.
+
+    Results files written before cases carried an "index" are matched by uuid; failing that, the
+    case's position in its list stands in.
+    """
+    if isinstance(case.get("index"), int):
+        return case["index"]
+    for i, w in enumerate(prob.workloads):
+        if w.uuid == case.get("uuid"):
+            return i
+    return position
+
+
+def is_reduced(prob, case: dict, position: int = 0) -> bool:
+    """Whether a result case ran on other axes than its official workload's (CPU runs reduce them)."""
+    i = case_index(prob, case, position)
+    return not (0 <= i < len(prob.workloads)) or dict(case.get("axes", {})) != dict(prob.workloads[i].axes)
+
+
+def shapes_of(results: dict) -> str | None:
+    """"official", "reduced" or "mixed" for a results file; None when it holds no cases.
+
+    Files that say so (their "shapes" field) are believed; older ones are judged by their axes.
+    """
+    if results.get("shapes") in ("official", "reduced"):
+        return results["shapes"]
+    kinds = set()
+    for pid, entry in results.get("problems", {}).items():
+        prob = get_problem(pid)
+        for impl in entry.get("impls", {}).values():
+            kinds.update("reduced" if is_reduced(prob, c, k) else "official" for k, c in enumerate(impl.get("cases", [])))
+    return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def is_timed(entry: dict) -> bool:
+    """Whether any case of any impl of a problem's entry (or of a whole results file) has a latency."""
+    entries = entry["problems"].values() if "problems" in entry else [entry]
+    return any(c.get("latency_ms") is not None for e in entries for i in e.get("impls", {}).values() for c in i.get("cases", []))
+
+
+def impl_label(name: str, impl: dict) -> str:
+    return f"{name} (reference fallback)" if impl.get("fallback") else name
+
+
+def _aligned_cases(prob, impls: dict) -> tuple:
+    """(official indices in first-seen order, {impl: {index: case}})."""
+    by_impl = {name: {case_index(prob, c, k): c for k, c in enumerate(impl.get("cases", []))} for name, impl in impls.items()}
+    order = []
+    for cases in by_impl.values():
+        order += [i for i in cases if i not in order]
+    return order, by_impl
+
+
+FALLBACK_NOTE = ("{names}: the fused kernels did not run (on a CPU they need TRITON_INTERPRET=1), so this is the fp32 "
+                 "reference checked against itself, not a check of backfuse's kernels.")
+
+
+def case_table(pid: str, entry: dict, *, gpu: str = "h200", baseline: str | None = None, meta: dict | None = None) -> str:
+    """Per case (by official index): axes and, for each impl, pass/fail and, where timed, latency against SOL; then totals.
+
+    meta: the results file's top level (for how many calls each latency is the median of).
+    """
     prob = get_problem(pid)
     impls = entry["impls"]
     names = list(impls)
-    first = impls[names[0]]["cases"]
-    sols = [sol_ms(prob, c["axes"], gpu) for c in first]
-    header = ["#", "axes", f"SOL {gpu}"] + names
+    order, by_impl = _aligned_cases(prob, impls)
+    axes = {i: next(cases[i]["axes"] for cases in by_impl.values() if i in cases) for i in order}
+    timed = is_timed(entry)
+    reduced = any(is_reduced(prob, c, k) for impl in impls.values() for k, c in enumerate(impl.get("cases", [])))
+    sols = {i: sol_ms(prob, axes[i], gpu) for i in order}
+    header = ["#", "axes"] + ([f"SOL {gpu}"] if timed else []) + [impl_label(n, impls[n]) for n in names]
     rows = []
-    for i, case in enumerate(first):
-        row = [str(i), axes_text(case["axes"]), f"{sols[i]:.4f}"]
+    for i in order:
+        row = [str(i), axes_text(axes[i])] + ([f"{sols[i]:.4f}"] if timed else [])
         for name in names:
-            c = impls[name]["cases"][i]
-            mark = "" if c["passed"] else " FAIL"
-            if c["latency_ms"] is None:
-                row.append(("ok" if c["passed"] else "FAIL") + f" {c['min_matched']:.4f}")
+            c = by_impl[name].get(i)
+            if c is None:
+                row.append("–")
+            elif c["latency_ms"] is not None:
+                row.append(f"{c['latency_ms']:.4f} {100 * sols[i] / c['latency_ms']:3.0f}%" + ("" if c["passed"] else " FAIL"))
+            elif c["passed"] and impls[name].get("fallback"):
+                row.append("fallback")
             else:
-                row.append(f"{c['latency_ms']:.4f} {100 * sols[i] / c['latency_ms']:3.0f}%{mark}")
+                row.append(("ok" if c["passed"] else "FAIL") + f" {c['min_matched']:.4f}")
         rows.append(row)
-    summary = ["mean", "", f"{statistics.fmean(sols):.4f}"]
+    summary = ["mean" if timed else "total", ""] + ([f"{statistics.fmean(sols.values()):.4f}"] if timed else [])
     for name in names:
         cases = impls[name]["cases"]
-        passed = sum(c["passed"] for c in cases)
+        passed = f"{sum(c['passed'] for c in cases)}/{len(cases)}"
         mean = impls[name]["mean_ms"]
-        summary.append(f"{passed}/{len(cases)} pass" if mean is None else f"{mean:.4f} {passed}/{len(cases)}")
+        if mean is not None:
+            summary.append(f"{mean:.4f} {passed}")
+        else:
+            summary.append(f"{passed} fallback" if impls[name].get("fallback") else f"{passed} pass")
     rows.append(summary)
     if baseline and baseline in impls and impls[baseline]["mean_ms"] is not None:
-        score = ["score S", f"vs {baseline}", ""]
+        score = ["score S", f"vs {baseline}"] + [""]
         for name in names:
-            pairs = zip(impls[name]["cases"], impls[baseline]["cases"], sols)
-            score.append(f"{statistics.fmean(leaderboard_score(c['latency_ms'], b['latency_ms'], s) for c, b, s in pairs):.3f}")
+            base = by_impl[baseline]
+            pairs = [(c["latency_ms"], base[i]["latency_ms"], sols[i]) for i, c in by_impl[name].items()
+                     if i in base and c["latency_ms"] is not None and base[i]["latency_ms"] is not None]
+            score.append(f"{statistics.fmean(leaderboard_score(*p) for p in pairs):.3f}" if pairs else "–")
         rows.append(score)
     widths = [max(len(r[j]) for r in [header] + rows) for j in range(len(header))]
-    lines = [f"{prob.name}  (latency ms, median of CUPTI spans; % of {GPUS[gpu].name} fp16 SOL)"]
+    if timed:
+        calls = f" of {meta['iters']} calls" if meta and meta.get("iters") else ""
+        what = f"latency ms, median of CUPTI spans{calls}; % of {GPUS[gpu].name} fp16 SOL"
+    else:
+        what = (f"correctness only, {'reduced' if reduced else 'official'} shapes, no timing; "
+                "ok/FAIL and the worst output's fraction of elements in tolerance")
+    lines = [f"{prob.name}  ({what})"]
     for r in [header] + rows:
         lines.append("  ".join(cell.ljust(w) if j < 2 else cell.rjust(w) for j, (cell, w) in enumerate(zip(r, widths))))
+    fallbacks = [n for n in names if impls[n].get("fallback")]
+    if fallbacks:
+        lines.append(FALLBACK_NOTE.format(names=", ".join(fallbacks)))
     return "\n".join(lines)
 
 
 def readme_table(results: dict) -> str:
-    """Markdown summary: per problem and impl, the 16-case mean, passes, % of SOL and speedup."""
+    """Markdown summary: per problem and impl, the mean over the cases run, passes, % of SOL and speedup."""
+    counts = {len(i.get("cases", [])) for e in results["problems"].values() for i in e["impls"].values()}
+    over = f"{counts.pop()} cases" if len(counts) == 1 else "the cases run"
+    versions = f"torch {results['torch']}, triton {results['triton']}, {results['date']}"
+    timed = is_timed(results)
+    if timed:
+        calls = results.get("iters", 50)
+        head = (f"Measured on {results['device']} ({versions}), official protocol: median CUPTI span of {calls} calls, "
+                f"L2 flushed, fresh input addresses; mean over {over}.")
+    else:
+        head = f"Checked on {results['device']} ({versions}): correctness only, {shapes_of(results)} shapes, no timing."
     lines = [
-        f"Measured on {results['device']} (torch {results['torch']}, triton {results['triton']}, {results['date']}), "
-        "official protocol: median CUPTI span of 50 calls, L2 flushed, fresh input addresses; mean over 16 cases.",
+        head,
         "",
         "| problem | implementation | mean ms | passed | % of H200 SOL | vs fp32 reference |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
@@ -71,44 +161,68 @@ def readme_table(results: dict) -> str:
             speedup = f"{ref / mean:.1f}×" if ref and mean else "–"
             pct = f"{100 * sol / mean:.0f}%" if mean else "–"
             mean_text = f"{mean:.3f}" if mean else "–"
-            lines.append(f"| {pid} | {name} | {mean_text} | {passed} | {pct} | {speedup} |")
-        lines.append(f"| {pid} | *speed of light (fp16)* | {sol:.3f} | | 100% | |")
+            lines.append(f"| {pid} | {impl_label(name, impl)} | {mean_text} | {passed} | {pct} | {speedup} |")
+        if timed:  # (the SOL of reduced shapes compares with nothing)
+            lines.append(f"| {pid} | *speed of light (fp16)* | {sol:.3f} | | 100% | |")
     return "\n".join(lines)
 
 
+class NothingToPlot(ValueError):
+    pass
+
+
 def plot(results: dict, path: str, *, gpu: str = "h200", only: str | None = None) -> None:
-    """Per problem (or only the one given), per-case latency bars of each impl (log scale) against the SOL line."""
+    """Per problem (or only the one given), per-case latency bars of each impl (log scale) against the SOL line.
+
+    Cases are labelled by their official index and axes; the legend sits to the right of the axes.
+    Raises NothingToPlot when the results hold no latencies (a CPU run times nothing).
+    """
+    fig = figure(results, gpu=gpu, only=only)
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+
+
+def figure(results: dict, *, gpu: str = "h200", only: str | None = None):
+    """The matplotlib figure `plot` saves (the caller closes it)."""
+    problems = [(pid, e) for pid, e in results["problems"].items() if (only is None or pid == only) and is_timed(e)]
+    if not problems:
+        raise NothingToPlot("nothing to plot: these results hold no latencies (a run without a CUDA GPU times nothing)")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    problems = [(pid, e) for pid, e in results["problems"].items()
-                if (only is None or pid == only) and any(i["mean_ms"] is not None for i in e["impls"].values())]
-    if not problems:
-        raise ValueError("nothing to plot: these results hold no latencies (a CPU run times nothing)")
-    fig, axs = plt.subplots(len(problems), 1, figsize=(12, 3.6 * len(problems)), squeeze=False)
+    fig, axs = plt.subplots(len(problems), 1, figsize=(13, 3.8 * len(problems)), squeeze=False)
     for ax, (pid, entry) in zip(axs[:, 0], problems):
         prob = get_problem(pid)
-        names = [n for n, i in entry["impls"].items() if i["mean_ms"] is not None]
-        cases = entry["impls"][names[0]]["cases"]
+        timed = {n: i for n, i in entry["impls"].items() if is_timed({"impls": {n: i}})}
+        order, by_impl = _aligned_cases(prob, timed)
+        names = list(timed)
         width = 0.8 / len(names)
         for k, name in enumerate(names):
-            lat = [c["latency_ms"] for c in entry["impls"][name]["cases"]]
-            ax.bar([i + (k - (len(names) - 1) / 2) * width for i in range(len(cases))], lat, width,
-                   label=f"{name} (mean {entry['impls'][name]['mean_ms']:.3f} ms)")
-        sols = [sol_ms(prob, c["axes"], gpu) for c in cases]
-        ax.hlines(sols, [i - 0.45 for i in range(len(cases))], [i + 0.45 for i in range(len(cases))],
+            cases = by_impl[name]
+            xs = [x for x, i in enumerate(order) if i in cases and cases[i]["latency_ms"] is not None]
+            mean = timed[name]["mean_ms"]
+            ax.bar([x + (k - (len(names) - 1) / 2) * width for x in xs], [cases[order[x]]["latency_ms"] for x in xs], width,
+                   label=impl_label(name, timed[name]) + (f" (mean {mean:.3f} ms)" if mean is not None else ""))
+        axes = {i: next(c[i]["axes"] for c in by_impl.values() if i in c) for i in order}
+        sols = [sol_ms(prob, axes[i], gpu) for i in order]
+        ax.hlines(sols, [x - 0.45 for x in range(len(order))], [x + 0.45 for x in range(len(order))],
                   color="black", linewidth=1.5, label=f"{GPUS[gpu].name} SOL (fp16)")
         ax.set_yscale("log")
-        ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels([axes_text(c["axes"]).replace(" ", "\n") for c in cases], fontsize=6)
-        ax.set_ylabel("ms per call")
+        ax.set_xlim(-0.6, len(order) - 0.4)
+        ax.set_xticks(range(len(order)))
+        ax.set_xticklabels([f"#{i}\n" + axes_text(axes[i]).replace(" ", "\n") for i in order], fontsize=6)
+        ax.set_xlabel("official case (index, axes)", fontsize=7)
+        ax.set_ylabel("ms per call (median CUPTI span)", fontsize=8)
         ax.set_title(f"{prob.name} — {results['device']}", fontsize=9)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def markdown_report(results: dict, plots: dict, *, gpu: str = "h200") -> str:
@@ -123,6 +237,6 @@ def markdown_report(results: dict, plots: dict, *, gpu: str = "h200") -> str:
         lines += [f"## {pid} — `{prob.name}`", ""]
         if pid in plots:
             lines += [f"![{pid} per-case latency against speed of light]({plots[pid]})", ""]
-        lines += ["```", case_table(pid, entry, gpu=gpu), "```", "",
+        lines += ["```", case_table(pid, entry, gpu=gpu, meta=results), "```", "",
                   f"What was tried, predicted and measured: [notes/{pid}.md](notes/{pid}.md).", ""]
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 
 from ..problem import Problem
 from .check import Verdict, check_outputs
-from .impls import implementation
+from .impls import fallback, implementation
 from .sol import sol_ms
 from .timing import time_calls
 
@@ -30,6 +31,8 @@ class CaseResult:
     latency_ms: float | None = None  # median CUPTI span
     event_ms: float | None = None  # median CUDA-event time (cross-check)
     kernels: int | None = None  # device activities per call
+    index: int | None = None  # the case's index among the problem's official workloads
+    fallback: str | None = None  # "reference" when the impl ran as the fp32 reference (no fused kernels)
 
 
 def reduced_axes(axes: dict) -> dict:
@@ -50,9 +53,13 @@ def run_problem(
     seed: int = 0,
     progress=None,
 ) -> dict:
-    """{impl: [CaseResult, ...]} over the selected cases (all 16 by default)."""
+    """{impl: [CaseResult, ...]} over the selected cases (all 16 by default), in the order given.
+
+    On a device other than CUDA the cases run on reduced shapes (`reduced_axes`) and nothing is timed.
+    """
     device = torch.device(device)
     reduce = device.type != "cuda"
+    timing = timing and device.type == "cuda"
     impls = {name: implementation(problem, name) for name in impl_names}
     selected = list(range(len(problem.workloads))) if cases is None else list(cases)
     results = {name: [] for name in impls}
@@ -74,7 +81,8 @@ def run_problem(
                 progress.update(1)
         for name in impls:
             v = verdicts[name]
-            results[name].append(CaseResult(workload.uuid, dict(axes), v.passed, v.min_matched, v.reason))
+            results[name].append(CaseResult(workload.uuid, dict(axes), v.passed, v.min_matched, v.reason, index=index,
+                                            fallback=fallback(problem, name, device)))
         if timing:
             inputs = problem.make_inputs(axes, seed=case_seed + rounds, device=device, scalars=workload.scalars)
             for name, fn in impls.items():
@@ -119,6 +127,23 @@ def environment() -> dict:
     }
 
 
+def run_info(device, *, timing: bool, rounds: int, warmup: int = WARMUP, iters: int = ITERS) -> dict:
+    """What a run measured, for the top level of a results file (fields added after the first schema).
+
+    shapes: "official" or "reduced" (CPU runs); timed: whether latencies were measured (median CUPTI
+    span of `iters` calls after `warmup` untimed ones); rounds: correctness rounds per case;
+    triton_interpret: on a CPU, whether the fused kernels ran in the Triton interpreter.
+    """
+    device = torch.device(device)
+    timed = timing and device.type == "cuda"
+    info = {"shapes": "official" if device.type == "cuda" else "reduced", "timed": timed, "rounds": rounds}
+    if timed:
+        info.update(warmup=warmup, iters=iters)
+    if device.type == "cpu":
+        info["triton_interpret"] = os.environ.get("TRITON_INTERPRET") == "1"
+    return info
+
+
 def to_json(problem: Problem, results: dict) -> dict:
     """One problem's entry of benchmarks/results/*.json."""
     axes_list = [c.axes for c in next(iter(results.values()))]
@@ -134,10 +159,14 @@ def to_json(problem: Problem, results: dict) -> dict:
                     "latency_ms": c.latency_ms,
                     "passed": c.passed,
                     "min_matched": c.min_matched,
+                    **({"index": c.index} if c.index is not None else {}),
                 }
                 for c in cases
             ],
         }
+        fallbacks = {c.fallback for c in cases}
+        if fallbacks != {None}:
+            impls[name]["fallback"] = "reference"
     return {"sol_h200_mean_ms": statistics.fmean(sol_ms(problem, a) for a in axes_list), "impls": impls}
 
 
