@@ -1,7 +1,5 @@
 """Shared test helpers."""
 
-import importlib
-
 import torch
 from conftest import DEVICE
 
@@ -50,10 +48,10 @@ NEAR_ZERO = {"grad_key_bias": 0.05}
 
 
 def fused_with(pid, **options):
-    """The operator's fused backward (ops/<stem>/backward.py) on the official inputs, with options
-    (config, sms, products, deterministic, ...) and whatever the caller adds (ranges, needs)."""
-    module = importlib.import_module(f"{type(backfuse.problem(pid)).__module__.rpartition('.')[0]}.backward")
-    return lambda *inputs, **extra: module.backward(*inputs, **options, **extra)
+    """The operator's fused kernels (`Problem.fused`: ops/<stem>/backward.py) on the official inputs,
+    with options (config, sms, products, deterministic, ...) and whatever the caller adds (ranges, needs)."""
+    prob = backfuse.problem(pid)
+    return lambda *inputs, **extra: prob.fused(*inputs, **options, **extra)
 
 
 def check_fused(prob, axes, seed, fn=None, device=None):

@@ -32,9 +32,7 @@ def test_specs_configs_and_plans_import_no_triton():
         "a.plan(a.CONFIG, backfuse.problem('072').workloads[0].axes, 132)\n"
         "b.plan(b.CONFIG, backfuse.problem('037').workloads[0].axes, 132)\n"
         "c.plan(c.CONFIG, backfuse.problem('021').workloads[0].axes, 132)\n"
-        "assert 'triton' not in sys.modules, 'triton was imported'\n"
-        "backfuse.problem('021').fused\n"
-        "assert 'triton' in sys.modules\n")
+        "assert 'triton' not in sys.modules, 'triton was imported'\n")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")

@@ -115,16 +115,16 @@ class Problem:
         raise NotImplementedError
 
     # ---- the fused path ------------------------------------------------------------------
-    @property
-    def fused(self):
-        """The fused backward: `backward(*inputs, needs=None, deterministic=False, ranges=None, ...)
-        -> tuple` of the `backward` module beside this operator's spec, where needs (one bool per
-        output) lets the kernels skip work for outputs nobody wants (those come back as None),
-        deterministic asks for the same bits on every call and ranges (a RangeSlots) receives the
-        largest |value| of every tensor the kernels round to fp16. Imported on first use, so that
-        importing an operator's spec imports no Triton."""
+    def fused(self, *inputs, needs=None, deterministic=False, ranges=None, **options) -> tuple:
+        """The fused kernels (no validation): `backward` of the `backward` module beside this
+        operator's spec, imported on first use, so that importing a spec imports no Triton. needs
+        (one bool per output) lets the kernels skip work for outputs nobody wants (those come back
+        as None), deterministic asks for the same bits on every call and ranges (a RangeSlots)
+        receives the largest |value| of every tensor the kernels round to fp16; options go to the
+        launcher as they are (config, products, sms)."""
         package = type(self).__module__.rpartition(".")[0]
-        return importlib.import_module(package + ".backward").backward
+        backward = importlib.import_module(package + ".backward").backward
+        return backward(*inputs, needs=needs, deterministic=deterministic, ranges=ranges, **options)
 
     def fp32_backward(self, *inputs) -> tuple:
         """reference_math in IEEE fp32 (no validation): the fused path's fallback."""
