@@ -23,9 +23,9 @@ from backfuse import nn as bnn  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCKS = {  # module, axes of the batch (the twin differentiates that problem's forward), SGD learning rate
-    "072": (bnn.CrossAttnQKVGQA, dict(batch_size=2, seq_len_dec=6, seq_len_enc=5), 50.0),
-    "021": (bnn.WanTextVideoCrossAttention, dict(batch_size=2, num_video_tokens=9, num_text_tokens=7), 1.0),
-    "037": (bnn.Gemma3AttentionCore, dict(batch_size=1, seq_len=6), 100.0),
+    "072": (bnn.QkvGqa, dict(batch_size=2, seq_len_dec=6, seq_len_enc=5), 50.0),
+    "021": (bnn.WanXattn, dict(batch_size=2, num_video_tokens=9, num_text_tokens=7), 1.0),
+    "037": (bnn.Gemma3Core, dict(batch_size=1, seq_len=6), 100.0),
 }
 
 

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from helpers import assert_official_pass
 
 import backfuse
 from backfuse.cli import main
-from backfuse.export import ENTRY_FILE, PACKAGE, solution
+from backfuse.export import ENTRY_FILE, PACKAGE
 
 # Runs in a fresh interpreter with the installed backfuse made unimportable: the package must
 # stand on its own sources.
@@ -58,7 +57,3 @@ def test_exported_solution_runs_standalone(tmp_path, pid, axes):
     outs = torch.load(tmp_path / "outputs.pt")
     assert_official_pass(prob, outs, prob.reference(*inputs))
 
-
-def test_export_refuses_operator_without_fused_path():
-    with pytest.raises(ValueError, match="no fused implementation"):
-        solution(types.SimpleNamespace(name="some_reference_only_operator", fused=None))

@@ -11,7 +11,7 @@ from helpers import assert_official_pass, rel_err
 
 import backfuse
 from backfuse.bench import check_outputs
-from backfuse.kernels.fp16_range import FP16_MAX, SMALLEST_SAFE_MAX, RangeSlots
+from backfuse.fp16_guard import FP16_MAX, SMALLEST_SAFE_MAX, RangeSlots
 
 SMALL_AXES = {
     "072": dict(batch_size=1, seq_len_dec=7, seq_len_enc=5),

@@ -16,7 +16,7 @@ SHAPES = {
     "021": dict(batch_size=1, num_video_tokens=7, num_text_tokens=3),
     "037": dict(batch_size=1, seq_len=5),
 }
-FUNCTIONS = {"072": F.cross_attn_qkv_gqa, "021": F.wan_text_video_cross_attention, "037": F.gemma3_attention_core}
+FUNCTIONS = {"072": F.qkv_gqa, "021": F.wan_xattn, "037": F.gemma3_core}
 
 
 def _forward_inputs(pid, seed=0, requires_grad=True):
@@ -52,7 +52,7 @@ def test_gradients_match_autograd_of_the_plain_forward(pid):
 def test_only_requested_gradients_come_back():
     prob, grads, fwd = _forward_inputs("021")
     fwd[0].requires_grad_(False)  # video_latents
-    out = F.wan_text_video_cross_attention(*fwd)
+    out = F.wan_xattn(*fwd)
     out.backward(grads[0])
     assert fwd[0].grad is None and all(x.grad is not None for x in fwd[1:10])
 
@@ -61,7 +61,7 @@ def test_frozen_weights_skip_weight_gradients():
     prob, grads, fwd = _forward_inputs("021")
     for x in fwd[2:10]:
         x.requires_grad_(False)  # the projections' weights and biases
-    ours = torch.autograd.grad(F.wan_text_video_cross_attention(*fwd), fwd[:2], grads)
+    ours = torch.autograd.grad(F.wan_xattn(*fwd), fwd[:2], grads)
     plain = torch.autograd.grad(prob.forward(*fwd), fwd[:2], grads)
     for a, b in zip(ours, plain):
         assert rel_err(a, b) < 3e-3
@@ -69,7 +69,7 @@ def test_frozen_weights_skip_weight_gradients():
 
 def test_unused_outputs_get_zero_gradient():
     prob, grads, fwd = _forward_inputs("072")
-    q, _, _ = F.cross_attn_qkv_gqa(*fwd)
+    q, _, _ = F.qkv_gqa(*fwd)
     (q * grads[0]).sum().backward()
     plain = [x.detach().requires_grad_(True) for x in fwd]
     (prob.forward(*plain)[0] * grads[0]).sum().backward()
@@ -81,27 +81,27 @@ def test_torch_compile_keeps_one_graph_and_checkpointing_works():
     # 021: the operator whose backward the interpreter runs fastest (CI time).
     prob, grads, fwd = _forward_inputs("021")
     leaves = [x for x in fwd if isinstance(x, torch.Tensor) and x.requires_grad]
-    eager = _backward(F.wan_text_video_cross_attention(*fwd), grads, leaves)
-    compiled = torch.compile(F.wan_text_video_cross_attention, fullgraph=True, backend="aot_eager")
+    eager = _backward(F.wan_xattn(*fwd), grads, leaves)
+    compiled = torch.compile(F.wan_xattn, fullgraph=True, backend="aot_eager")
     for a, b in zip(_backward(compiled(*fwd), grads, leaves), eager):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
-    ckpt = torch.utils.checkpoint.checkpoint(F.wan_text_video_cross_attention, *fwd, use_reentrant=False)
+    ckpt = torch.utils.checkpoint.checkpoint(F.wan_xattn, *fwd, use_reentrant=False)
     for a, b in zip(_backward(ckpt, grads, leaves), eager):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_op_registration_is_consistent():
     _, _, fwd = _forward_inputs("037")
-    torch.library.opcheck(torch.ops.backfuse.gemma3_attention_core.default, tuple(fwd),
+    torch.library.opcheck(torch.ops.backfuse.gemma3_core.default, tuple(fwd),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 @pytest.mark.parametrize("cls, keys", [
-    (bnn.CrossAttnQKVGQA, {"linear_q.weight": (4096, 1536), "linear_k.weight": (1024, 1024),
+    (bnn.QkvGqa, {"linear_q.weight": (4096, 1536), "linear_k.weight": (1024, 1024),
                            "linear_v.weight": (1024, 1024)}),
-    (bnn.WanTextVideoCrossAttention, {f"{k}.{kind}": (1024, 1024) if kind == "weight" else (1024,)
+    (bnn.WanXattn, {f"{k}.{kind}": (1024, 1024) if kind == "weight" else (1024,)
                                       for k in ("to_q", "to_k", "to_v", "to_out.0") for kind in ("weight", "bias")}),
-    (bnn.Gemma3AttentionCore, {"q_proj.weight": (3072, 3072), "k_proj.weight": (1024, 3072),
+    (bnn.Gemma3Core, {"q_proj.weight": (3072, 3072), "k_proj.weight": (1024, 3072),
                                "v_proj.weight": (1024, 3072), "o_proj.weight": (3072, 3072),
                                "q_norm.weight": (128,), "k_norm.weight": (128,)}),
 ])
@@ -116,9 +116,16 @@ def test_modules_load_family_state_dicts(cls, keys):
 
 
 def test_module_initialisation():
-    wan = bnn.WanTextVideoCrossAttention()
+    wan = bnn.WanXattn()
     assert wan.query_bias.abs().max() == 0 and abs(wan.query_weight.std().item() - math.sqrt(2 / 2048)) < 2e-3
-    gemma = bnn.Gemma3AttentionCore()
+    gemma = bnn.Gemma3Core()
     assert gemma.q_norm_weight.abs().max() == 0 and abs(gemma.q_weight.std().item() - 0.02) < 1e-3
-    parakeet = bnn.CrossAttnQKVGQA()
+    parakeet = bnn.QkvGqa()
     assert parakeet.q_weight.abs().max() <= 1 / math.sqrt(1536)
+
+
+def test_names_of_earlier_releases_still_work():
+    assert (F.cross_attn_qkv_gqa, F.gemma3_attention_core, F.wan_text_video_cross_attention) == (
+        F.qkv_gqa, F.gemma3_core, F.wan_xattn)
+    assert (bnn.CrossAttnQKVGQA, bnn.Gemma3AttentionCore, bnn.WanTextVideoCrossAttention) == (
+        bnn.QkvGqa, bnn.Gemma3Core, bnn.WanXattn)

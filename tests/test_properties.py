@@ -8,14 +8,12 @@ import os
 
 import torch
 from conftest import DEVICE
-from helpers import assert_official_pass
+from helpers import assert_official_pass, fused_with
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_fused import _021_with
 
 import backfuse
 from backfuse.kernels import buffers
-from backfuse.ops import cross_attn_qkv_gqa as qkv
 
 EXAMPLES = int(os.environ.get("BACKFUSE_PROPERTY_EXAMPLES", "3"))
 LIMIT = 300 if DEVICE == "cuda" else 40
@@ -36,7 +34,7 @@ def _passes(prob, axes, seed, fn=None):
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=DEVICE != "cuda")
 @given(batch=batches, sd=lengths, se=lengths, seed=st.integers(0, 2**16))
 def test_072_random_shapes(batch, sd, se, seed):
-    split = lambda *x: qkv.qkv_gqa_backward(*x, sms=132)  # noqa: E731  (K splits on the CPU too)
+    split = fused_with("072", sms=132)  # K splits on the CPU too
     _passes(backfuse.problem("072"), dict(batch_size=batch, seq_len_dec=sd, seq_len_enc=se), seed,
             fn=None if DEVICE == "cuda" else split)
 
@@ -46,12 +44,12 @@ def test_072_random_shapes(batch, sd, se, seed):
 def test_021_random_shapes(batch, nv, nt, seed):
     prob = backfuse.problem("021")
     _passes(prob, dict(batch_size=batch, num_video_tokens=nv, num_text_tokens=nt), seed,
-            fn=None if DEVICE == "cuda" else _021_with())
+            fn=None if DEVICE == "cuda" else fused_with("021", sms=132))
 
 
 @settings(max_examples=EXAMPLES if DEVICE == "cuda" else 1, deadline=None, derandomize=DEVICE != "cuda")
 @given(batch=batches, seq=lengths, seed=st.integers(0, 2**16))
 def test_037_random_shapes(batch, seq, seed):
     # One example in CI: every 037 call runs its 3072-wide weight products in the interpreter.
-    assume(seq > 1)  # one token: softmax over one key, zero attention gradients (test_fused covers it)
+    assume(seq > 1)  # one token: softmax over one key, zero attention gradients (test_gemma3_core covers it)
     _passes(backfuse.problem("037"), dict(batch_size=batch, seq_len=seq), seed)

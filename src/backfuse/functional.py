@@ -1,6 +1,7 @@
 """Differentiable forwards whose backward is backfuse's (the fused kernels where an operator has them).
 
-Each function is a `torch.library` custom op (`torch.ops.backfuse.<name>`) with a registered
+Each function is a `torch.library` custom op (`torch.ops.backfuse.<stem>`: `qkv_gqa`, `gemma3_core`,
+`wan_xattn`) with a registered
 autograd formula, so `torch.compile` keeps it in one graph and activation checkpointing simply
 re-runs it. The forward is plain PyTorch; autograd saves only the forward's inputs, and the
 backward recomputes what it needs (less memory than autograd through the plain forward, which
@@ -88,26 +89,31 @@ def _define(name: str, pid: str, n_out: int):
     return getattr(torch.ops.backfuse, name)
 
 
-_QKV_GQA = _define("cross_attn_qkv_gqa", "072", 3)
-_GEMMA3 = _define("gemma3_attention_core", "037", 1)
-_WAN = _define("wan_text_video_cross_attention", "021", 1)
+_QKV_GQA = _define("qkv_gqa", "072", 3)
+_GEMMA3_CORE = _define("gemma3_core", "037", 1)
+_WAN_XATTN = _define("wan_xattn", "021", 1)
 
 
-def cross_attn_qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight):
+def qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight):
     """Parakeet cross-attention projections: (query_states [B,16,Sd,256], key_states and value_states
     [B,16,Se,256], the 4 KV heads repeated to 16). Backward: the fused 072 kernels."""
     return _QKV_GQA(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight)
 
 
-def gemma3_attention_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight,
-                          scaling, softcap, eps):
+def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight, scaling, softcap,
+                eps):
     """Gemma 3 attention core (QK RMSNorm with 1 + w, RoPE, soft-capped causal GQA, output
-    projection): output [B,S,3072]. Backward: backfuse's 037 backward (cos and sin get none)."""
-    return _GEMMA3(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight,
-                   float(scaling), float(softcap), float(eps))
+    projection): output [B,S,3072]. Backward: the fused 037 kernels (cos and sin get none)."""
+    return _GEMMA3_CORE(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight,
+                        float(scaling), float(softcap), float(eps))
 
 
-def wan_text_video_cross_attention(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight,
-                                   o_bias, scale):
+def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, scale):
     """Wan 2.2 text-to-video cross-attention: output [B,Nv,1024]. Backward: the fused 021 kernels."""
-    return _WAN(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, float(scale))
+    return _WAN_XATTN(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, float(scale))
+
+
+# The names of earlier releases.
+cross_attn_qkv_gqa = qkv_gqa
+gemma3_attention_core = gemma3_core
+wan_text_video_cross_attention = wan_xattn

@@ -13,9 +13,9 @@ import math
 import torch
 
 from . import functional as F
-from .ops import cross_attn_qkv_gqa as _qkv
-from .ops import gemma3_attn_core as _gemma
-from .ops import wan_text_video_xattn as _wan
+from .ops.gemma3_core import spec as _gemma
+from .ops.qkv_gqa import spec as _qkv
+from .ops.wan_xattn import spec as _wan
 
 
 def _linear_default(w):  # torch.nn.Linear's own initialisation (kaiming uniform, a = sqrt(5))
@@ -57,7 +57,7 @@ class _Block(torch.nn.Module):
         return module
 
 
-class CrossAttnQKVGQA(_Block):
+class QkvGqa(_Block):
     """Parakeet TDT cross-attention projections: decoder states to 16 query heads of 256, encoder
     states to 4 KV heads repeated to 16. Initialised like NeMo's `nn.Linear` layers."""
 
@@ -70,10 +70,10 @@ class CrossAttnQKVGQA(_Block):
                "v_weight": ("linear_v.weight", "v_proj.weight")}
 
     def forward(self, decoder_hidden, encoder_hidden):
-        return F.cross_attn_qkv_gqa(decoder_hidden, encoder_hidden, self.q_weight, self.k_weight, self.v_weight)
+        return F.qkv_gqa(decoder_hidden, encoder_hidden, self.q_weight, self.k_weight, self.v_weight)
 
 
-class Gemma3AttentionCore(_Block):
+class Gemma3Core(_Block):
     """Gemma 3 4B attention core: QK RMSNorm (weight applied as 1 + w), RoPE, soft-capped causal GQA,
     output projection. Initialised like Hugging Face Gemma 3: projections N(0, 0.02²), norms 0."""
 
@@ -94,11 +94,11 @@ class Gemma3AttentionCore(_Block):
 
     def forward(self, hidden, cos, sin):
         """hidden [B,S,3072]; cos, sin [B,S,128] (RoPE tables)."""
-        return F.gemma3_attention_core(hidden, cos, sin, self.q_weight, self.k_weight, self.v_weight, self.o_weight,
-                                       self.q_norm_weight, self.k_norm_weight, self.scaling, self.softcap, self.eps)
+        return F.gemma3_core(hidden, cos, sin, self.q_weight, self.k_weight, self.v_weight, self.o_weight,
+                             self.q_norm_weight, self.k_norm_weight, self.scaling, self.softcap, self.eps)
 
 
-class WanTextVideoCrossAttention(_Block):
+class WanXattn(_Block):
     """Wan 2.2 text-to-video cross-attention (16 heads of 64). Initialised like Wan: weights
     Xavier-uniform, biases 0."""
 
@@ -116,5 +116,10 @@ class WanTextVideoCrossAttention(_Block):
 
     def forward(self, video, text):
         """video [B,Nv,1024], text [B,Nt,1024] -> [B,Nv,1024]."""
-        return F.wan_text_video_cross_attention(video, text, *(getattr(self, n) for n, _, _ in self.PARAMS),
-                                                self.scale)
+        return F.wan_xattn(video, text, *(getattr(self, n) for n, _, _ in self.PARAMS), self.scale)
+
+
+# The names of earlier releases.
+CrossAttnQKVGQA = QkvGqa
+Gemma3AttentionCore = Gemma3Core
+WanTextVideoCrossAttention = WanXattn

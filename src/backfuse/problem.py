@@ -1,14 +1,16 @@
 """What every operator shares: its signature, input validation, official workloads and cost model.
 
-An operator module describes its signature with `Tensor` and `Scalar` entries and supplies four
-pieces of math (`draw`, `reference_math`, `forward`, `macs`) and, where it has one, a fused path;
-this base class turns that into the public object returned by `backfuse.problem(...)`.
+An operator's `spec.py` describes its signature with `Tensor` and `Scalar` entries and supplies four
+pieces of math (`draw`, `reference_math`, `forward`, `macs`); its fused path is the `backward`
+function of the `backward.py` beside it. This base class turns that into the public object returned
+by `backfuse.problem(...)`. Nothing here imports Triton: the fused path is imported on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import math
 import numbers
@@ -19,7 +21,8 @@ from importlib import resources
 
 import torch
 
-from .kernels.fp16_range import FP16_MAX, SMALLEST_SAFE_MAX, RangeSlots, describe
+from . import fp16_guard
+from .fp16_guard import FP16_MAX, SMALLEST_SAFE_MAX, Fp16RangeWarning, RangeSlots, describe
 
 
 @dataclass(frozen=True)
@@ -75,29 +78,6 @@ def fp32_matmul(tf32: bool):
         matmul.fp32_precision = saved
 
 
-class Fp16RangeWarning(UserWarning):
-    """A fused backward met values outside fp16's safe range and recomputed in fp32 instead."""
-
-
-_check_fp16_range = True
-
-
-@contextlib.contextmanager
-def fp16_range_check(enabled: bool):
-    """Turn the fused kernels' fp16 range guard on (the default) or off inside the block.
-
-    The guard reads a few hundred bytes back from the GPU at the end of each fused backward (so the
-    host waits for the GPU there); off, values beyond 65504 give Inf/NaN and tensors whose largest
-    element is below 2^-12 lose precision silently. It is skipped during CUDA-graph capture.
-    """
-    global _check_fp16_range
-    saved, _check_fp16_range = _check_fp16_range, bool(enabled)
-    try:
-        yield
-    finally:
-        _check_fp16_range = saved
-
-
 def fused_kernels_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA tensors, and on CPU tensors under the Triton interpreter."""
     if device.type == "cuda":
@@ -134,11 +114,22 @@ class Problem:
         """Multiply-accumulates of the matrix products the backward needs at minimum."""
         raise NotImplementedError
 
-    # Set by operators that have fused kernels: fused(*inputs, needs=None, deterministic=False,
-    # ranges=None) -> tuple, where needs (one bool per output) lets the kernels skip work for outputs
-    # nobody wants (those come back as None), deterministic asks for the same bits on every call and
-    # ranges (a RangeSlots) receives the largest |value| of every tensor the kernels round to fp16.
-    fused = None
+    # ---- the fused path ------------------------------------------------------------------
+    def fused(self, *inputs, needs=None, deterministic=False, ranges=None, **options) -> tuple:
+        """The fused kernels (no validation): `backward` of the `backward` module beside this
+        operator's spec, imported on first use, so that importing a spec imports no Triton. needs
+        (one bool per output) lets the kernels skip work for outputs nobody wants (those come back
+        as None), deterministic asks for the same bits on every call and ranges (a RangeSlots)
+        receives the largest |value| of every tensor the kernels round to fp16; options go to the
+        launcher as they are (config, products, sms)."""
+        package = type(self).__module__.rpartition(".")[0]
+        backward = importlib.import_module(package + ".backward").backward
+        return backward(*inputs, needs=needs, deterministic=deterministic, ranges=ranges, **options)
+
+    def fp32_backward(self, *inputs) -> tuple:
+        """reference_math in IEEE fp32 (no validation): the fused path's fallback."""
+        with fp32_matmul(tf32=False):
+            return tuple(self.reference_math(*inputs))
 
     # ---- signature -----------------------------------------------------------------------
     @property
@@ -275,22 +266,20 @@ class Problem:
             raise ValueError(f"{self.name}: needs has {len(needs)} flags, expected one per output "
                              f"{list(self.output_names)}")
         first = next(x for x in inputs if isinstance(x, torch.Tensor))
-        if self.fused is not None and fused_kernels_usable(first.device):
+        if fused_kernels_usable(first.device):
             extra = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
             if needs is not None:
                 extra["needs"] = tuple(needs)
             ranges = RangeSlots()
             outs = self.fused(*inputs, ranges=ranges, **extra)
-            if _check_fp16_range and not (first.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if fp16_guard.checking(first.device):
                 outside = ranges.out_of_range()
                 if outside:
                     warnings.warn(f"{self.name}: {describe(outside)} outside fp16's safe range [{SMALLEST_SAFE_MAX:g}, "
                                   f"{FP16_MAX:g}]; computed in fp32 instead (slower)", Fp16RangeWarning, stacklevel=3)
-                    with fp32_matmul(tf32=False):
-                        outs = self.reference_math(*inputs)
+                    outs = self.fp32_backward(*inputs)
         else:
-            with fp32_matmul(tf32=False):
-                outs = self.reference_math(*inputs)
+            outs = self.fp32_backward(*inputs)
         return tuple(o if needs is None or n else None for o, n in zip(outs, needs or [True] * len(outs)))
 
     # ---- cost model ----------------------------------------------------------------------

@@ -4,13 +4,12 @@ It knows nothing about any one operator: it drives `backfuse.problem(...)` objec
 """
 
 from .check import Verdict, check_outputs, matched_ratio
-from .impls import BASELINES, IMPLS, implementation
+from .impls import IMPLS, implementation
 from .runner import CaseResult, reduced_axes, run_problem, to_json
 from .sol import GPUS, leaderboard_score, sol_ms
 from .timing import time_calls
 
 __all__ = [
-    "BASELINES",
     "CaseResult",
     "GPUS",
     "IMPLS",

@@ -7,7 +7,6 @@ import torch
 from ..problem import Problem, fp32_matmul, fused_kernels_usable
 
 IMPLS = ("reference", "reference_tf32", "torch_compile", "backfuse")
-BASELINES = IMPLS[:3]
 
 
 def implementation(problem: Problem, name: str):
@@ -33,7 +32,7 @@ def fallback(problem: Problem, name: str, device) -> str | None:
     """
     if name != "backfuse":
         return None
-    if problem.fused is None or not fused_kernels_usable(torch.device(device)):
+    if not fused_kernels_usable(torch.device(device)):
         return "reference"
     return None
 

@@ -1,1 +1,2 @@
-"""Triton building blocks shared by the operators."""
+"""What the operators' fused paths share: host pieces here (schedule, buffers, the host prelude,
+the launcher), device code by dialect below (`triton/`)."""

@@ -7,21 +7,49 @@ compiled handle from the first launch and launches it directly afterwards. Integ
 kernels launched this way must be listed in `do_not_specialize`, so their values never select a
 different binary; what can still select one (constexprs, launch options, tensor alignment) forms
 the lookup key.
+
+What `FastKernel` calls of Triton's launcher (`CompiledKernel.run`'s C entry, `packed_metadata`, the
+scratch allocator's context variable in `triton.runtime._allocation`) is Triton 3.6's. Outside
+`SUPPORTED_TRITON` it launches through the JIT (`fn[grid](...)`) instead, and warns once at import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 
 import torch
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.runtime import _allocation
 
 from . import buffers
 
 ALIGNMENT = 16  # bytes; Triton specializes pointer arguments on it
+SUPPORTED_TRITON = ((3, 6), (3, 7))  # [from, to): the versions whose launcher internals FastKernel uses
+
+
+def triton_supported(version: str) -> bool:
+    """Whether a Triton version string ("3.6.0", "3.6.0+git1234") lies in SUPPORTED_TRITON."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return found is not None and SUPPORTED_TRITON[0] <= (int(found[1]), int(found[2])) < SUPPORTED_TRITON[1]
+
+
+def fast_launch_available(version: str) -> bool:
+    """triton_supported(version), with a warning when not: kernels then launch through the JIT."""
+    if triton_supported(version):
+        return True
+    low, high = SUPPORTED_TRITON
+    warnings.warn(f"backfuse: triton {version} is outside the supported range >={low[0]}.{low[1]},<{high[0]}.{high[1]}; "
+                  "kernels launch through triton's JIT (correct, but with more host time per call)", RuntimeWarning,
+                  stacklevel=2)
+    return False
+
+
+FAST_LAUNCH = fast_launch_available(triton.__version__)
+if FAST_LAUNCH:
+    from triton.runtime import _allocation
+else:
+    _allocation = None
 
 
 class FastKernel:
@@ -46,6 +74,13 @@ class FastKernel:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if not tensors[0].is_cuda:  # the Triton interpreter
             return lambda: self.fn[grid](*args, **meta)
+        if not FAST_LAUNCH:  # a Triton whose launcher internals we do not know
+
+            def jit_launch():
+                with scratch_allocator():
+                    self.fn[grid](*args, **meta)
+
+            return jit_launch
         key = (tuple(meta.items()), tuple((t.dtype, t.data_ptr() % ALIGNMENT == 0) for t in tensors), torch.cuda.current_device())
         handle = self.handles.get(key)
         if handle is None:  # first launch of this specialization: through the JIT, which compiles it
@@ -89,23 +124,14 @@ def scratch_allocator():
     """Global scratch for the JIT launches inside (kernels that build TMA tensor descriptors on the
     device write them there), from torch's allocator on the current device and stream. Triton keeps
     its allocator in a context variable; it is set for these launches only and restored after, so a
-    caller's own `triton.set_allocator` is left as it was."""
+    caller's own `triton.set_allocator` is left as it was. (Outside SUPPORTED_TRITON, where that
+    variable may not exist, through the public `triton.set_allocator`.)"""
+    if _allocation is None:
+        triton.set_allocator(_torch_scratch)
+        yield
+        return
     token = _allocation._allocator.set(_torch_scratch)
     try:
         yield
     finally:
         _allocation._allocator.reset(token)
-
-
-@triton.jit
-def after_previous_launch(PDL: tl.constexpr):
-    """First statement of every kernel of an operator, for programmatic dependent launch (PDL,
-    Hopper). A kernel launched with `launch_pdl=True` may have its programs scheduled while the
-    previous kernel's last ones still run, which hides the launch latency between dependent
-    kernels; they wait here until that kernel has finished and its writes are visible. Then each
-    program lets the next kernel's programs be scheduled. An operator's first kernel calls this
-    too (its wait is a no-op) but is launched without `launch_pdl`: else its programs would wait,
-    and be timed, during whatever ran before the operator."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()

@@ -1,5 +1,5 @@
-"""The three operators, one module each."""
+"""The three operators, one package each: spec, config and plan, kernels, launcher."""
 
-from . import cross_attn_qkv_gqa, gemma3_attn_core, wan_text_video_xattn
+from . import gemma3_core, qkv_gqa, wan_xattn
 
-PROBLEMS = {m.PROBLEM.id: m.PROBLEM for m in (cross_attn_qkv_gqa, gemma3_attn_core, wan_text_video_xattn)}
+PROBLEMS = {m.PROBLEM.id: m.PROBLEM for m in (qkv_gqa, gemma3_core, wan_xattn)}

@@ -1,0 +1,133 @@
+"""Compile backfuse's kernels (072, 021, 037) for sm_90 on a machine without a GPU and report what they need.
+
+Shared memory over the 227 KB a block may use, register spills or missing HGMMA instructions
+show here, before any device time is spent. Pointers are taken as 16-byte aligned (as the
+allocator gives them); integers as unspecialized.
+
+    python benchmarks/tools/compile_sm90.py            # every configured kernel
+    python benchmarks/tools/compile_sm90.py 037        # one operator's
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_sm90(jit_fn, scalars: dict, constexprs: dict, num_warps: int, num_stages: int, int_pointers=()):
+    """scalars: name -> 'i32' or 'fp32' (arguments in the kernel's do_not_specialize default to 'i32');
+    every other non-constexpr argument is a pointer: fp16 when its name ends in 16 (our fp16 operand
+    buffers), int32 when listed in int_pointers, else fp32."""
+    scalars = {**{p.name: "i32" for p in jit_fn.params if p.do_not_specialize}, **scalars}
+    signature, attrs = {}, {}
+    for i, name in enumerate(jit_fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in scalars:
+            signature[name] = scalars[name]
+        else:
+            signature[name] = "*" + ("i32" if name in int_pointers else "fp16" if name.endswith("16") else "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(jit_fn, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def report(name: str, kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    return (f"{name:28s} smem {kernel.metadata.shared / 1024:6.1f} KB  regs {regs.group(1) if regs else '?':>3s}  "
+            f"local {local.group(1) if local else '?':>4s} B  HGMMA {sass.count('HGMMA'):4d}  "
+            f"LDGSTS {sass.count('LDGSTS'):3d}  atomics {len(re.findall(r'RED|ATOM', sass)):3d}")
+
+
+def wan_021_kernels(cfg=None):
+    from backfuse.ops.wan_xattn import config, triton_attention, triton_kernels
+
+    cfg = cfg or config.CONFIG
+    p, fw, at, gr, sums, pdl = cfg.pack, cfg.forward, cfg.attention, cfg.gradients, cfg.sums, cfg.pdl
+    yield "021 pack", compile_sm90(
+        triton_kernels.pack_kernel, {},
+        dict(ROWS=p.rows, COLS=p.cols, T=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1,
+        int_pointers=("arrivals",))
+    yield "021 forward products", compile_sm90(
+        triton_kernels.forward_products_kernel, {},
+        dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), fw.warps, fw.stages)
+    # one tile of the widest text, the suite's 77 tokens as head + tail (also in lone blocks), text in tiles
+    lone_rows, lone_warps = at.lone_block or (at.bm, at.warps)
+    for one_tile, (bn, tail), (bm, warps) in (
+            (True, (at.one_tile, 0), (at.bm, at.warps)), (True, config.text_tiles(77), (at.bm, at.warps)),
+            (True, config.text_tiles(77), (lone_rows, lone_warps)), (False, (at.bn, 0), (at.bm, at.warps))):
+        for alone, deterministic in ((False, False), (False, True), (True, False)):
+            yield (f"021 attention {'one tile' if one_tile else 'tiles'} {bm}x{bn}+{tail}"
+                   f"{' det' if deterministic else ''}{' alone' if alone else ''}",
+                   compile_sm90(triton_attention.attention_kernel, {"scale": "fp32"},
+                                dict(BM=bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile, ALONE=alone,
+                                     DETERMINISTIC=deterministic, PDL=pdl), warps, at.stages,
+                                int_pointers=("arrivals",)))
+    yield "021 gradient products", compile_sm90(
+        triton_kernels.gradient_products_kernel, {},
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages)
+
+
+def qkv_gqa_072_kernels(cfg=None):
+    from backfuse.ops.qkv_gqa import config, triton_kernels
+
+    cfg = cfg or config.CONFIG
+    p, g, pdl = cfg.pack, cfg.tiles, cfg.pdl
+    yield "072 pack", compile_sm90(
+        triton_kernels.pack_kernel, {},
+        dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
+    yield "072 products", compile_sm90(
+        triton_kernels.projection_grads_kernel, {},
+        dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk, PDL=pdl), g.warps, g.stages)
+
+
+def gemma3_037_kernels(cfg=None):
+    from backfuse.ops.gemma3_core import config, spec, triton_kernels
+
+    cfg = cfg or config.CONFIG
+    p, at, gr, sums, pdl = cfg.pack, cfg.attention, cfg.gradients, cfg.sums, cfg.pdl
+    yield "037 pack", compile_sm90(
+        triton_kernels.pack_kernel, {},
+        dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
+    for products, fw in ((True, cfg.forward), (False, cfg.norm_rope)):
+        yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
+            triton_kernels.forward_products_kernel, {"eps": "fp32", "q_scale": "fp32"},
+            dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, PDL=pdl), fw.warps, fw.stages)
+    for bn in (at.fwd_bn, at.short_fwd_bn):
+        yield f"037 attention forward BN={bn}", compile_sm90(
+            triton_kernels.attention_forward_kernel, {"cap": "fp32"},
+            dict(BM=at.fwd_bm, BN=bn, APPROX_TANH=at.approx_tanh, PDL=pdl), at.fwd_warps, at.fwd_stages)
+    for kv_bn, split in ((at.kv_bn, 1), (at.few_kv_bn, 1), (at.few_kv_bn, spec.GROUP)):
+        yield f"037 attention backward KV_BN={kv_bn} split {split}", compile_sm90(
+            triton_kernels.attention_backward_kernel, {"scaling": "fp32", "cap": "fp32", "eps": "fp32"},
+            dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=split,
+                 APPROX_TANH=at.approx_tanh, PDL=pdl), at.warps, at.stages, int_pointers=("arrivals",))
+    yield "037 gradient products", compile_sm90(
+        triton_kernels.gradient_products_kernel, {},
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages)
+
+
+KERNELS = {"072": qkv_gqa_072_kernels, "021": wan_021_kernels, "037": gemma3_037_kernels}
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    for kernels in (KERNELS[op]() for op in (sys.argv[1:] or KERNELS)):
+        for name, kernel in kernels:
+            print(report(name, kernel))
+            sys.stdout.flush()

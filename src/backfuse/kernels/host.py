@@ -1,0 +1,58 @@
+"""The host prelude every fused backward starts with: whether its kernels can index the tensors,
+the device and its processor count, which config applies, and the call's buffers.
+
+    if not fits_int32(...):                     # then the fp32 reference instead
+        return PROBLEM.fp32_backward(*inputs)
+    host = Host(device, sms)
+    cfg = host.config(config, CONFIG, INTERPRETER_CONFIG)
+    p = plan(cfg, axes, host.sms, gpu=host.gpu, ...)
+    out = host.f32(rows, cols)
+    ...
+    cublas_products([(a16, b16, out, needed), ...])   # where the plan says cuBLAS
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import buffers
+
+INT32_ELEMENTS = 2**31  # the kernels count elements in int32
+
+
+def fits_int32(*counts: int) -> bool:
+    """Whether every element count the kernels index (tensors, stacked buffers) stays below 2^31."""
+    return max(counts) < INT32_ELEMENTS
+
+
+class Host:
+    """A fused call's device: on a GPU its processor count (what K splits and grids balance over),
+    on the CPU (the Triton interpreter) 1; `sms` overrides it (tests force a GPU's splits on the CPU)."""
+
+    def __init__(self, device: torch.device, sms: int | None = None):
+        self.device = device
+        self.gpu = device.type == "cuda"
+        if sms is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if self.gpu else 1
+        self.sms = sms
+
+    def config(self, given, gpu, interpreter):
+        """`given`, else the GPU's config on a GPU and the Triton interpreter's on the CPU."""
+        return given or (gpu if self.gpu else interpreter)
+
+    def f16(self, *shape) -> torch.Tensor:
+        return buffers.empty(shape, torch.float16, self.device)
+
+    def f32(self, *shape) -> torch.Tensor:
+        return buffers.empty(shape, torch.float32, self.device)
+
+    def i32(self, *shape) -> torch.Tensor:
+        return buffers.empty(shape, torch.int32, self.device)
+
+
+def cublas_products(products) -> None:
+    """out = a @ b by cuBLAS (torch.mm on our fp16 operands, fp32 sums and output) for every
+    (a, b, out, needed) that is needed."""
+    for a, b, out, needed in products:
+        if needed:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)

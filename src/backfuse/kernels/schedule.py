@@ -1,0 +1,129 @@
+"""How a launch's programs map onto the work, decided on the host: tile counts, K splits, the order
+of groups of tiles, which product backend runs, and the layout of a pack launch's segments.
+
+Plain Python (no Triton, no torch), so that an operator's plan can be checked without launching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def chunks(n: int, block: int, iters: int) -> int:
+    """Programs a flat pass over n elements needs (a program takes `iters` steps of `block` elements)."""
+    return cdiv(n, block * iters)
+
+
+def tile_count(M: int, N: int, splits: int, BM: int, BN: int) -> int:
+    """Programs `gemm_tile` needs for C[M, N] split `splits` ways."""
+    return cdiv(M, BM) * cdiv(N, BN) * splits
+
+
+def choose_splits(gemms, BM: int, BN: int, BK: int, sms: int, *, slices_per_sm: float = 2, min_chunk: int = 512,
+                  max_chunk: int = 4096) -> list:
+    """K splits per product so that every tile's K slice is near one common length.
+
+    gemms: (M, N, K) per product. The common length is an even share of the total work per SM
+    divided by slices_per_sm, kept within [min_chunk, max_chunk] so short slices don't drown in
+    pipeline fill; equal slices let one launch of mixed products balance across SMs.
+    """
+    work = sum(cdiv(m, BM) * cdiv(n, BN) * k for m, n, k in gemms)
+    chunk = min(max_chunk, max(min_chunk, int(work // (slices_per_sm * sms))))
+    chunk = cdiv(chunk, BK) * BK
+    return [max(1, round(k / chunk)) for _, _, k in gemms]
+
+
+def longest_first(groups) -> list:
+    """First program of each group of tiles in one launch, the groups ordered by the K length of
+    their tiles, longest first (ties keep the given order): programs start in order, so the short
+    tiles then fill the last wave instead of long ones trailing it.
+
+    groups: (tiles, K, splits) per group; a group's tiles are K / splits deep.
+    """
+    order = sorted(range(len(groups)), key=lambda g: -cdiv(groups[g][1], max(1, groups[g][2])))
+    starts, first = [0] * len(groups), 0
+    for g in order:
+        starts[g] = first
+        first += groups[g][0]
+    return starts
+
+
+def choose_products(requested: str | None, flop: float, cublas_min_flop: float, gpu: bool) -> str:
+    """The backend of an operator's projection products: `requested` ("triton": our tiles, "cublas":
+    torch.mm on our fp16 operands) as given; None: cuBLAS on a GPU from cublas_min_flop of product
+    work (where its faster products outweigh its extra launches and their host time), else ours."""
+    if requested is not None:
+        if requested not in ("triton", "cublas"):
+            raise ValueError(f"products must be 'triton' or 'cublas', got {requested!r}")
+        return requested
+    return "cublas" if gpu and flop >= cublas_min_flop else "triton"
+
+
+@dataclass(frozen=True)
+class Regions:
+    """A block of fp16-range regions that one launch writes, {tensor name: slots} in slot order;
+    those in overflow_only can vanish by cancellation (no underflow check). See fp16_guard.RangeSlots."""
+
+    counts: tuple  # of (name, slots)
+    overflow_only: tuple = ()
+
+    def reserve(self, ranges) -> int:
+        """Reserve the block in a RangeSlots; returns its offset."""
+        return ranges.reserve(dict(self.counts), overflow_only=self.overflow_only)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of consecutive programs of a pack launch doing one job. ranged: its programs convert a
+    tensor to fp16 and each stores the largest |value| it converted (one range slot per program)."""
+
+    name: str
+    programs: int
+    ranged: bool = True
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The programs of a pack launch: segments in program order, the converting (ranged) ones first,
+    so that a converting program's range slot is its program id. One list gives the kernel's segment
+    boundaries (`ends`, passed as arguments), the grid (`programs`) and the range regions (`regions`)."""
+
+    segments: tuple  # of Segment
+
+    def __post_init__(self):
+        names = [s.name for s in self.segments]
+        if len(set(names)) != len(names):
+            raise ValueError(f"segment names must differ: {names}")
+        ranged = [s.ranged for s in self.segments]
+        if ranged != sorted(ranged, reverse=True):
+            raise ValueError("the converting (ranged) segments must come first")
+
+    @property
+    def ends(self) -> tuple:
+        """The first program after each segment; the kernel takes all but the last, the grid's size."""
+        ends, at = [], 0
+        for s in self.segments:
+            at += s.programs
+            ends.append(at)
+        return tuple(ends)
+
+    @property
+    def programs(self) -> int:
+        return sum(s.programs for s in self.segments)
+
+    def size(self, name: str) -> int:
+        """Programs of the segment called `name`."""
+        return next(s.programs for s in self.segments if s.name == name)
+
+    @property
+    def regions(self) -> Regions:
+        return Regions(tuple((s.name, s.programs) for s in self.segments if s.ranged))

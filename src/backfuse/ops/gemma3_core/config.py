@@ -1,0 +1,199 @@
+"""037's launch shapes (`Config`), the rules that pick among them, and the plan of one call (`plan`):
+pack, forward products (or, after cuBLAS's, only norm and RoPE), attention forward, attention
+backward, gradient products (or, after cuBLAS's, only the norm-weight sums).
+
+Plain Python: a plan can be checked on any machine without launching anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...kernels.config import PackConfig, SumConfig, TileConfig
+from ...kernels.schedule import Layout, Regions, Segment, cdiv, choose_products, choose_splits, chunks, tile_count
+from .spec import GROUP, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT, QKV
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """Forward: fwd_bm queries per program, fwd_bn keys per step. Backward: kv_bn keys per dK/dV
+    program, kv_bm queries per step; q_bm queries per dQ program, q_bn keys per step. approx_tanh:
+    the soft cap's tanh as one GPU instruction (the interpreter needs False)."""
+
+    fwd_bm: int = 64
+    fwd_bn: int = 64
+    fwd_warps: int = 4
+    fwd_stages: int = 3
+    kv_bn: int = 64
+    kv_bm: int = 32
+    q_bm: int = 64
+    q_bn: int = 32
+    warps: int = 4
+    stages: int = 3
+    approx_tanh: bool = True
+    # Keys per forward step up to short_seq tokens (forward_keys).
+    short_fwd_bn: int = 32
+    short_seq: int = 256
+    # Keys per dK/dV program when kv_bn-key programs would not fill the GPU once (key_block).
+    few_kv_bn: int = 32
+    # dK/dV programs split by query head (head_split); head_split_per_sm 0: never.
+    head_split_per_sm: float = 3.0
+    head_split_min_seq: int = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    pack: PackConfig = PackConfig(tile=64, block=8192, iters=1, warps=4)  # tile: the Wo^T tiles' side
+    # bn: one head per tile (the norm is per head). Products run here below cublas_min_flop only:
+    # 64-row tiles at 4 warps, so that 128 tokens still give 128 programs, not 64.
+    forward: TileConfig = TileConfig(bm=64, bn=HEAD_DIM, bk=64, warps=4, stages=4)
+    # The forward launch when cuBLAS made the projections and it only norms and rotates: a pass over
+    # memory, so small tiles and few registers (71 at 32 rows, 4 warps) for many programs per SM.
+    norm_rope: TileConfig = TileConfig(bm=32, bn=HEAD_DIM, bk=64, warps=4, stages=1)
+    attention: AttentionConfig = AttentionConfig()
+    gradients: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
+    sums: SumConfig = SumConfig(rows=256, cols=16)  # the norm-weight gradients from their partial rows
+    pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
+    # From this much gradient-product work (FLOP) on, the products go to cuBLAS (measured:
+    # benchmarks/notes/037.md).
+    cublas_min_flop: float = 40e9
+
+
+CONFIG = Config()
+# The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
+INTERPRETER_CONFIG = Config(
+    pack=PackConfig(tile=1024, block=1 << 20, iters=1, warps=4),
+    forward=TileConfig(bm=128, bn=HEAD_DIM, bk=1024, warps=4, stages=1),
+    norm_rope=TileConfig(bm=128, bn=HEAD_DIM, bk=1024, warps=4, stages=1),
+    attention=AttentionConfig(fwd_bm=32, fwd_bn=16, fwd_warps=4, fwd_stages=1, kv_bn=32, kv_bm=16, q_bm=32, q_bn=16,
+                              warps=4, stages=1, approx_tanh=False, short_fwd_bn=16),
+    gradients=TileConfig(bm=1024, bn=1024, bk=256, warps=4, stages=1), pdl=False)
+
+
+def forward_keys(at: AttentionConfig, seq: int) -> int:
+    """Keys per attention-forward step: short_fwd_bn up to short_seq tokens (loops of at most four
+    steps, half of them on the diagonal, where narrower steps compute fewer masked logits), else fwd_bn."""
+    return at.short_fwd_bn if seq <= at.short_seq else at.fwd_bn
+
+
+def key_block(at: AttentionConfig, batch: int, seq: int, sms: int) -> int:
+    """Keys per dK/dV program: few_kv_bn when kv_bn-key programs would not fill the GPU once (batch
+    1-4 at short sequences): twice the programs, each half as long on the launch's critical path."""
+    return at.few_kv_bn if batch * KV_HEADS * cdiv(seq, at.kv_bn) <= sms else at.kv_bn
+
+
+def head_split(at: AttentionConfig, kv_slots: int, seq: int, sms: int) -> int:
+    """dK/dV programs per key block: one per query head of the group (summed by the last of them)
+    while the split grid has at most head_split_per_sm programs per SM, from head_split_min_seq
+    tokens: at batch 1 the first key blocks' programs (three heads times every later query) are the
+    launch's critical path; shorter loops gain nothing (benchmarks/notes/037.md row 27). Else 1."""
+    return GROUP if kv_slots * GROUP <= at.head_split_per_sm * sms and seq >= at.head_split_min_seq else 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every launch of one 037 call (grids in programs)."""
+
+    products: str  # "triton" (our tiles) or "cublas" (the forward and gradient products)
+    pdl: bool
+    pack: Layout
+    forward: TileConfig  # the forward launch's tiles: `Config.forward`, or `norm_rope` on cuBLAS
+    forward_programs: int
+    attention_forward_programs: int
+    attention_forward_keys: int  # keys per step
+    kv_bn: int  # keys per dK/dV program
+    head_split: int  # dK/dV programs per key block
+    kv_slots: int  # (batch, KV head, key block)s
+    q_programs: int  # dQ programs
+    splits: tuple  # K splits of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo (0: skipped or on cuBLAS)
+    gradient_programs: int  # our gradient products' tiles, then the norm-weight sums
+    wanted: tuple  # whether grad_hidden, grad_[Wq; Wk; Wv], grad_Wo are needed (cuBLAS runs those)
+    ranges: tuple  # Regions of the pack, forward, attention forward and attention backward launches
+
+    @property
+    def kv_programs(self) -> int:
+        return self.kv_slots * self.head_split
+
+    @property
+    def arrivals(self) -> int:
+        """Arrival counters of split dK/dV programs (zeroed by the pack), one per key block."""
+        return self.kv_slots if self.head_split > 1 else 0
+
+
+def gradient_shapes(tokens: int) -> list:
+    """(M, N, K) of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo."""
+    return [(tokens, HIDDEN, QKV), (QKV, HIDDEN, tokens), (Q_OUT, HIDDEN, tokens)]
+
+
+def pack_layout(cfg: Config, tokens: int, splits, arrivals: int) -> Layout:
+    """The pack's programs: flat casts of grad_output, X, Wq, Wk, Wv, the Wo^T tiles (those
+    converting), then zero fills of split-K outputs and of the attention backward's arrival counters."""
+    pk = cfg.pack
+
+    def flat(n):
+        return chunks(n, pk.block, pk.iters)
+
+    split_gx, split_wqkv, split_wo = (s > 1 for s in splits)
+    return Layout((
+        Segment("grad_output", flat(tokens * HIDDEN)),
+        Segment("hidden_states", flat(tokens * HIDDEN)),
+        Segment("q_weight", flat(Q_OUT * HIDDEN)),
+        Segment("k_weight", flat(KV_OUT * HIDDEN)),
+        Segment("v_weight", flat(KV_OUT * HIDDEN)),
+        Segment("o_weight", (HIDDEN // pk.tile) * (Q_OUT // pk.tile)),
+        Segment("zero grad_hidden_states", split_gx * flat(tokens * HIDDEN), ranged=False),
+        Segment("zero grad_[q; k; v]_weight", split_wqkv * flat(QKV * HIDDEN), ranged=False),
+        Segment("zero grad_o_weight", split_wo * flat(Q_OUT * HIDDEN), ranged=False),
+        Segment("zero arrival counters", flat(arrivals), ranged=False),
+    ))
+
+
+def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None = None, needs=None,
+         deterministic: bool = False) -> Plan:
+    """The launches of one call at `axes` on `sms` processors.
+
+    needs: one bool per output (None: all); grad_hidden's product, the three projection weights'
+    product and grad_Wo's product are skipped when nobody needs them. deterministic: no K splits
+    (nothing else uses atomics). products: "triton", "cublas", or None (by size on a GPU:
+    `cublas_min_flop` of gradient-product work).
+    """
+    if HEAD_DIM != cfg.forward.bn or HEAD_DIM != cfg.norm_rope.bn:
+        raise ValueError(f"037 forward launch: tile width must be one head ({HEAD_DIM}), got "
+                         f"{cfg.forward.bn} and {cfg.norm_rope.bn}")
+    batch, seq = axes["batch_size"], axes["seq_len"]
+    tokens = batch * seq
+    at, gr = cfg.attention, cfg.gradients
+    gemms = gradient_shapes(tokens)
+    backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu)
+    on_cublas = backend == "cublas"
+    needs = needs or (True,) * 7
+    wanted = (needs[0], any(needs[1:4]), needs[4])
+    if on_cublas:  # our launch only sums the norm-weight partials
+        splits = [0] * 3
+    else:
+        splits = [1] * 3 if deterministic else choose_splits(gemms, gr.bm, gr.bn, gr.bk, sms)
+        splits = [s * w for s, w in zip(splits, wanted)]  # 0: skipped
+    gradient_tiles = sum(tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gemms, splits))
+
+    kv_bn = key_block(at, batch, seq, sms)
+    kv_slots = batch * KV_HEADS * cdiv(seq, kv_bn)  # one per (batch, KV head, key block)
+    split = head_split(at, kv_slots, seq, sms)
+    q_programs = batch * HEADS * cdiv(seq, at.q_bm)
+    fw = cfg.norm_rope if on_cublas else cfg.forward
+    row_blocks = cdiv(tokens, fw.bm)
+    forward_programs = tile_count(tokens, QKV, 1, fw.bm, fw.bn) + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm,
+                                                                                              fw.bn)
+    attention_forward_programs = batch * HEADS * cdiv(seq, at.fwd_bm)
+    pack = pack_layout(cfg, tokens, splits, kv_slots if split > 1 else 0)
+    gradients = ("gradient of k projection", "gradient of v projection", "gradient of q projection")
+    ranges = (
+        pack.regions,
+        Regions((("normed, rotated q", HEADS * row_blocks), ("normed, rotated k", KV_HEADS * row_blocks))),
+        Regions((("gradient of attention output", attention_forward_programs),)),
+        Regions((("v projection", kv_slots), (gradients[0], kv_slots), (gradients[1], kv_slots),
+                 (gradients[2], q_programs)), overflow_only=gradients),
+    )
+    return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw, forward_programs=forward_programs,
+                attention_forward_programs=attention_forward_programs, attention_forward_keys=forward_keys(at, seq),
+                kv_bn=kv_bn, head_split=split, kv_slots=kv_slots, q_programs=q_programs, splits=tuple(splits),
+                gradient_programs=gradient_tiles + 2 * HEAD_DIM // cfg.sums.cols, wanted=wanted, ranges=ranges)

@@ -1,0 +1,221 @@
+"""021's launch shapes (`Config`), the rules that pick among them, and the plan of one call (`plan`):
+pack, forward products, attention, gradient products (or, after cuBLAS's, only the bias sums).
+
+Plain Python: a plan can be checked on any machine without launching anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...kernels.config import PackConfig, SumConfig, TileConfig
+from ...kernels.schedule import (
+    Layout,
+    Regions,
+    Segment,
+    cdiv,
+    choose_products,
+    choose_splits,
+    chunks,
+    longest_first,
+    next_power_of_2,
+    tile_count,
+)
+from .spec import HEADS, HIDDEN
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """Video tokens per block (bm, at `warps`); all text tokens in one tile up to one_tile, else bn per
+    step; with one tile, programs per SM to aim for when runs of blocks share K and V (blocks_per_run)."""
+
+    bm: int = 128
+    bn: int = 128
+    warps: int = 8
+    stages: int = 2
+    one_tile: int = 128
+    programs_per_sm: float = 1.0
+    split_text: bool = True  # one text tile as a head and a tail (text_tiles)
+    # Rows and warps of the blocks when a head's video tokens fit one block of bm (video_blocks).
+    lone_block: tuple | None = (64, 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    # Pack: grad_output in tiles of `rows` tokens, `cols` columns per step; Wo^T in `tile`-side tiles.
+    pack: PackConfig = PackConfig(rows=16, cols=1024, tile=64, block=8192, iters=1, warps=4)
+    # Persistent programs over 128 x 256 tiles (benchmarks/notes/021.md row 24).
+    forward: TileConfig = TileConfig(bm=128, bn=256, bk=64, warps=8, stages=3)
+    # Forward tiles when those of `forward` would not fill the GPU once (forward_tiles).
+    forward_small: TileConfig = TileConfig(bm=128, bn=128, bk=64, warps=8, stages=3)
+    attention: AttentionConfig = AttentionConfig()
+    # 4 warps: 2 programs per SM (8 warps need 144 registers a thread, which allows one)
+    gradients: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
+    sums: SumConfig = SumConfig(rows=32, cols=64)  # bias gradients from per-program partial rows
+    pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
+    # From this much gradient-product work (FLOP) on, cuBLAS does those products: below it, the host
+    # time of five torch.mm calls is not hidden (benchmarks/notes/021.md row 28).
+    cublas_min_flop: float = 60e9
+
+
+CONFIG = Config()
+# The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles;
+# 64-token attention blocks so that small shapes still give several programs per head.
+INTERPRETER_CONFIG = Config(
+    pack=PackConfig(rows=64, cols=1024, tile=256, block=1 << 20, iters=1, warps=4),
+    forward=TileConfig(bm=128, bn=512, bk=256, warps=8, stages=1),
+    forward_small=TileConfig(bm=128, bn=256, bk=256, warps=8, stages=1),
+    attention=AttentionConfig(bm=64, bn=64, warps=4, stages=1, one_tile=128, programs_per_sm=2),
+    gradients=TileConfig(bm=512, bn=512, bk=256, warps=8, stages=1), pdl=False)
+
+
+def text_tiles(nt: int, split: bool = True) -> tuple:
+    """Widths (head, tail; tail 0: none) of the tiles that hold nt text tokens at once: powers of two
+    of at least 16 (what the tensor-core products take), split in two when that pads less."""
+    whole = max(16, next_power_of_2(nt))
+    if split and whole >= 32:
+        tail = max(16, next_power_of_2(nt - whole // 2))
+        if whole // 2 + tail < whole:
+            return whole // 2, tail
+    return whole, 0
+
+
+def video_blocks(at: AttentionConfig, nv: int, one_tile: bool) -> tuple:
+    """(rows, warps) of the attention's blocks of video tokens: lone_block when a head's video
+    tokens fit one block of bm and the text one tile (a program then loops over two half blocks,
+    the second's loads under the first's work), else (bm, warps)."""
+    return at.lone_block if one_tile and nv <= at.bm and at.lone_block else (at.bm, at.warps)
+
+
+def blocks_per_run(at: AttentionConfig, m_blocks: int, heads: int, sms: int, one_tile: bool) -> int:
+    """Blocks of one head per attention program. With one text tile, long runs (fewer fp32 partial
+    sums of dK/dV) while the grid still has programs_per_sm programs per SM; else 1."""
+    if not one_tile:
+        return 1
+    runs = min(m_blocks, max(1, int(at.programs_per_sm * sms) // heads))
+    return cdiv(m_blocks, runs)
+
+
+def forward_tiles(cfg: Config, tv: int, tt: int, sms: int) -> TileConfig:
+    """The persistent forward products' tiles: `forward`, or `forward_small` when those would not fill
+    the GPU once (up to ~2000 video tokens): then each program has one tile, and a half-width tile
+    takes half as long."""
+    return cfg.forward if forward_tile_count(cfg.forward, tv, tt) >= sms else cfg.forward_small
+
+
+def forward_tile_count(t: TileConfig, tv: int, tt: int) -> int:
+    """Tiles of Q, [K | V] and dC."""
+    return 2 * tile_count(tv, HIDDEN, 1, t.bm, t.bn) + tile_count(tt, 2 * HIDDEN, 1, t.bm, t.bn)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every launch of one 021 call (grids in programs)."""
+
+    products: str  # "triton" (our gradient products) or "cublas"
+    pdl: bool
+    pack: Layout
+    forward: TileConfig  # the forward products' tiles
+    forward_programs: int  # persistent ones; the launch adds the grad_bo sums' programs
+    one_tile: bool  # all text tokens in one tile (else text tiles of AttentionConfig.bn)
+    text_tile: int
+    text_tail: int  # 0: none
+    block_rows: int  # video tokens per block
+    block_warps: int
+    per_program: int  # blocks per attention program
+    runs: int  # attention programs per head
+    attention_programs: int
+    kv_partial_rows: int  # of the fp32 dK/dV partial sums (1: unused)
+    splits: tuple  # K splits of grad_video, grad_text, grad_Wq, grad_Wo, grad_Wk, grad_Wv (0: skipped/cuBLAS)
+    starts: tuple  # first program of grad_video, grad_text, grad_Wq + grad_Wo, grad_Wk + grad_Wv
+    gradient_programs: int  # our gradient products' tiles, then the bias sums
+    wanted: tuple  # whether each of those six products is needed (cuBLAS runs those)
+    ranges: tuple  # Regions of the pack, forward and attention launches
+
+
+def gradient_shapes(tv: int, tt: int) -> list:
+    """(M, N, K) of grad_video, grad_text, grad_Wq, grad_Wo, grad_Wk, grad_Wv."""
+    return [(tv, HIDDEN, HIDDEN), (tt, HIDDEN, 2 * HIDDEN)] + [(HIDDEN, HIDDEN, tv)] * 2 + [(HIDDEN, HIDDEN, tt)] * 2
+
+
+def pack_layout(cfg: Config, tv: int, tt: int, splits, zero_kv_partials: bool) -> Layout:
+    """The pack's programs: grad_output row tiles, flat casts of video, text, Wq, Wk, Wv, the Wo^T
+    tiles (those converting), one program zeroing the attention's arrival counters, then zero fills
+    of the attention's fp32 dK/dV and of the split-K products' outputs."""
+    pk = cfg.pack
+
+    def flat(n):
+        return chunks(n, pk.block, pk.iters)
+
+    split_gv, split_gt, split_wv, _, split_wt, _ = (s > 1 for s in splits)
+    weight = flat(HIDDEN * HIDDEN)
+    return Layout((
+        Segment("grad_output", cdiv(tv, pk.rows)),
+        Segment("video_latents", flat(tv * HIDDEN)),
+        Segment("text_embeddings", flat(tt * HIDDEN)),
+        Segment("query_weight", weight),
+        Segment("key_weight", weight),
+        Segment("value_weight", weight),
+        Segment("output_weight", (HIDDEN // pk.tile) ** 2),
+        Segment("zero arrival counters", 1, ranged=False),
+        Segment("zero dK/dV partial sums", zero_kv_partials * flat(tt * 2 * HIDDEN), ranged=False),
+        Segment("zero grad_query_weight", split_wv * weight, ranged=False),
+        Segment("zero grad_output_weight", split_wv * weight, ranged=False),
+        Segment("zero grad_key_weight", split_wt * weight, ranged=False),
+        Segment("zero grad_value_weight", split_wt * weight, ranged=False),
+        Segment("zero grad_video_latents", split_gv * flat(tv * HIDDEN), ranged=False),
+        Segment("zero grad_text_embeddings", split_gt * flat(tt * HIDDEN), ranged=False),
+    ))
+
+
+def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None = None, needs=None,
+         deterministic: bool = False) -> Plan:
+    """The launches of one call at `axes` on `sms` processors.
+
+    needs: one bool per output (None: all); without input gradients (grad_video, grad_text) or
+    without weight gradients (the four grad_W) their products are skipped; the bias gradients are
+    column sums taken along the way. deterministic: no K splits, and the attention's partial dK/dV
+    stored per run and added in order instead of by atomics. products: "triton", "cublas", or None
+    (by size on a GPU: `cublas_min_flop` of gradient-product work).
+    """
+    batch, nv, nt = axes["batch_size"], axes["num_video_tokens"], axes["num_text_tokens"]
+    tv, tt = batch * nv, batch * nt
+    at, gr = cfg.attention, cfg.gradients
+    one_tile = nt <= at.one_tile
+    block_rows, block_warps = video_blocks(at, nv, one_tile)
+    m_blocks = cdiv(nv, block_rows)
+    text_tile, text_tail = text_tiles(nt, at.split_text) if one_tile else (at.bn, 0)
+    per_program = blocks_per_run(at, m_blocks, batch * HEADS, sms, one_tile)
+    runs = cdiv(m_blocks, per_program)
+
+    gemms = gradient_shapes(tv, tt)
+    backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu)
+    needs = needs or (True,) * 10
+    wanted = (any(needs[:2]),) * 2 + (any(needs[2::2]),) * 4  # input products, weight products
+    if backend == "cublas":  # our gradient launch only sums the bias gradients
+        splits = [0] * 6
+    else:
+        splits = [1] * 6 if deterministic else choose_splits(gemms, gr.bm, gr.bn, gr.bk, sms)
+        splits = [s * w for s, w in zip(splits, wanted)]  # 0: skipped
+    tiles = [tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gemms, splits)]
+    split_gv, split_gt, split_wv, _, split_wt, _ = splits
+    starts = longest_first([(tiles[0], gemms[0][2], split_gv), (tiles[1], gemms[1][2], split_gt),
+                            (tiles[2] + tiles[3], tv, split_wv), (tiles[4] + tiles[5], tt, split_wt)])
+
+    fw = forward_tiles(cfg, tv, tt, sms)
+    attention_programs = batch * HEADS * runs
+    pack = pack_layout(cfg, tv, tt, splits, runs > 1 and not deterministic)
+    q_tiles, k_tiles = tile_count(tv, HIDDEN, 1, fw.bm, fw.bn), tile_count(tt, HIDDEN, 1, fw.bm, fw.bn)
+    gradients = ("gradient of queries", "gradient of keys", "gradient of values")
+    ranges = (
+        pack.regions,
+        Regions((("queries", q_tiles), ("keys", k_tiles), ("values", k_tiles), ("gradient of attention context", q_tiles))),
+        Regions(tuple((g, attention_programs) for g in gradients), overflow_only=gradients),
+    )
+    return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
+                forward_programs=min(forward_tile_count(fw, tv, tt), sms), one_tile=one_tile, text_tile=text_tile,
+                text_tail=text_tail, block_rows=block_rows, block_warps=block_warps, per_program=per_program, runs=runs,
+                attention_programs=attention_programs,
+                kv_partial_rows=(runs if deterministic else 1) * tt if runs > 1 else 1, splits=tuple(splits),
+                starts=tuple(starts), gradient_programs=sum(tiles) + 3 * HIDDEN // cfg.sums.cols, wanted=wanted,
+                ranges=ranges)

@@ -1,0 +1,211 @@
+"""021's Triton kernels but the attention's (`triton_attention.py`): the pack, the forward products
+and the gradient products. `backward.py` launches them as `config.plan` says:
+
+1. pack: fp16 copies of every product operand (Wo transposed), column sums of grad_output, zero fills;
+2. forward products: Q, [K | V] (bias added) and dC = grad_output Wo, all fp16;
+3. attention (`triton_attention.py`): per (batch, head, run of video blocks) C, dQ, dK/dV and the
+   q/k/v bias gradients' partial sums;
+4. gradient products: grad_Wq, grad_Wo, grad_Wk, grad_Wv, grad_video, grad_text, and the q/k/v bias
+   gradients. On the cuBLAS path cuBLAS does these products and launch 4 only sums the biases.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...kernels.triton.elementwise import cast_chunk, column_sums, max_abs, transpose_tile, zero_chunk
+from ...kernels.triton.gemm import gemm_tile, tma_tile
+from ...kernels.triton.pdl import after_previous_launch
+from .spec import HIDDEN
+
+_HIDDEN = tl.constexpr(HIDDEN)
+_KV = tl.constexpr(2 * HIDDEN)  # width of the stacked [K | V] rows
+
+
+@triton.jit
+def _grad_output_tile(go, go16, colsum_parts, tile, TV, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """go16 = fp16(grad_output) on ROWS tokens; colsum_parts[tile] = their fp32 column sums (for grad_bo).
+    Returns their largest |value|."""
+    r = tile * ROWS + tl.arange(0, ROWS)
+    ok = r[:, None] < TV
+    largest = 0.0
+    for c0 in tl.static_range(0, _HIDDEN, COLS):
+        c = c0 + tl.arange(0, COLS)
+        offs = r[:, None].to(tl.int64) * _HIDDEN + c[None, :]
+        x = tl.load(go + offs, mask=ok, other=0.0)
+        tl.store(go16 + offs, x.to(tl.float16), mask=ok)
+        tl.store(colsum_parts + tile * _HIDDEN + c, tl.sum(x, 0))
+        largest = tl.maximum(largest, max_abs(x))
+    return largest
+
+
+@triton.jit(do_not_specialize=["TV", "TT", "n_heads", "e_go", "e_video", "e_text", "e_wq", "e_wk", "e_wv", "e_wo",
+                                "e_small", "e_dkv", "e_zwq", "e_zwo", "e_zwk", "e_zwv", "e_zgv"])
+def pack_kernel(
+    go, video, text, wq, wk, wv, wo,
+    go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts, ranges,
+    dkv32, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
+    TV, TT, n_heads, e_go, e_video, e_text, e_wq, e_wk, e_wv, e_wo, e_small, e_dkv, e_zwq, e_zwo, e_zwk, e_zwv, e_zgv,
+    ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """go16 = fp16(grad_output) with per-tile column sums (_grad_output_tile); video16, text16, Wq16,
+    [Wk; Wv]16 = fp16 casts; wo_t16 = fp16(Wo^T) in T x T tiles; the attention's n_heads arrival
+    counters zeroed (one program); zeros in the attention's fp32 dK/dV and in the split-K products'
+    outputs where used. The program segments are `config.pack_layout`'s, in its order; e_* is the
+    end of each but the last. Each converting program (before e_wo) stores the largest |value| it
+    converted in ranges[pid]."""
+    after_previous_launch(PDL)
+    pid = tl.program_id(0)
+    W: tl.constexpr = _HIDDEN * _HIDDEN
+    n_video = TV * _HIDDEN
+    n_text = TT * _HIDDEN
+    n_dkv = TT * _KV
+    largest = 0.0
+    if pid < e_go:
+        largest = _grad_output_tile(go, go16, colsum_parts, pid, TV, ROWS, COLS)
+    elif pid < e_video:
+        largest = cast_chunk(video, video16, n_video, pid - e_go, BLOCK, ITERS)
+    elif pid < e_text:
+        largest = cast_chunk(text, text16, n_text, pid - e_video, BLOCK, ITERS)
+    elif pid < e_wq:
+        largest = cast_chunk(wq, wq16, W, pid - e_text, BLOCK, ITERS)
+    elif pid < e_wk:
+        largest = cast_chunk(wk, wkv16, W, pid - e_wq, BLOCK, ITERS)
+    elif pid < e_wv:
+        largest = cast_chunk(wv, wkv16 + W, W, pid - e_wk, BLOCK, ITERS)
+    elif pid < e_wo:
+        largest = transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, T)
+    elif pid < e_small:
+        c = tl.arange(0, _HIDDEN)
+        for c0 in range(0, n_heads, _HIDDEN):
+            tl.store(arrivals + c0 + c, tl.zeros((_HIDDEN,), dtype=tl.int32), mask=c0 + c < n_heads)
+    elif pid < e_dkv:
+        zero_chunk(dkv32, n_dkv, pid - e_small, BLOCK, ITERS)
+    elif pid < e_zwq:
+        zero_chunk(grad_wq, W, pid - e_dkv, BLOCK, ITERS)
+    elif pid < e_zwo:
+        zero_chunk(grad_wo, W, pid - e_zwq, BLOCK, ITERS)
+    elif pid < e_zwk:
+        zero_chunk(grad_wk, W, pid - e_zwo, BLOCK, ITERS)
+    elif pid < e_zwv:
+        zero_chunk(grad_wv, W, pid - e_zwk, BLOCK, ITERS)
+    elif pid < e_zgv:
+        zero_chunk(grad_video, n_video, pid - e_zwv, BLOCK, ITERS)
+    else:
+        zero_chunk(grad_text, n_text, pid - e_zgv, BLOCK, ITERS)
+    if pid < e_wo:
+        tl.store(ranges + pid, largest)
+
+
+@triton.jit(do_not_specialize=["TV", "TT", "n_parts", "n_programs"])
+def forward_products_kernel(
+    act16, w16, bq, bk, bv,
+    q16, kv16, dc16, colsum_parts, grad_bo, ranges,
+    TV, TT, n_parts, n_programs,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Q = video Wq^T + bq, [K | V] = text [Wk; Wv]^T + [bk | bv], dC = grad_output Wo (fp16 out),
+    then grad_bo from the pack's column sums. Each tile's largest |value| goes to ranges, column
+    tiles outermost within each product, so that Q, K, V and dC each have one range of slots.
+
+    act16 is [video; text; grad_output] and w16 is [Wq; Wk; Wv; Wo^T], each [rows, 1024] row-major,
+    so every product reads row blocks of the same two TMA descriptors (a tile's rows past its
+    product's read the next product's rows, which only reach rows it does not store). The first
+    n_programs programs loop over all tiles (persistent); the rest sum columns for grad_bo.
+    """
+    after_previous_launch(PDL)
+    pid = tl.program_id(0)
+    t_q = ((TV + BM - 1) // BM) * (_HIDDEN // BN)
+    t_kv = ((TT + BM - 1) // BM) * (2 * _HIDDEN // BN)
+    if pid < n_programs:
+        a_desc = tl.make_tensor_descriptor(act16, shape=[2 * TV + TT, _HIDDEN], strides=[_HIDDEN, 1],
+                                           block_shape=[BM, BK])
+        b_desc = tl.make_tensor_descriptor(w16, shape=[4 * _HIDDEN, _HIDDEN], strides=[_HIDDEN, 1],
+                                           block_shape=[BN, BK])
+        for tile in tl.range(pid, 2 * t_q + t_kv, n_programs, flatten=True):
+            on_q = tile < t_q
+            on_kv = (tile >= t_q) & (tile < t_q + t_kv)
+            local = tl.where(on_q, tile, tl.where(on_kv, tile - t_q, tile - t_q - t_kv))
+            width = tl.where(on_kv, 2 * _HIDDEN, _HIDDEN)
+            rows = tl.where(on_kv, TT, TV)
+            off_m = (local // (width // BN)) * BM
+            off_n = (local % (width // BN)) * BN
+            acc = tma_tile(a_desc, b_desc, tl.where(on_q, 0, tl.where(on_kv, TV, TV + TT)) + off_m,
+                           tl.where(on_q, 0, tl.where(on_kv, _HIDDEN, 3 * _HIDDEN)) + off_n, 0, _HIDDEN, BM, BN, BK)
+            rn = off_n + tl.arange(0, BN)
+            bias = tl.where(on_q, bq + rn, tl.where(rn < _HIDDEN, bk + rn, bv + rn - _HIDDEN))
+            acc += tl.load(bias, mask=on_q | on_kv, other=0.0)[None, :]
+            rm = off_m + tl.arange(0, BM)
+            out = tl.where(on_q, q16, tl.where(on_kv, kv16, dc16))
+            tl.store(out + rm[:, None].to(tl.int64) * width + rn[None, :], acc.to(tl.float16),
+                     mask=rm[:, None] < rows)
+            row_blocks = (rows + BM - 1) // BM
+            slot = tile - local + (off_n // BN) * row_blocks + off_m // BM
+            tl.store(ranges + slot, max_abs(tl.where(rm[:, None] < rows, acc, 0.0)))
+    else:
+        cols = (pid - n_programs) * SUM_COLS + tl.arange(0, SUM_COLS)
+        tl.store(grad_bo + cols, column_sums(colsum_parts, n_parts, _HIDDEN, cols, SUM_ROWS, SUM_COLS))
+
+
+@triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "start_gv", "start_gt",
+                                "start_wv", "start_wt", "n_parts"])
+def gradient_products_kernel(
+    dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
+    grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
+    TV, TT, split_wv, split_wt, split_gv, split_gt, start_gv, start_gt, start_wv, start_wt, n_parts,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Input gradients (A row-major): grad_video = dQ Wq, grad_text = [dK | dV] [Wk; Wv]; then weight
+    gradients (A read feature-contiguous): grad_Wq = dQ^T video, grad_Wo = grad_output^T C,
+    grad_Wk = dK^T text, grad_Wv = dV^T text. One call site per layout, so one shared-memory ring
+    each. K splits (outputs pre-zeroed when split; 0 skips the products): split_gv, split_gt for
+    grad_video, grad_text; split_wv for the weight gradients over video tokens, split_wt for those
+    over text tokens. The four groups of tiles (grad_video; grad_text; grad_Wq and grad_Wo; grad_Wk
+    and grad_Wv) start at program start_gv, start_gt, start_wv, start_wt (the host orders them
+    longest tiles first, so that short tiles fill the last wave). Then 3 * 1024 / SUM_COLS programs
+    sum the attention's bias_parts into grad_bq, grad_bk, grad_bv."""
+    after_previous_launch(PDL)
+    pid = tl.program_id(0)
+    t_gv = ((TV + BM - 1) // BM) * (_HIDDEN // BN) * split_gv
+    t_gt = ((TT + BM - 1) // BM) * (_HIDDEN // BN) * split_gt
+    t_w = (_HIDDEN // BM) * (_HIDDEN // BN)
+    t_wv = t_w * split_wv  # per product of the pair
+    t_wt = t_w * split_wt
+    in_gv = (pid >= start_gv) & (pid < start_gv + t_gv)
+    in_gt = (pid >= start_gt) & (pid < start_gt + t_gt)
+    in_wv = (pid >= start_wv) & (pid < start_wv + 2 * t_wv)
+    in_wt = (pid >= start_wt) & (pid < start_wt + 2 * t_wt)
+    if in_gv | in_gt:
+        depth = tl.multiple_of(tl.where(in_gv, _HIDDEN, 2 * _HIDDEN), 1024)
+        gemm_tile(
+            pid - tl.where(in_gv, start_gv, start_gt),
+            tl.where(in_gv, dq16, dkv16),
+            tl.where(in_gv, wq16, wkv16),
+            tl.where(in_gv, grad_video, grad_text),
+            tl.where(in_gv, TV, TT), _HIDDEN, depth,
+            depth, 1, _HIDDEN, 1, _HIDDEN,
+            tl.where(in_gv, split_gv, split_gt), BM, BN, BK,
+        )
+    elif in_wv | in_wt:
+        local = pid - tl.where(in_wv, start_wv, start_wt)
+        tiles = tl.where(in_wv, t_wv, t_wt)
+        i = local // tiles  # of the pair
+        gemm_tile(
+            local - i * tiles,
+            tl.where(in_wv, tl.where(i == 0, dq16, go16), dkv16 + i * _HIDDEN),
+            tl.where(in_wv, tl.where(i == 0, video16, ctx16), text16),
+            tl.where(in_wv, tl.where(i == 0, grad_wq, grad_wo), tl.where(i == 0, grad_wk, grad_wv)),
+            _HIDDEN, _HIDDEN, tl.where(in_wv, TV, TT),
+            1, tl.multiple_of(tl.where(in_wv, _HIDDEN, 2 * _HIDDEN), 1024), _HIDDEN, 1, _HIDDEN,
+            tl.where(in_wv, split_wv, split_wt), BM, BN, BK,
+        )
+    else:
+        strip = pid - (t_gv + t_gt + 2 * t_wv + 2 * t_wt)
+        cols = strip * SUM_COLS + tl.arange(0, SUM_COLS)
+        which = (strip * SUM_COLS) // _HIDDEN  # 0: q, 1: k, 2: v
+        out = tl.where(which == 0, grad_bq, tl.where(which == 1, grad_bk, grad_bv)) + cols - which * _HIDDEN
+        tl.store(out, column_sums(bias_parts, n_parts, 3 * _HIDDEN, cols, SUM_ROWS, SUM_COLS))

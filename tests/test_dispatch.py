@@ -1,0 +1,76 @@
+"""How a call reaches the fused kernels: specs, configs and plans import no Triton; on the CPU the
+Triton interpreter or the reference; the deterministic flag; the launcher's Triton-version fallback."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import check_fused
+
+import backfuse
+from backfuse.kernels import launch
+from backfuse.ops.qkv_gqa import backward as qkv_gqa_backward
+
+
+def _fresh_python(code, env=None):
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=env or dict(os.environ))
+
+
+def test_specs_configs_and_plans_import_no_triton():
+    """What describes an operator (spec), its launch shapes and plans (config), the harness and the
+    training API import no Triton: only a fused call does (`Problem.fused`)."""
+    _fresh_python(
+        "import sys\n"
+        "import backfuse, backfuse.problem, backfuse.functional, backfuse.nn, backfuse.bench, backfuse.cli\n"
+        "from backfuse.ops.qkv_gqa import config as a, spec\n"
+        "from backfuse.ops.gemma3_core import config as b, spec\n"
+        "from backfuse.ops.wan_xattn import config as c, spec\n"
+        "a.plan(a.CONFIG, backfuse.problem('072').workloads[0].axes, 132)\n"
+        "b.plan(b.CONFIG, backfuse.problem('037').workloads[0].axes, 132)\n"
+        "c.plan(c.CONFIG, backfuse.problem('021').workloads[0].axes, 132)\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_cpu_without_interpreter_falls_back_to_reference():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    _fresh_python(
+        "import sys, torch, backfuse\n"
+        "p = backfuse.problem('072')\n"
+        "x = p.make_inputs(dict(batch_size=1, seq_len_dec=3, seq_len_enc=2), seed=0)\n"
+        "assert all(torch.equal(a, b) for a, b in zip(p.run(*x), p.reference(*x)))\n"
+        "assert 'triton' not in sys.modules\n", env)
+
+
+def test_deterministic_algorithms_flag_reaches_the_kernels(monkeypatch):
+    prob = backfuse.problem("072")
+    seen = {}
+    monkeypatch.setattr(qkv_gqa_backward, "backward", lambda *x, **kw: seen.update(kw) or prob.reference(*x))
+    x = prob.make_inputs(dict(batch_size=1, seq_len_dec=2, seq_len_enc=2), seed=0, device=DEVICE)
+    torch.use_deterministic_algorithms(True)
+    try:
+        prob.run(*x)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen.get("deterministic") is True
+
+
+def test_supported_triton_versions():
+    assert launch.triton_supported("3.6.0") and launch.triton_supported("3.6.1+git0123abc")
+    assert not any(launch.triton_supported(v) for v in ("3.5.1", "3.7.0", "3.8.0", "4.0.0", "nightly"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert launch.fast_launch_available("3.6.0")
+    with pytest.warns(RuntimeWarning, match="outside the supported range >=3.6,<3.7"):
+        assert not launch.fast_launch_available("3.8.0")
+
+
+def test_unsupported_triton_launches_through_the_jit(monkeypatch):
+    """Outside the supported range FastKernel launches through `kernel[grid](...)`: still correct
+    (on the GPU this is the JIT path with its scratch allocator; on the CPU the interpreter's)."""
+    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
+    check_fused(backfuse.problem("021"), dict(batch_size=1, num_video_tokens=9, num_text_tokens=5), seed=1)

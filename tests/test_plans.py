@@ -1,0 +1,132 @@
+"""Launch plans, checked without launching: every official case of every operator, on an H200's
+132 processors, plans as the notes describe; pack layouts consistent; the shared schedule helpers."""
+
+import dataclasses
+
+import pytest
+
+import backfuse
+from backfuse.kernels.schedule import Layout, Segment, choose_products, longest_first
+from backfuse.ops.gemma3_core import config as gemma3_core
+from backfuse.ops.qkv_gqa import config as qkv_gqa
+from backfuse.ops.wan_xattn import config as wan_xattn
+
+SMS = 132
+CONFIGS = {"072": qkv_gqa, "037": gemma3_core, "021": wan_xattn}
+
+
+def _plans(pid, **options):
+    module = CONFIGS[pid]
+    return [module.plan(module.CONFIG, w.axes, SMS, **options) for w in backfuse.problem(pid).workloads]
+
+
+def _cases(plans, test):
+    return [i for i, p in enumerate(plans) if test(p)]
+
+
+@pytest.mark.parametrize("pid", ["072", "037", "021"])
+def test_pack_layouts_are_consistent(pid):
+    for p in _plans(pid) + _plans(pid, deterministic=True) + _plans(pid, products="cublas"):
+        ends = p.pack.ends
+        assert ends[-1] == p.pack.programs and list(ends) == sorted(ends)
+        ranged = [s for s in p.pack.segments if s.ranged]
+        assert dict(p.pack.regions.counts) == {s.name: s.programs for s in ranged}
+        assert p.ranges[0] == p.pack.regions
+
+
+def test_product_backends_follow_the_notes():
+    """072: cuBLAS from 100 GFLOP (8 Triton cases, 072.md row 21); 037: from 512 tokens (Triton:
+    cases 8 and 11, 037.md row 24); 021: case 0 only (021.md row 28). No cuBLAS without a GPU."""
+    assert _cases(_plans("072"), lambda p: p.products == "triton") == [1, 2, 3, 4, 5, 12, 13, 15]
+    assert _cases(_plans("037"), lambda p: p.products == "triton") == [8, 11]
+    assert _cases(_plans("021"), lambda p: p.products == "cublas") == [0]
+    for pid in CONFIGS:
+        assert all(p.products == "triton" for p in _plans(pid, gpu=False))
+    with pytest.raises(ValueError, match="'triton' or 'cublas'"):
+        choose_products("cutlass", 0, 0, True)
+
+
+def test_gemma3_core_attention_rules():
+    """32-key dK/dV programs where 64-key ones would not fill the GPU once (037.md row 25: cases 0,
+    3, 8, 9, 11, 14, 15); programs split by query head at batch 1 from 256 tokens (row 27: cases 9, 11)."""
+    plans = _plans("037")
+    assert _cases(plans, lambda p: p.kv_bn == 32) == [0, 3, 8, 9, 11, 14, 15]
+    assert _cases(plans, lambda p: p.head_split == 3) == [9, 11]
+    assert all(p.attention_forward_keys == (32 if w.axes["seq_len"] <= 256 else 64)
+               for p, w in zip(plans, backfuse.problem("037").workloads))
+    # the cuBLAS path's forward launch only norms and rotates, with its own tiles
+    assert all(p.forward == (gemma3_core.CONFIG.norm_rope if p.products == "cublas" else gemma3_core.CONFIG.forward)
+               for p in plans)
+
+
+def test_wan_xattn_attention_rules():
+    """Lone blocks where a head's 128 video tokens fit one block (cases 0 and 15, 021.md row 22); the
+    77-token text as 64 + 16 (row 20); long text in tiles of 128; one run per head where it fills the GPU."""
+    plans = _plans("021")
+    assert _cases(plans, lambda p: p.block_rows == 64) == [0, 15]
+    assert all((p.text_tile, p.text_tail) == ((64, 16) if w.axes["num_text_tokens"] == 77 else (128, 0))
+               for p, w in zip(plans, backfuse.problem("021").workloads))
+    assert all(p.one_tile == (w.axes["num_text_tokens"] <= 128) for p, w in zip(plans, backfuse.problem("021").workloads))
+    assert all(p.runs * p.per_program >= -(-w.axes["num_video_tokens"] // p.block_rows)
+               for p, w in zip(plans, backfuse.problem("021").workloads))
+    small = _cases(plans, lambda p: p.forward == wan_xattn.CONFIG.forward_small)
+    assert small and all(p.forward_programs <= SMS for p in plans)
+
+
+@pytest.mark.parametrize("nt, tiles", [(1, (16, 0)), (19, (32, 0)), (33, (32, 16)), (77, (64, 16)), (100, (128, 0))])
+def test_text_tiles_pad_least(nt, tiles):
+    assert wan_xattn.text_tiles(nt) == tiles
+    assert wan_xattn.text_tiles(nt, split=False) == (max(16, 1 << (nt - 1).bit_length()), 0)
+
+
+@pytest.mark.parametrize("pid", ["072", "037", "021"])
+def test_deterministic_plans_do_not_split(pid):
+    for p in _plans(pid, deterministic=True):
+        assert all(s <= 1 for s in p.splits)
+        assert not any(s.programs for s in p.pack.segments if s.name.startswith("zero grad"))
+
+
+def test_needs_skip_products():
+    """072 without any weight gradient runs only the input-gradient tiles; 037 and 021 mark skipped
+    products with 0 splits."""
+    p = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[3].axes, SMS,
+                     needs=(True, True, False, False, False))
+    assert p.tiles.input_grads and not p.tiles.weight_grads
+    p = gemma3_core.plan(gemma3_core.CONFIG, dict(batch_size=1, seq_len=128), SMS,
+                         needs=(False, True, True, True, False, True, True))
+    assert p.splits[0] == 0 and p.splits[2] == 0 and p.splits[1] > 0
+    p = wan_xattn.plan(wan_xattn.CONFIG, dict(batch_size=2, num_video_tokens=256, num_text_tokens=77), SMS,
+                       needs=(True, True) + (False,) * 8)
+    assert p.splits[2:] == (0, 0, 0, 0) and all(p.splits[:2])
+
+
+def test_interpreter_configs_are_keyword_built_variants():
+    for module in CONFIGS.values():
+        assert type(module.INTERPRETER_CONFIG) is type(module.CONFIG)
+        assert not module.INTERPRETER_CONFIG.pdl and module.CONFIG.pdl
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            module.CONFIG.pdl = False
+
+
+def test_gemma3_core_forward_tiles_are_one_head():
+    cfg = dataclasses.replace(gemma3_core.CONFIG, forward=dataclasses.replace(gemma3_core.CONFIG.forward, bn=64))
+    with pytest.raises(ValueError, match="one head"):
+        gemma3_core.plan(cfg, dict(batch_size=1, seq_len=8), SMS)
+
+
+def test_layout_keeps_converting_segments_first():
+    layout = Layout((Segment("a", 3), Segment("b", 0), Segment("c", 2), Segment("zero d", 4, ranged=False)))
+    assert layout.ends == (3, 3, 5, 9) and layout.programs == 9 and layout.size("c") == 2
+    assert layout.regions.counts == (("a", 3), ("b", 0), ("c", 2))
+    with pytest.raises(ValueError, match="first"):
+        Layout((Segment("zero d", 4, ranged=False), Segment("a", 3)))
+    with pytest.raises(ValueError, match="differ"):
+        Layout((Segment("a", 3), Segment("a", 1)))
+
+
+def test_longest_first_orders_groups_by_tile_depth():
+    groups = [(512, 1024, 1), (312, 2048, 1), (256, 8192, 2), (128, 4928, 1), (0, 77, 0)]
+    starts = longest_first(groups)
+    spans = sorted((start, start + tiles) for start, (tiles, _, _) in zip(starts, groups))
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no overlap
+    assert starts[:4] == [696, 384, 128, 0]  # depths 1024, 2048, 4096, 4928: deepest first
