@@ -42,7 +42,7 @@ def test_product_backends_follow_the_notes():
     assert _cases(_plans("021"), lambda p: p.products == "cublas") == [0]
     for pid in CONFIGS:
         assert all(p.products == "triton" for p in _plans(pid, gpu=False))
-    with pytest.raises(ValueError, match="'triton' or 'cublas'"):
+    with pytest.raises(ValueError, match="'triton', 'cublas' or 'gluon'"):
         choose_products("cutlass", 0, 0, True)
 
 
@@ -130,3 +130,25 @@ def test_longest_first_orders_groups_by_tile_depth():
     spans = sorted((start, start + tiles) for start, (tiles, _, _) in zip(starts, groups))
     assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no overlap
     assert starts[:4] == [696, 384, 128, 0]  # depths 1024, 2048, 4096, 4928: deepest first
+
+
+def test_qkv_gqa_gluon_window():
+    """On Hopper, 072's one-launch Gluon kernel from 30 GFLOP up to cuBLAS's 100 (cases 2, 4, 5, 15:
+    gluon.md); none where the GPU does not run it; its range regions cover one slot per converting
+    pack item, and deterministic mode splits nothing."""
+    plans = _plans("072", gluon=True)
+    assert _cases(plans, lambda p: p.products == "gluon") == [2, 4, 5, 15]
+    assert not _cases(_plans("072"), lambda p: p.products == "gluon")
+    for p, w in zip(plans, backfuse.problem("072").workloads):
+        if p.products != "gluon":
+            continue
+        td = w.axes["batch_size"] * w.axes["seq_len_dec"]
+        counts = dict(p.gluon.regions.counts)
+        assert counts["grad_query_states"] == 16 * -(-td // 64) and counts["q_weight"] == 64 * 6
+        assert p.gluon.counters == 2 * -(-td // 128) + 2 * -(-w.axes["batch_size"] * w.axes["seq_len_enc"] // 128) + 6
+        assert p.gluon.tiles >= p.gluon.starts[-1] >= p.gluon.starts[0] and p.pack is None
+    det = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[4].axes, SMS, gluon=True, deterministic=True)
+    assert det.products == "gluon" and det.splits == (1, 1, 1, 1)
+    frozen = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[4].axes, SMS, gluon=True,
+                          needs=(True, True, False, False, False))
+    assert frozen.gluon.dec_chunks == frozen.gluon.enc_chunks == 0 and frozen.gluon.starts[0] == 0

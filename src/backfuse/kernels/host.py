@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import buffers
+from .launch import FAST_LAUNCH
 
 INT32_ELEMENTS = 2**31  # the kernels count elements in int32
 
@@ -27,7 +28,9 @@ def fits_int32(*counts: int) -> bool:
 
 class Host:
     """A fused call's device: on a GPU its processor count (what K splits and grids balance over),
-    on the CPU (the Triton interpreter) 1; `sms` overrides it (tests force a GPU's splits on the CPU)."""
+    on the CPU (the Triton interpreter) 1; `sms` overrides it (tests force a GPU's splits on the CPU).
+    `gluon`: the device runs our Gluon kernels (a Hopper GPU, sm_90, under the Triton they are
+    written for; FastKernel launches them)."""
 
     def __init__(self, device: torch.device, sms: int | None = None):
         self.device = device
@@ -35,6 +38,7 @@ class Host:
         if sms is None:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if self.gpu else 1
         self.sms = sms
+        self.gluon = self.gpu and FAST_LAUNCH and torch.cuda.get_device_capability(device) == (9, 0)
 
     def config(self, given, gpu, interpreter):
         """`given`, else the GPU's config on a GPU and the Triton interpreter's on the CPU."""

@@ -9,8 +9,9 @@ different binary; what can still select one (constexprs, launch options, tensor 
 the lookup key.
 
 What `FastKernel` calls of Triton's launcher (`CompiledKernel.run`'s C entry, `packed_metadata`, the
-scratch allocator's context variable in `triton.runtime._allocation`) is Triton 3.6's. Outside
-`SUPPORTED_TRITON` it launches through the JIT (`fn[grid](...)`) instead, and warns once at import.
+scratch allocator's context variable in `triton.runtime._allocation`, and for Gluon kernels with host
+TMA descriptors the launcher's descriptor wrapper) is Triton 3.6's. Outside `SUPPORTED_TRITON` it
+launches through the JIT (`fn[grid](...)`) instead, and warns once at import.
 """
 
 from __future__ import annotations
@@ -47,9 +48,25 @@ def fast_launch_available(version: str) -> bool:
 
 FAST_LAUNCH = fast_launch_available(triton.__version__)
 if FAST_LAUNCH:
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime import _allocation
 else:
     _allocation = None
+
+
+def _encode_descriptors(run, args):
+    """(launch entry, args) with host TMA descriptors encoded now: Triton 3.6 wraps the launcher of a
+    kernel that takes descriptors so that it encodes them (cuTensorMapEncode) on every launch; here
+    that happens once, when the launch is prepared, and the wrapped entry is called directly."""
+    if not any(isinstance(a, TensorDescriptor) for a in args):
+        return run, args
+    cells = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__)))
+    metas = iter(cells["tensordesc_meta"])
+    encoded = []
+    for a in args:
+        encoded += make_tensordesc_arg(a, next(metas)) if isinstance(a, TensorDescriptor) else [a]
+    return cells["launcher"], encoded
 
 
 class FastKernel:
@@ -97,13 +114,14 @@ class FastKernel:
         stream = torch.cuda.current_stream().cuda_stream
         function, packed, launcher = handle.function, handle.packed_metadata, handle.run
         # What the launcher's __call__ does, with the scratch allocated once: Triton 3.6's CudaLauncher.
-        run, cooperative, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+        run, full = _encode_descriptors(launcher.launch, full)
+        cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
         scratch = None
         if launcher.global_scratch_size:
             scratch = buffers.empty((grid[0] * grid[1] * grid[2] * launcher.num_ctas * launcher.global_scratch_size,),
                                     torch.int8, tensors[0].device)
 
-        def launch(tensors=tensors):
+        def launch(tensors=tensors, args=args):  # keeps the tensors (and descriptors' tensors) alive
             run(grid[0], grid[1], grid[2], stream, function, cooperative, pdl, scratch, None,
                 packed, None, None, None, *full)
 

@@ -57,15 +57,22 @@ def longest_first(groups) -> list:
     return starts
 
 
-def choose_products(requested: str | None, flop: float, cublas_min_flop: float, gpu: bool) -> str:
+def choose_products(requested: str | None, flop: float, cublas_min_flop: float, gpu: bool, *,
+                    gluon_min_flop: float | None = None) -> str:
     """The backend of an operator's projection products: `requested` ("triton": our tiles, "cublas":
-    torch.mm on our fp16 operands) as given; None: cuBLAS on a GPU from cublas_min_flop of product
-    work (where its faster products outweigh its extra launches and their host time), else ours."""
+    torch.mm on our fp16 operands, "gluon": an operator's one-launch Hopper kernel) as given; None:
+    cuBLAS on a GPU from cublas_min_flop of product work (where its faster products outweigh its
+    extra launches and their host time), the Gluon kernel from gluon_min_flop below that (where the
+    operator has one and the GPU runs it: None otherwise), else ours."""
     if requested is not None:
-        if requested not in ("triton", "cublas"):
-            raise ValueError(f"products must be 'triton' or 'cublas', got {requested!r}")
+        if requested not in ("triton", "cublas", "gluon"):
+            raise ValueError(f"products must be 'triton', 'cublas' or 'gluon', got {requested!r}")
         return requested
-    return "cublas" if gpu and flop >= cublas_min_flop else "triton"
+    if gpu and flop >= cublas_min_flop:
+        return "cublas"
+    if gpu and gluon_min_flop is not None and flop >= gluon_min_flop:
+        return "gluon"
+    return "triton"
 
 
 @dataclass(frozen=True)

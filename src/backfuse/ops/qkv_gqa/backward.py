@@ -1,18 +1,24 @@
 """072's fused backward: one pack launch to fp16 operands, then the four products (our tiles in one
-launch, or cuBLAS), as `config.plan` lays them out."""
+launch, or cuBLAS); or, on Hopper, one Gluon launch doing both; as `config.plan` lays them out."""
 
 from __future__ import annotations
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...fp16_guard import RangeSlots
 from ...kernels import buffers
 from ...kernels.host import Host, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
+from . import gluon_kernels
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import CROSS_HIDDEN, HIDDEN, KV_OUT, PROBLEM, Q_OUT
 from .triton_kernels import pack_kernel, projection_grads_kernel
 
 PACK = FastKernel(pack_kernel)
 PRODUCTS = FastKernel(projection_grads_kernel)
+ONE_LAUNCH = FastKernel(gluon_kernels.fused_kernel)
 
 
 def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=False, ranges=None, config=None,
@@ -25,8 +31,9 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
     products are reproducible on one GPU model as they are). ranges: a RangeSlots that receives the
     largest |value| of every tensor converted to fp16 (only inputs and their head-group sums here).
 
-    products: "triton" (our tiles) or "cublas" (four torch.mm on our fp16 operands); None picks by
-    size on a GPU. config: a `config.Config` (None: CONFIG on a GPU, INTERPRETER_CONFIG on the CPU);
+    products: "triton" (our tiles), "cublas" (four torch.mm on our fp16 operands) or "gluon" (one
+    Hopper launch, pack included; its grad_Wk and grad_Wv are two tensors); None picks by size on a
+    GPU. config: a `config.Config` (None: CONFIG on a GPU, INTERPRETER_CONFIG on the CPU);
     sms: processors to balance the K splits over (the GPU's count; on the CPU interpreter, 1).
     """
     inputs = (gq, gk, gv, dec, enc, wq, wk, wv)
@@ -37,8 +44,11 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
     td, te = batch * sd, batch * se
     host = Host(gq.device, sms)
     cfg = host.config(config, CONFIG, INTERPRETER_CONFIG)
-    p = plan(cfg, dict(batch_size=batch, seq_len_dec=sd, seq_len_enc=se), host.sms, gpu=host.gpu, products=products,
-             needs=needs, deterministic=deterministic)
+    p = plan(cfg, dict(batch_size=batch, seq_len_dec=sd, seq_len_enc=se), host.sms, gpu=host.gpu,
+             gluon=host.gluon, products=products, needs=needs, deterministic=deterministic)
+    ranges = ranges or RangeSlots()
+    if p.products == "gluon":
+        return _one_launch(inputs, p, cfg.gluon, host, ranges)
     f16, f32 = host.f16, host.f32
     gq16, gkv16, dec16, enc16 = f16(td, Q_OUT), f16(te, 2 * KV_OUT), f16(td, HIDDEN), f16(te, CROSS_HIDDEN)
     wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)
@@ -47,7 +57,6 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
     grad_wq, grad_wkv = f32(Q_OUT, HIDDEN), f32(2 * KV_OUT, CROSS_HIDDEN)
     grad_wk, grad_wv = grad_wkv[:KV_OUT], grad_wkv[KV_OUT:]
 
-    ranges = ranges or RangeSlots()
     (pack_ranges,) = (r.reserve(ranges) for r in p.ranges)
     ranges.allocate(host.device)
     if p.products == "cublas":  # operand views made before the first launch, so they add no gaps
@@ -76,4 +85,41 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
             cublas_products((*product, needed) for product, needed in zip(cublas, p.cublas))
         for launch in product_launches:
             launch()
+    return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
+
+
+def _descriptor(t, block):
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
+
+
+def _one_launch(inputs, p, g, host, ranges):
+    """The Gluon path: one launch packs the fp16 operands and runs the four products on every SM."""
+    gq, gk, gv, dec, enc, wq, wk, wv = inputs
+    batch, _, sd, _ = gq.shape
+    se = gk.shape[2]
+    td, te = batch * sd, batch * se
+    f16, f32 = host.f16, host.f32
+    gq16, gkv16, dec16, enc16 = f16(td, Q_OUT), f16(te, 2 * KV_OUT), f16(td, HIDDEN), f16(te, CROSS_HIDDEN)
+    wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)
+    grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
+    grad_wq, grad_wk, grad_wv = f32(Q_OUT, HIDDEN), f32(KV_OUT, CROSS_HIDDEN), f32(KV_OUT, CROSS_HIDDEN)
+    offset = p.gluon.regions.reserve(ranges)
+    ranges.allocate(host.device)
+    bases, at = [], 0
+    for _, slots in p.gluon.regions.counts:
+        bases.append(at)
+        at += slots
+    operands = dict(gq16=gq16, gkv16=gkv16, dec16=dec16, enc16=enc16, wq16=wq16, wkv16=wkv16)
+    descriptors = [_descriptor(operands[buffer], block)
+                   for _, buffer, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)]
+    counters = torch.empty(p.gluon.counters, dtype=torch.int32, device=host.device)
+    with buffers.on_device(host.device):
+        launch = ONE_LAUNCH.prepare(
+            (host.sms,),
+            *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
+            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, ranges.block(offset),
+            td, te, sd, se, p.gluon.dec_chunks, p.gluon.enc_chunks, *p.splits, *p.gluon.starts, p.gluon.tiles,
+            *bases, STAGES=g.stages, num_warps=4, maxnreg=gluon_kernels.MAXNREG)
+        counters.zero_()  # the call's first GPU work; the launch was prepared before it
+        launch()
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv

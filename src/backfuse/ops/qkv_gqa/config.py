@@ -1,5 +1,6 @@
 """072's launch shapes (`Config`) and the plan of one call (`plan`): a pack launch that makes every
-fp16 operand, then the four products, as one launch of our tiles or as four cuBLAS products.
+fp16 operand, then the four products, as one launch of our tiles or as four cuBLAS products; or, on
+Hopper, one Gluon launch doing both (`GluonLaunch`, ops/qkv_gqa/gluon_kernels.py).
 
 Plain Python: a plan can be checked on any machine without launching anything.
 """
@@ -9,8 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...kernels.config import PackConfig, TileConfig
-from ...kernels.schedule import Layout, Segment, cdiv, choose_products, choose_splits, chunks, longest_first, tile_count
+from ...kernels.schedule import Layout, Regions, Segment, cdiv, choose_products, choose_splits, chunks, longest_first, tile_count
 from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
+
+
+@dataclass(frozen=True, kw_only=True)
+class GluonConfig:
+    """The one-launch Gluon kernel (sm_90): bm x bn x bk product tiles over a ring of `stages` slots
+    (128 x 128: its 16 warps leave 128 registers per thread), beside its pack partition. It runs from
+    min_flop of product work up to the config's cublas_min_flop: measured against pack + our Triton
+    products, 12-19% faster on the cases of 34-86 GFLOP, slower below 22 (benchmarks/notes/gluon.md)."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    stages: int = 4
+    min_flop: float = 30e9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +40,7 @@ class Config:
     # launches can cost, even on a slow host: the GPU work then outlasts the launching (measured:
     # benchmarks/notes/072.md). Below it, cuBLAS wins only when the host keeps up.
     cublas_min_flop: float = 100e9
+    gluon: GluonConfig = GluonConfig()
 
 
 CONFIG = Config()
@@ -43,17 +59,38 @@ class TilesLaunch:
     starts: tuple  # first program of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc (deepest tiles first)
 
 
+# The Gluon kernel's pack items (ops/qkv_gqa/gluon_kernels.py): 64 rows x 256 columns, or, for the
+# head-group sums, 16 tokens of the 4 query heads of one KV head; counted per 128-token block.
+GLUON_TOKEN_BLOCK, GLUON_ITEM_ROWS, GLUON_SUM_ROWS = 128, 64, 16
+
+
+@dataclass(frozen=True)
+class GluonLaunch:
+    """The one Gluon launch: tiles of grad_Wq [0, starts[0]), grad_dec [.., starts[1]), grad_[Wk; Wv]
+    [.., starts[2]), grad_enc [.., programs_tiles); how many 256-column chunks of dec / enc the pack
+    converts (0 when no weight gradient is wanted); its pack's completion counters (zeroed per
+    call) and range regions (one slot per converting item)."""
+
+    starts: tuple
+    tiles: int
+    dec_chunks: int
+    enc_chunks: int
+    counters: int
+    regions: Regions
+
+
 @dataclass(frozen=True)
 class Plan:
     """Every launch of one 072 call."""
 
-    products: str  # "triton" (our tiles) or "cublas"
+    products: str  # "triton" (our tiles), "cublas", or "gluon" (one launch, pack included)
     pdl: bool
-    pack: Layout
+    pack: Layout | None  # None: the Gluon kernel packs
     splits: tuple  # K splits of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc (1 each: unsplit)
-    tiles: TilesLaunch | None  # None: cuBLAS makes the products, or no output needs one
+    tiles: TilesLaunch | None  # None: cuBLAS or Gluon makes the products, or no output needs one
     cublas: tuple  # on cuBLAS, which of grad_dec, grad_enc, grad_Wq, grad_[Wk; Wv] run
-    ranges: tuple  # Regions of the launches that round to fp16: the pack's only
+    ranges: tuple  # Regions of the launches that round to fp16
+    gluon: GluonLaunch | None = None
 
 
 def product_shapes(axes) -> list:
@@ -89,20 +126,60 @@ def pack_layout(cfg: Config, axes, splits) -> Layout:
     ))
 
 
-def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None = None, needs=None,
-         deterministic: bool = False) -> Plan:
+def gluon_launch(cfg: GluonConfig, axes, splits, needs) -> GluonLaunch:
+    """Tile ranges, pack chunks, counters and range regions of the Gluon kernel at `axes`."""
+    td, te = axes["batch_size"] * axes["seq_len_dec"], axes["batch_size"] * axes["seq_len_enc"]
+    input_grads, weight_grads = any(needs[:2]), any(needs[2:])
+    split_wq, split_wkv, split_dec, split_enc = splits
+    t_wq = cdiv(Q_OUT, cfg.bm) * cdiv(HIDDEN, cfg.bn) * split_wq * weight_grads
+    t_dec = cdiv(td, cfg.bm) * cdiv(HIDDEN, cfg.bn) * split_dec * input_grads
+    t_wkv = cdiv(2 * KV_OUT, cfg.bm) * cdiv(CROSS_HIDDEN, cfg.bn) * split_wkv * weight_grads
+    t_enc = cdiv(te, cfg.bm) * cdiv(CROSS_HIDDEN, cfg.bn) * split_enc * input_grads
+    nb_d, nb_e = cdiv(td, GLUON_TOKEN_BLOCK), cdiv(te, GLUON_TOKEN_BLOCK)
+
+    def items(t, rows):  # items of `rows` rows over t tokens, counted block by block
+        per = GLUON_TOKEN_BLOCK // rows
+        return (cdiv(t, GLUON_TOKEN_BLOCK) - 1) * per + cdiv(t - (cdiv(t, GLUON_TOKEN_BLOCK) - 1) * GLUON_TOKEN_BLOCK, rows)
+
+    dec_chunks, enc_chunks = (HIDDEN // 256, CROSS_HIDDEN // 256) if weight_grads else (0, 0)
+    sums = items(te, GLUON_SUM_ROWS)
+    w = input_grads  # Wq16 and [Wk; Wv]16 feed the input gradients only
+    regions = Regions((
+        ("grad_query_states", HEADS * items(td, GLUON_ITEM_ROWS)),
+        ("grad_key_states (head-group sums)", KV_HEADS * sums),
+        ("grad_value_states (head-group sums)", KV_HEADS * sums),
+        ("decoder_hidden_states", dec_chunks * items(td, GLUON_ITEM_ROWS)),
+        ("encoder_hidden_states", enc_chunks * items(te, GLUON_ITEM_ROWS)),
+        ("q_weight", w * (Q_OUT // GLUON_ITEM_ROWS) * (HIDDEN // 256)),
+        ("k_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
+        ("v_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
+    ))
+    starts = (t_wq, t_wq + t_dec, t_wq + t_dec + t_wkv)
+    return GluonLaunch(starts, starts[-1] + t_enc, dec_chunks, enc_chunks, 2 * nb_d + 2 * nb_e + 6, regions)
+
+
+def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, products: str | None = None,
+         needs=None, deterministic: bool = False) -> Plan:
     """The launches of one call at `axes` on `sms` processors.
 
     needs: one bool per output (None: all); with our tiles the input gradients (grad_dec, grad_enc)
     and the weight gradients go as groups, with cuBLAS per product. deterministic: no K splits (our
-    tiles add split partial sums by atomics). products: "triton", "cublas", or None (by size on a
-    GPU: `cublas_min_flop`).
+    tiles add split partial sums by atomics). gluon: the GPU runs the Gluon kernel (Hopper).
+    products: "triton", "cublas", "gluon", or None (by size on a GPU: `cublas_min_flop`, and the
+    Gluon kernel's `min_flop` where it runs).
     """
     gemms = product_shapes(axes)
-    backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu)
+    backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu,
+                              gluon_min_flop=cfg.gluon.min_flop if gluon else None)
+    needs = needs or (True,) * 5
+    if backend == "gluon":
+        g = cfg.gluon
+        splits = [1] * 4 if deterministic else choose_splits(gemms, g.bm, g.bn, g.bk, sms)
+        launch = gluon_launch(g, axes, splits, needs)
+        return Plan(products=backend, pdl=False, pack=None, splits=tuple(splits), tiles=None, cublas=(False,) * 4,
+                    ranges=(launch.regions,), gluon=launch)
     t = cfg.tiles
     splits = choose_splits(gemms, t.bm, t.bn, t.bk, sms) if backend == "triton" and not deterministic else [1] * 4
-    needs = needs or (True,) * 5
     input_grads, weight_grads = any(needs[:2]), any(needs[2:])
     launch = None
     if backend == "triton" and (input_grads or weight_grads):

@@ -5,15 +5,18 @@ Math (072): GQ[t, h*256 + d] = grad_query_states[b, h, s, d] for token t = b*Sd 
 grad_Wq = GQ^T dec, grad_dec = GQ Wq, [grad_Wk; grad_Wv] = [GK | GV]^T enc, grad_enc = [GK | GV] [Wk; Wv].
 
 A program (one per SM) runs four partitions at once:
-- pack (4 warps): converts its share of the fp32 inputs to fp16 operand buffers in 16 x 256 tiles
-  (the GQ layout change and the head-group sums included), records each tile's largest |value|
-  (the fp16 range guard) and counts finished tiles per 128-token block and per weight in global
-  counters (release); it also zeroes the outputs that split-K products accumulate into;
+- pack (4 warps): converts its share of the fp32 inputs to fp16 operand buffers in items of 64 rows
+  x 256 columns (a head-group sum: 16 tokens of 4 heads), read into shared memory by asynchronous
+  copies (64 KB in flight); the GQ layout change and the head-group sums included. It records each
+  item's largest |value| (the fp16 range guard), counts finished items per 128-token block and per
+  weight in global counters (release), and zeroes the outputs that split-K products add into;
 - loader (1 warp): before the TMA copies of a tile's operands, waits (acquire) until the pack
   tiles they read are counted;
 - two consumer warpgroups: wgmma over the ring, fp32 stores (atomics for split-K tiles).
 The pack runs in the order the products need it (the decoder side first), so the products start
 after the first token block is packed and the pack's memory traffic runs under their compute.
+Measured (benchmarks/notes/gluon.md): at parity with pack + products as separate launches on the
+16-case mean, 12-19% faster on the mid-size cases, where config.plan uses it.
 """
 
 from __future__ import annotations
@@ -23,21 +26,22 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .gemm import LOADER_REGS, consume_tile, issue_step, store_tile, tile_coords, wait_count
+from ...kernels.gluon.gemm import LOADER_REGS, consume_tile, issue_step, store_tile, tile_coords, wait_count
+from . import config, spec
 
-HIDDEN = gl.constexpr(1536)
-CROSS = gl.constexpr(1024)
-HEADS = gl.constexpr(16)
-GROUP = gl.constexpr(4)
-HEAD_DIM = gl.constexpr(256)
-Q_OUT = gl.constexpr(4096)
-KV_OUT = gl.constexpr(1024)
-TOKEN_BLOCK = gl.constexpr(128)  # tokens per pack counter (= BM)
-UNIT = gl.constexpr(16)  # rows of one shared-memory slot of the pack (16 x 256 fp32)
+HIDDEN = gl.constexpr(spec.HIDDEN)
+CROSS = gl.constexpr(spec.CROSS_HIDDEN)
+HEADS = gl.constexpr(spec.HEADS)
+GROUP = gl.constexpr(spec.GROUP)
+HEAD_DIM = gl.constexpr(spec.HEAD_DIM)
+Q_OUT = gl.constexpr(spec.Q_OUT)
+KV_OUT = gl.constexpr(spec.KV_OUT)
+TOKEN_BLOCK = gl.constexpr(config.GLUON_TOKEN_BLOCK)  # tokens per pack counter (= BM)
+UNIT = gl.constexpr(config.GLUON_SUM_ROWS)  # rows of one shared-memory slot of the pack (16 x 256 fp32)
 UNITS = gl.constexpr(4)  # slots: 64 KB in flight per item
-ITEM_ROWS = gl.constexpr(64)  # rows of a plain item (UNITS slots); a head-group sum item has UNIT rows
-W_ITEMS = gl.constexpr((4096 // 64) * (1536 // 256))  # items of Wq16 (and of zeroing grad_Wq)
-KV_ITEMS = gl.constexpr((1024 // 64) * (1024 // 256))  # items of Wk16, Wv16 (and of zeroing grad_Wk, grad_Wv)
+ITEM_ROWS = gl.constexpr(config.GLUON_ITEM_ROWS)  # rows of a plain item (UNITS slots); a head-group sum: UNIT
+W_ITEMS = gl.constexpr((spec.Q_OUT // ITEM_ROWS) * (spec.HIDDEN // HEAD_DIM))  # of Wq16 (and of zeroing grad_Wq)
+KV_ITEMS = gl.constexpr((spec.KV_OUT // ITEM_ROWS) * (spec.CROSS_HIDDEN // HEAD_DIM))  # per weight (Wk16, Wv16)
 PACK_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 # 16 warps (4 + 4 consumer, 1 loader, 4 pack) share the 64K registers: the launch gives 128 per
 # thread (maxnreg), which caps every partition's code, so tiles are 128 x 128 (a 64 x 256 fp32
@@ -427,8 +431,9 @@ def _second_consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec
               TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, BM, BN, BK, STAGES, 1)
 
 
-@gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec", "split_enc", "s1", "s2",
-                               "s3", "total", "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv"])
+@gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
+                               "split_enc", "s1", "s2", "s3", "total", "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq",
+                               "r_wk", "r_wv"])
 def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
                  grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, ranges,
@@ -462,9 +467,20 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
         (_second_consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
                             TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, BM, BN, BK, STAGES)),
         (_loader, (a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty, counters,
-                   TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, BM, BN, BK, STAGES)),
+                   TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+                   BM, BN, BK, STAGES)),
         (_pack, (pack_bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
                  grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks,
                  (split_wq > 1).to(gl.int32), (split_wkv > 1).to(gl.int32), (split_dec > 1).to(gl.int32),
-                 (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32), r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)),
+                 (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32),
+                 r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)),
     ], [4, 1, 4], [CONSUMER_REGS, LOADER_REGS, PACK_REGS])
+
+
+def descriptor_blocks(bm: int, bn: int, bk: int) -> tuple:
+    """(argument, fp16 buffer, block) of fused_kernel's eight TMA descriptors, in argument order: the A
+    operands of the weight gradients M-major ([bk, bm] tiles of GQ and [GK | GV]), the B operands
+    [bk, bn], the A operands of the input gradients K-major ([bm, bk])."""
+    return (("a_wq", "gq16", [bk, bm]), ("b_wq", "dec16", [bk, bn]), ("a_dec", "gq16", [bm, bk]),
+            ("b_dec", "wq16", [bk, bn]), ("a_wkv", "gkv16", [bk, bm]), ("b_wkv", "enc16", [bk, bn]),
+            ("a_enc", "gkv16", [bm, bk]), ("b_enc", "wkv16", [bk, bn]))
