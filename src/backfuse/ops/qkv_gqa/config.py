@@ -18,14 +18,16 @@ from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
 class GluonConfig:
     """The one-launch Gluon kernel (sm_90): bm x bn x bk product tiles over a ring of `stages` slots
     (128 x 128: its 16 warps leave 128 registers per thread), beside its pack partition. It runs from
-    min_flop of product work up to the config's cublas_min_flop: measured against pack + our Triton
-    products, 12-19% faster on the cases of 34-86 GFLOP, slower below 22 (benchmarks/notes/gluon.md)."""
+    min_flop of product work up to the config's cublas_min_flop. Measured (benchmarks/notes/gluon.md):
+    its kernel is 12-19% faster than pack + our Triton products at 34-86 GFLOP, but on the official
+    clock its counter memset and launch add ~17 us, which leaves a win at 86 GFLOP (case 4: 258 ->
+    236 us) and none at 34-43."""
 
     bm: int = 128
     bn: int = 128
     bk: int = 64
     stages: int = 4
-    min_flop: float = 30e9
+    min_flop: float = 60e9
 
 
 @dataclass(frozen=True, kw_only=True)

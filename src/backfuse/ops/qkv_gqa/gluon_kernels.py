@@ -16,7 +16,7 @@ A program (one per SM) runs four partitions at once:
 The pack runs in the order the products need it (the decoder side first), so the products start
 after the first token block is packed and the pack's memory traffic runs under their compute.
 Measured (benchmarks/notes/gluon.md): at parity with pack + products as separate launches on the
-16-case mean, 12-19% faster on the mid-size cases, where config.plan uses it.
+16-case mean; on the official clock faster only at the largest sizes below cuBLAS (config.GluonConfig).
 """
 
 from __future__ import annotations
