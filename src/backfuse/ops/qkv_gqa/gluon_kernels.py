@@ -50,8 +50,6 @@ MAXNREG = 128
 PACK_REGS = gl.constexpr(128)
 CONSUMER_REGS = gl.constexpr(128)
 
-# Counter slots, in order: GQ and dec16 per decoder token block, [GK | GV] and enc16 per encoder
-# token block, then Wq16, [Wk; Wv]16 and the two zeroed weight gradients.
 
 
 @gluon.jit
@@ -68,6 +66,15 @@ def _gq_items(block, TD):
 @gluon.jit
 def _gkv_items(block, TE):
     return 2 * GROUP * _chunks(block, TE, UNIT)
+
+
+@gluon.jit
+def _counters(counters, TD, TE):
+    """The counter slots: GQ and dec16 per decoder token block, [GK | GV] and enc16 per encoder token
+    block, then (c_w + i) Wq16, [Wk; Wv]16 and the zeroed grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc."""
+    nb_d = gl.cdiv(TD, TOKEN_BLOCK)
+    nb_e = gl.cdiv(TE, TOKEN_BLOCK)
+    return counters, counters + nb_d, counters + 2 * nb_d, counters + 2 * nb_d + nb_e, counters + 2 * nb_d + 2 * nb_e
 
 
 @gluon.jit
@@ -158,11 +165,7 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
     src_stride, dst_stride, S, head, range slot, counter); items past the list have n_rows 0."""
     nb_d = gl.cdiv(TD, TOKEN_BLOCK)
     nb_e = gl.cdiv(TE, TOKEN_BLOCK)
-    c_gq = counters
-    c_dec = counters + nb_d
-    c_gkv = counters + 2 * nb_d
-    c_enc = counters + 2 * nb_d + nb_e
-    c_w = counters + 2 * nb_d + 2 * nb_e
+    c_gq, c_dec, c_gkv, c_enc, c_w = _counters(counters, TD, TE)
     ROWS: gl.constexpr = ITEM_ROWS
     PER_BLOCK: gl.constexpr = TOKEN_BLOCK // ROWS
     SUM_PER_BLOCK: gl.constexpr = TOKEN_BLOCK // UNIT
@@ -332,13 +335,7 @@ def _loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bu
             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """Tiles in order [grad_Wq | grad_dec | grad_Wkv | grad_enc] (starts 0, s1, s2, s3); each waits for
     the pack tiles it reads: per K step (weight gradients: K is tokens) or once (input gradients)."""
-    nb_d = gl.cdiv(TD, TOKEN_BLOCK)
-    nb_e = gl.cdiv(TE, TOKEN_BLOCK)
-    c_gq = counters
-    c_dec = counters + nb_d
-    c_gkv = counters + 2 * nb_d
-    c_enc = counters + 2 * nb_d + nb_e
-    c_w = counters + 2 * nb_d + 2 * nb_e
+    c_gq, c_dec, c_gkv, c_enc, c_w = _counters(counters, TD, TE)
     it = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         p = _product_of(tile, s1, s2, s3)
@@ -385,7 +382,7 @@ def _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_
     the pack zeroed (waited for before the first atomic)."""
     ROWS: gl.constexpr = BM // 2
     ROW0: gl.constexpr = PART * ROWS
-    c_w = counters + 2 * gl.cdiv(TD, TOKEN_BLOCK) + 2 * gl.cdiv(TE, TOKEN_BLOCK)
+    c_w = _counters(counters, TD, TE)[4]
     it = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         p = _product_of(tile, s1, s2, s3)
