@@ -111,7 +111,7 @@ def test_modules_load_family_state_dicts(cls, keys):
     assert len(list(module.parameters())) == len(keys)
     for (name, _, _), key in zip(module.PARAMS, keys):
         assert torch.equal(getattr(module, name), sd["layer." + key])
-    with pytest.raises(KeyError, match="no entry"):
+    with pytest.raises(RuntimeError, match="missing key"):
         cls.from_state_dict({})
 
 
