@@ -34,6 +34,9 @@ from . import problem as _problem
 from .problem import TRAINING_DTYPES, Scalar
 
 _LIB = torch.library.Library("backfuse", "DEF")  # noqa: TOR901 (the ops are defined below)
+# Per op, the power of two (its exponent) its last backward scaled the upstream gradients by: the next
+# backward tries it first (tiny gradients stay tiny from step to step).
+LAST_EXPONENT: dict = {}
 
 
 def _forward_specs(prob):
@@ -68,12 +71,11 @@ def _define(name: str, pid: str, n_out: int):
         outs = tuple(o.to(dtype, memory_format=torch.contiguous_format) for o in (out if n_out > 1 else (out,)))
         return outs if n_out > 1 else outs[0]
 
-    exponent = {"last": 0}  # the power of two this op's last backward scaled its upstream gradients by
-
     def backward_impl(*args):
         *inputs, needs = args
         empty = inputs[0].new_empty(0)
-        grads, exponent["last"] = prob._backward(inputs, needs, dtypes=TRAINING_DTYPES, exponent=exponent["last"])
+        grads, LAST_EXPONENT[name] = prob._backward(inputs, needs, dtypes=TRAINING_DTYPES,
+                                                    exponent=LAST_EXPONENT.get(name, 0))
         return [empty if g is None else g for g in grads]
 
     def backward_fake(*args):
