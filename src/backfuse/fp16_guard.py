@@ -51,7 +51,8 @@ def fp16_range_check(enabled: bool):
 
     The guard reads a few hundred bytes back from the GPU at the end of each fused backward (so the
     host waits for the GPU there); off, values beyond 65504 give Inf/NaN and tensors whose largest
-    element is below 2^-12 lose precision silently. It is skipped during CUDA-graph capture.
+    element is below 2^-12 lose precision silently, and tiny or huge upstream gradients are not
+    scaled (the scale is chosen from what the guard reads). It is skipped during CUDA-graph capture.
     """
     global _enabled
     saved, _enabled = _enabled, bool(enabled)

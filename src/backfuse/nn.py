@@ -102,8 +102,9 @@ class _Block(torch.nn.Module):
 
 
 class QkvGqa(_Block):
-    """Parakeet TDT cross-attention projections: decoder states to 16 query heads of 256, encoder
-    states to 4 KV heads repeated to 16. Initialised like NeMo's `nn.Linear` layers."""
+    """072's cross-attention projections (benchmark attributed to Parakeet TDT 0.6B v3, which has no such
+    layer: README, "Sizes"): decoder states to 16 query heads of 256, encoder states to 4 KV heads
+    repeated to 16, no biases. Initialised like NeMo's `nn.Linear` layers."""
 
     PARAMS = (
         ("q_weight", (_qkv.Q_OUT, _qkv.HIDDEN), _linear_default),
@@ -126,7 +127,8 @@ class QkvGqa(_Block):
 
 
 class Gemma3Core(_Block):
-    """Gemma 3 4B attention core: QK RMSNorm (weight applied as 1 + w), RoPE, soft-capped causal GQA,
+    """037's Gemma 3-style attention core at the benchmark's sizes (hidden 3072, 24 / 8 heads of 128; not
+    Gemma 3 4B's: README, "Sizes"): QK RMSNorm (weight applied as 1 + w), RoPE, soft-capped causal GQA,
     output projection. Initialised like Hugging Face Gemma 3: projections N(0, 0.02²), norms 0."""
 
     PARAMS = tuple((n, shape, lambda w: torch.nn.init.normal_(w, std=0.02)) for n, shape in (
@@ -172,8 +174,9 @@ class Gemma3Core(_Block):
 
 
 class WanXattn(_Block):
-    """Wan 2.2 text-to-video cross-attention (16 heads of 64). Initialised like Wan: weights
-    Xavier-uniform, biases 0."""
+    """021's Wan-style text-to-video cross-attention at the benchmark's sizes (hidden 1024, 16 heads of 64,
+    no q/k norm; not Wan 2.2 A14B's: README, "Sizes"). Initialised like Wan: weights Xavier-uniform,
+    biases 0."""
 
     PARAMS = tuple(p for n in ("query", "key", "value", "output") for p in (
         (f"{n}_weight", (_wan.HIDDEN, _wan.HIDDEN), torch.nn.init.xavier_uniform_),

@@ -302,16 +302,19 @@ class Problem:
             raise ValueError(f"{self.name}: needs has {len(needs)} flags, expected one per output "
                              f"{list(self.output_names)}")
         needs = tuple(bool(n) for n in needs) if needs is not None else (True,) * len(self.outputs)
-        named = dict(zip(self.input_names, inputs))
-        out_dtypes = [named[name].dtype for name in self.differentiates]
-        inputs = [x.float() if isinstance(x, torch.Tensor) and x.dtype != torch.float32 else x for x in inputs]
+        low = [isinstance(x, torch.Tensor) and x.dtype != torch.float32 for x in inputs]
+        if any(low):  # float32 copies; each gradient goes back to its input's dtype
+            named = dict(zip(self.input_names, inputs))
+            out_dtypes = [named[name].dtype for name in self.differentiates]
+            inputs = [x.float() if converted else x for x, converted in zip(inputs, low)]
         first = next(x for x in inputs if isinstance(x, torch.Tensor))
         if fused_kernels_usable(first.device):
             outs, exponent = self._guarded(inputs, needs, exponent, fp16_guard.checking(first.device))
         else:
             outs, exponent = self.fp32_backward(*inputs), 0
-        return tuple(None if not n else o if o.dtype == d else o.to(d)
-                     for o, n, d in zip(outs, needs, out_dtypes)), exponent
+        if any(low):
+            outs = [o if not n or o.dtype == d else o.to(d) for o, n, d in zip(outs, needs, out_dtypes)]
+        return tuple(o if n else None for o, n in zip(outs, needs)), exponent
 
     def _guarded(self, inputs, needs, exponent, checking) -> tuple:
         """The fused kernels under the fp16 range guard: (outputs, exponent) as `_backward` describes."""
