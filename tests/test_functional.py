@@ -1,6 +1,7 @@
 """backfuse.functional and backfuse.nn: gradients equal autograd through the plain forward."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -107,12 +108,74 @@ def test_op_registration_is_consistent():
 ])
 def test_modules_load_family_state_dicts(cls, keys):
     sd = {"layer." + k: torch.randn(shape) for k, shape in keys.items()}
-    module = cls.from_state_dict(sd, prefix="layer.")
+    scalars = dict(scaling=0.1, softcap=50.0, eps=1e-6) if cls is bnn.Gemma3Core else {}  # else a warning says so
+    module = cls.from_state_dict(sd, prefix="layer.", **scalars)
     assert len(list(module.parameters())) == len(keys)
     for (name, _, _), key in zip(module.PARAMS, keys):
         assert torch.equal(getattr(module, name), sd["layer." + key])
-    with pytest.raises(KeyError, match="no entry"):
+    with pytest.raises(RuntimeError, match="missing key"):
         cls.from_state_dict({})
+
+
+def _wan_diffusers_dict(prefix="blocks.0.attn2."):
+    return {f"{prefix}{k}.{kind}": torch.randn((1024, 1024) if kind == "weight" else (1024,))
+            for k in ("to_q", "to_k", "to_v", "to_out.0") for kind in ("weight", "bias")}
+
+
+def test_from_state_dict_is_strict_about_keys():
+    """A diffusers Wan 2.2 cross-attention has q/k RMSNorm weights, which 021 has not: unexpected keys
+    raise (listed, with why); strict=False warns at the caller and loads the rest; missing keys are
+    listed; keys outside the prefix are not ours to judge."""
+    sd = _wan_diffusers_dict()
+    sd["blocks.0.attn2.norm_q.weight"] = sd["blocks.0.attn2.norm_k.weight"] = torch.ones(1024)
+    sd["blocks.0.norm3.weight"] = torch.ones(1024)  # another layer of the block: outside the prefix
+    with pytest.raises(RuntimeError, match=r"unexpected key\(s\) 'blocks.0.attn2.norm_q.weight' \(021 has no q/k "
+                                           r"RMSNorm.*\), 'blocks.0.attn2.norm_k.weight'"):
+        bnn.WanXattn.from_state_dict(sd, prefix="blocks.0.attn2.")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = bnn.WanXattn.from_state_dict(sd, prefix="blocks.0.attn2.", strict=False); line = _line()  # noqa: E702
+    (w,) = caught
+    assert "norm_q.weight" in str(w.message) and "norm3" not in str(w.message)
+    assert (w.filename, w.lineno) == (__file__, line)
+    assert torch.equal(module.key_weight, sd["blocks.0.attn2.to_k.weight"])
+    del sd["blocks.0.attn2.to_v.bias"]
+    with pytest.raises(RuntimeError, match=r"missing key\(s\) for 'value_bias' \(looked for blocks.0.attn2.value_bias, "
+                                           r"blocks.0.attn2.v.bias, blocks.0.attn2.to_v.bias\); unexpected"):
+        bnn.WanXattn.from_state_dict(sd, prefix="blocks.0.attn2.")
+    with pytest.warns(UserWarning, match="missing parameters keep their initialisation"):
+        module = bnn.WanXattn.from_state_dict(sd, prefix="blocks.0.attn2.", strict=False)
+    assert module.value_bias.abs().max() == 0  # Wan's initialisation of biases
+    with pytest.raises(ValueError, match=r"'blocks.0.attn2.to_q.weight' has shape \(5120, 5120\), expected \(1024, 1024\)"):
+        bnn.WanXattn.from_state_dict({**sd, "blocks.0.attn2.to_q.weight": torch.zeros(5120, 5120)},
+                                     prefix="blocks.0.attn2.", strict=False)
+
+
+def test_gemma_from_hugging_face_names_says_which_scalars_it_keeps():
+    sd = {"q_proj.weight": torch.randn(3072, 3072), "k_proj.weight": torch.randn(1024, 3072),
+          "v_proj.weight": torch.randn(1024, 3072), "o_proj.weight": torch.randn(3072, 3072),
+          "q_norm.weight": torch.randn(128), "k_norm.weight": torch.randn(128)}
+    with pytest.warns(UserWarning, match=r"kept the benchmark's scaling=0.0883883, softcap=50, eps=1e-06 .*no "
+                                         r"attention soft cap"):
+        bnn.Gemma3Core.from_state_dict(sd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = bnn.Gemma3Core.from_state_dict(sd, scaling=1 / 16, softcap=30.0, eps=1e-5)
+        bnn.Gemma3Core.from_state_dict({name: getattr(module, name) for name, _, _ in module.PARAMS})  # our names
+    assert (module.scaling, module.softcap, module.eps) == (1 / 16, 30.0, 1e-5)
+
+
+def test_modules_print_their_sizes():
+    assert repr(bnn.WanXattn()) == "WanXattn(hidden=1024, heads=16, head_dim=64, scale=0.125)"
+    assert repr(bnn.QkvGqa()) == "QkvGqa(hidden=1536, cross_hidden=1024, heads=16, kv_heads=4, head_dim=256)"
+    assert repr(bnn.Gemma3Core(softcap=30.0)) == ("Gemma3Core(hidden=3072, heads=24, kv_heads=8, head_dim=128, "
+                                                  "scaling=0.0883883, softcap=30, eps=1e-06)")
+
+
+def _line():
+    import inspect
+
+    return inspect.currentframe().f_back.f_lineno
 
 
 def test_module_initialisation():

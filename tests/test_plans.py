@@ -34,6 +34,28 @@ def test_pack_layouts_are_consistent(pid):
         assert p.ranges[0] == p.pack.regions
 
 
+# The fp16-range regions whose tensors are linear in the upstream gradients: when only these are out of
+# range, Problem.backward scales the upstream gradients by a power of two instead of falling back to fp32
+# (a renamed region would silently change that: hence the explicit lists).
+LINEAR_REGIONS = {
+    "072": {"grad_query_states": True, "grad_key_states (head-group sums)": True,
+            "grad_value_states (head-group sums)": True},
+    "037": {"grad_output": True, "gradient of attention output": False, "gradient of k projection": False,
+            "gradient of v projection": False, "gradient of q projection": False},
+    "021": {"grad_output": True, "gradient of attention context": False, "gradient of queries": False,
+            "gradient of keys": False, "gradient of values": False},
+}
+
+
+@pytest.mark.parametrize("pid", ["072", "037", "021"])
+def test_regions_linear_in_the_upstream_gradients(pid):
+    """{region: holds the upstream gradients themselves} for every region that scales with them."""
+    prob = backfuse.problem(pid)
+    for p in _plans(pid) + _plans(pid, products="cublas"):
+        names = [name for regions in p.ranges for name, _ in regions.counts]
+        assert {n: prob.holds_upstream(n) for n in names if prob.scales_with_upstream(n)} == LINEAR_REGIONS[pid]
+
+
 def test_product_backends_follow_the_notes():
     """072: cuBLAS from 100 GFLOP (8 Triton cases, 072.md row 21); 037: from 512 tokens (Triton:
     cases 8 and 11, 037.md row 24); 021: case 0 only (021.md row 28). No cuBLAS without a GPU."""

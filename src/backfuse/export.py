@@ -1,6 +1,6 @@
 """SOL-ExecBench solution packages: our fused operator as a self-contained set of sources.
 
-The package carries the operator code (`problem.py`, `fp16_guard.py`, `ops/`, `kernels/`) under its own top-level
+The package carries the operator code (`problem.py`, `fp16_guard.py`, `callsite.py`, `ops/`, `kernels/`) under its own top-level
 name, so it never picks up (or clashes with) an installed backfuse, and an entry-point file whose
 `run` takes the official inputs in order and returns the outputs in order.
 """
@@ -14,7 +14,7 @@ from .problem import Problem
 PACKAGE = "backfuse_solution"
 ENTRY_FILE = "solution.py"
 _ROOT = pathlib.Path(__file__).resolve().parent
-_PARTS = ("__init__.py", "problem.py", "fp16_guard.py", "ops", "kernels")  # what `run` needs; not the harness or CLI
+_PARTS = ("__init__.py", "problem.py", "fp16_guard.py", "callsite.py", "ops", "kernels")  # what `run` needs; not the harness or CLI
 
 _ENTRY = '''"""SOL-ExecBench entry point for {name} (backfuse {version})."""
 

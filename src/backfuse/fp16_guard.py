@@ -13,11 +13,19 @@ keeps its rounding error at fp16's usual level. Every region is checked for over
 where a tensor's size follows its inputs' (inputs, their projections and sums): attention gradients
 can vanish by cancellation (a saturated softmax, a single key) and are then rounding noise, whose
 precision does not matter.
+
+The backward is linear in the upstream gradients, and so is every tensor the kernels form from them
+(the upstream gradients themselves, their head-group sums, and every gradient). When only such
+tensors are out of range, `scale_exponent` picks a power of two 2^k that brings them all back in
+(from the maxima just recorded: multiplying by 2^k is exact and commutes with rounding to fp16), so
+the caller can rerun the fused kernels on 2^k times the upstream gradients and divide the outputs
+by 2^k instead of falling back to fp32.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import torch
@@ -43,7 +51,8 @@ def fp16_range_check(enabled: bool):
 
     The guard reads a few hundred bytes back from the GPU at the end of each fused backward (so the
     host waits for the GPU there); off, values beyond 65504 give Inf/NaN and tensors whose largest
-    element is below 2^-12 lose precision silently. It is skipped during CUDA-graph capture.
+    element is below 2^-12 lose precision silently, and tiny or huge upstream gradients are not
+    scaled (the scale is chosen from what the guard reads). It is skipped during CUDA-graph capture.
     """
     global _enabled
     saved, _enabled = _enabled, bool(enabled)
@@ -90,8 +99,9 @@ class RangeSlots:
     def block(self, offset: int) -> torch.Tensor:
         return self.slots[offset:]
 
-    def out_of_range(self) -> list:
-        """(region, largest |value|) of every region outside fp16's safe range; reads the slots."""
+    def maxima(self) -> list:
+        """(region, largest |value|, underflow checked) of every region; reads the slots (on a GPU
+        this waits for the stream)."""
         if not self.regions:
             return []
         if self.device.type == "cuda":
@@ -99,8 +109,80 @@ class RangeSlots:
         host = self.slots.numpy()
         bounds = [i for _, start, stop, _ in self.regions for i in (start, stop)]
         maxima = np.maximum.reduceat(host, bounds)[::2]  # over [start, stop) of each region
-        return [(name, float(m)) for (name, _, _, underflow), m in zip(self.regions, maxima)
-                if not m <= FP16_MAX or (underflow and 0 < m < SMALLEST_SAFE_MAX)]
+        return [(name, float(m), underflow) for (name, _, _, underflow), m in zip(self.regions, maxima)]
+
+    def out_of_range(self) -> list:
+        """(region, largest |value|) of every region outside fp16's safe range; reads the slots."""
+        return outside(self.maxima())
+
+
+def outside(maxima: list) -> list:
+    """(region, largest |value|) of the entries of RangeSlots.maxima() outside fp16's safe range."""
+    return [(name, m) for name, m, underflow in maxima if not _fits(m, underflow)]
+
+
+def _fits(m: float, underflow: bool) -> bool:
+    return m <= FP16_MAX and not (underflow and 0 < m < SMALLEST_SAFE_MAX)  # NaN fails the first test
+
+
+def scale_exponent(maxima: list, scales, upstream, current: int = 0):
+    """The exponent k of the power of two to multiply the upstream gradients by, or None when no
+    power of two helps.
+
+    maxima: RangeSlots.maxima() of a call made with the upstream gradients times 2^current.
+    scales(region): whether the region's tensor is linear in the upstream gradients (its maximum
+    moves with them); upstream(region): whether it holds the upstream gradients themselves. Every
+    other region must already be in range, and the upstream gradients finite (a tensor formed from
+    them that is not finite overflowed: only a smaller scale can fit, by how much the next call's
+    maxima tell). Among the exponents that
+    put every linear region in range, k is 0 when 0 is one of them (no scaling at all), otherwise
+    the one nearest to putting the upstream gradients' largest |value| in [1, 2) (where the
+    official inputs sit: the largest margin to both ends of fp16's range for them).
+    """
+    low, high, largest = -math.inf, math.inf, 0.0
+    for name, m, underflow in maxima:
+        if not scales(name):
+            if not _fits(m, underflow):
+                return None  # not linear in the upstream gradients: scaling them cannot help
+            continue
+        if not math.isfinite(m):
+            if upstream(name):
+                return None  # Inf or NaN in the upstream gradients themselves
+            high = min(high, -1)  # formed from finite ones, it overflowed (Inf, or Inf - Inf): scale down
+            continue
+        if m == 0:
+            continue  # zero stays exact at any scale
+        high = min(high, _largest_shift(m, FP16_MAX))
+        if underflow:
+            low = max(low, _smallest_shift(m, SMALLEST_SAFE_MAX))
+        if upstream(name):
+            largest = max(largest, m)
+    if low > high:
+        return None  # the linear tensors span more than fp16's safe range: no common scale fits
+    if low <= -current <= high:
+        return 0
+    target = 1 - math.frexp(largest)[1] if largest > 0 else 0  # 2^target * largest in [1, 2)
+    return current + int(min(max(target, low), high))
+
+
+def _largest_shift(m: float, bound: float) -> int:
+    """The largest s with m * 2^s <= bound (m > 0)."""
+    s = math.floor(math.log2(bound / m))
+    while math.ldexp(m, s) > bound:
+        s -= 1
+    while math.ldexp(m, s + 1) <= bound:
+        s += 1
+    return s
+
+
+def _smallest_shift(m: float, bound: float) -> int:
+    """The smallest s with m * 2^s >= bound (m > 0)."""
+    s = math.ceil(math.log2(bound / m))
+    while math.ldexp(m, s) < bound:
+        s += 1
+    while math.ldexp(m, s - 1) >= bound:
+        s -= 1
+    return s
 
 
 def describe(outside: list, shown: int = 3) -> str:

@@ -9,17 +9,34 @@ keeps the attention probabilities). Gradients of inputs that do not require grad
 computed: the fused kernels skip their products (e.g. all weight gradients for frozen weights).
 
 Schemas are derived from each operator's input specs, so the ops take exactly the official
-forward inputs, in official order.
+forward inputs, in official order. The forward validates them as `Problem.validate` does (errors name
+the input, what was expected and what was given), except that it takes any layout (the backward
+copies what it saves to contiguous memory) and float32, bfloat16 or float16 tensors of one dtype.
+
+Dtypes: the output has the inputs' dtype; the forward computes in float32 from them (and rounds its
+output once), and the backward (`Problem.backward`) converts to float32, accumulates in float32 and
+returns each gradient in its input's dtype, so both differentiate the same function. Under
+`torch.autocast` the ops are float32 ops (like autocast's own float32 list): their floating inputs are
+cast to float32 (recorded by autograd, so gradients flow back to each input in its own dtype) and they
+run with autocast off, returning float32.
+
+Upstream gradients too small (or large) for fp16, as a mean-reduced loss gives, are scaled by a power
+of two inside `Problem.backward` rather than sent to the fp32 fallback; each op remembers the last
+power it used and tries it first on its next backward, so a steady run costs one fused call.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import callsite
 from . import problem as _problem
-from .problem import Scalar
+from .problem import TRAINING_DTYPES, Scalar
 
 _LIB = torch.library.Library("backfuse", "DEF")  # noqa: TOR901 (the ops are defined below)
+# Per op, the power of two (its exponent) its last backward scaled the upstream gradients by: the next
+# backward tries it first (tiny gradients stay tiny from step to step).
+LAST_EXPONENT: dict = {}
 
 
 def _forward_specs(prob):
@@ -36,21 +53,30 @@ def _define(name: str, pid: str, n_out: int):
     prob = _problem(pid)
     specs = _forward_specs(prob)
     grad_specs = [s for s in prob.inputs if s.name in prob.upstream_grads]
+    label = f"backfuse.functional.{name}"
     _LIB.define(name + _schema(specs, "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"))
     # The backward takes one bool per gradient it could return (autograd's needs_input_grad); an
     # unwanted gradient comes back as an empty tensor and its products are skipped.
     _LIB.define(f"{name}_backward" + _schema(grad_specs + specs, "Tensor[]").replace(") ->", ", bool[] needs) ->"))
 
     def forward(*inputs):
+        prob.validate(inputs, specs=specs, dtypes=TRAINING_DTYPES, contiguous=False, same_dtype=True, label=label)
+        dtype = next(x.dtype for x in inputs if isinstance(x, torch.Tensor))
         with torch.no_grad():
-            out = prob.forward(*inputs)
+            if dtype == torch.float32:
+                out = prob.forward(*inputs)
+            else:  # computed in float32, rounded once
+                out = prob.forward(*(x.float() if isinstance(x, torch.Tensor) else x for x in inputs))
         # custom ops may not return views of their inputs or of each other
-        return tuple(o.contiguous() for o in out) if isinstance(out, tuple) else out.contiguous()
+        outs = tuple(o.to(dtype, memory_format=torch.contiguous_format) for o in (out if n_out > 1 else (out,)))
+        return outs if n_out > 1 else outs[0]
 
     def backward_impl(*args):
         *inputs, needs = args
         empty = inputs[0].new_empty(0)
-        return [empty if g is None else g for g in prob.backward(*inputs, needs=needs)]
+        grads, LAST_EXPONENT[name] = prob._backward(inputs, needs, dtypes=TRAINING_DTYPES,
+                                                    exponent=LAST_EXPONENT.get(name, 0))
+        return [empty if g is None else g for g in grads]
 
     def backward_fake(*args):
         *inputs, needs = args
@@ -62,6 +88,8 @@ def _define(name: str, pid: str, n_out: int):
     _LIB.impl(f"{name}_backward", backward_impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"backfuse::{name}", forward, lib=_LIB)
     torch.library.register_fake(f"backfuse::{name}_backward", backward_fake, lib=_LIB)
+    for device_type in ("cpu", "cuda"):  # float32 ops under autocast: forward and backward see the same inputs
+        torch.library.register_autocast(f"backfuse::{name}", device_type, torch.float32, lib=_LIB)
     backward_op = getattr(torch.ops.backfuse, f"{name}_backward")
     tensor_at = [i for i, s in enumerate(specs) if not isinstance(s, Scalar)]
     differentiated_at = [i for i, s in enumerate(specs) if s.name in prob.differentiates]
@@ -71,6 +99,9 @@ def _define(name: str, pid: str, n_out: int):
         ctx.inputs = [None if isinstance(x, torch.Tensor) else x for x in inputs]  # the scalars
         outputs = output if isinstance(output, tuple) else (output,)
         ctx.output_like = [(o.shape, o.dtype, o.device) for o in outputs]
+        # The backward's warnings point at the forward's caller: on a GPU the backward runs on an
+        # autograd worker thread, whose stack holds no user frame.
+        ctx.site = callsite.user_site()
 
     def backward(ctx, *grads):
         inputs = list(ctx.inputs)
@@ -81,7 +112,9 @@ def _define(name: str, pid: str, n_out: int):
                  for g, (shape, dtype, device) in zip(grads, ctx.output_like)]
         needs = [bool(ctx.needs_input_grad[i]) for i in differentiated_at]
         result = [None] * len(specs)
-        for i, g, need in zip(differentiated_at, backward_op(*grads, *inputs, needs), needs):
+        with callsite.attributed_to(ctx.site):
+            computed = backward_op(*grads, *inputs, needs)
+        for i, g, need in zip(differentiated_at, computed, needs):
             result[i] = g if need else None
         return tuple(result)
 

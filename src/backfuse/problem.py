@@ -15,13 +15,12 @@ import json
 import math
 import numbers
 import os
-import warnings
 from dataclasses import dataclass
 from importlib import resources
 
 import torch
 
-from . import fp16_guard
+from . import callsite, fp16_guard
 from .fp16_guard import FP16_MAX, SMALLEST_SAFE_MAX, Fp16RangeWarning, RangeSlots, describe
 
 
@@ -76,6 +75,15 @@ def fp32_matmul(tf32: bool):
         yield
     finally:
         matmul.fp32_precision = saved
+
+
+# The dtypes the training paths (`Problem.backward`, `backfuse.functional`, `backfuse.nn`) take.
+TRAINING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtypes_text(dtypes) -> str:
+    names = [str(d) for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def fused_kernels_usable(device: torch.device) -> bool:
@@ -190,33 +198,43 @@ class Problem:
         values.update(scalars or {})
         return [values[spec.name] if isinstance(spec, Scalar) else next(tensors) for spec in self.inputs]
 
-    def validate(self, inputs) -> dict:
-        """Check count, types, dtypes, devices, layouts and shapes; return the axes they imply."""
-        if len(inputs) != len(self.inputs):
-            raise TypeError(
-                f"{self.name} takes {len(self.inputs)} inputs {list(self.input_names)}, got {len(inputs)}"
-            )
+    def validate(self, inputs, *, specs=None, dtypes=(torch.float32,), contiguous=True, same_dtype=False,
+                 label=None) -> dict:
+        """Check count, types, dtypes, devices, layouts and shapes; return the axes they imply.
+
+        The official entry points check the official inputs as the suite defines them (float32,
+        contiguous). The training paths pass `specs` (the forward's inputs), `dtypes` (also bfloat16
+        and float16), contiguous=False (they copy as needed), same_dtype (tensors of one dtype, as
+        PyTorch's own ops need) and `label` (the name errors start with; default the operator's).
+        """
+        specs = self.inputs if specs is None else tuple(specs)
+        label = label or self.name
+        if len(inputs) != len(specs):
+            raise TypeError(f"{label} takes {len(specs)} inputs {[s.name for s in specs]}, got {len(inputs)}")
         axes: dict = {}
         bound_by: dict = {}
-        device = None
-        for spec, value in zip(self.inputs, inputs):
+        device = dtype = None
+        for spec, value in zip(specs, inputs):
             if isinstance(spec, Scalar):
                 if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                    raise TypeError(f"{self.name}: input '{spec.name}' must be a real number, got {type(value).__name__}")
+                    raise TypeError(f"{label}: input '{spec.name}' must be a real number, got {type(value).__name__}")
                 if not math.isfinite(value):
-                    raise ValueError(f"{self.name}: input '{spec.name}' must be finite, got {value}")
+                    raise ValueError(f"{label}: input '{spec.name}' must be finite, got {value}")
                 continue
-            where = f"{self.name}: input '{spec.name}'"
+            where = f"{label}: input '{spec.name}'"
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{where} must be a torch.Tensor, got {type(value).__name__}")
-            if value.dtype != torch.float32:
-                raise TypeError(f"{where} must be torch.float32, got {value.dtype}")
+            if value.dtype not in dtypes:
+                raise TypeError(f"{where} must be {_dtypes_text(dtypes)}, got {value.dtype}")
             if value.dim() != len(spec.dims):
                 raise ValueError(f"{where} must have {len(spec.dims)} dims {self._dims_text(spec)}, got shape {tuple(value.shape)}")
             if device is None:
-                device, first = value.device, spec.name
+                device, dtype, first = value.device, value.dtype, spec.name
             elif value.device != device:
                 raise ValueError(f"{where} is on {value.device}, but '{first}' is on {device}; all inputs must share a device")
+            elif same_dtype and value.dtype != dtype:
+                raise TypeError(f"{where} is {value.dtype}, but '{first}' is {dtype}; the tensor inputs must share "
+                                f"one dtype (under torch.autocast they are all cast to torch.float32)")
             for i, (want, got) in enumerate(zip(spec.dims, value.shape)):
                 if isinstance(want, str):
                     if want not in axes:
@@ -232,9 +250,14 @@ class Problem:
                     raise ValueError(
                         f"{where} has shape {tuple(value.shape)}, expected {self._dims_text(spec, axes)}: dim {i} must be {want}"
                     )
-            if not value.is_contiguous():
+            if contiguous and not value.is_contiguous():
                 raise ValueError(f"{where} must be contiguous, got strides {value.stride()} for shape {tuple(value.shape)}")
         return axes
+
+    @property
+    def forward_inputs(self) -> tuple:
+        """The specs of the forward's inputs: the official inputs without the upstream gradients."""
+        return tuple(s for s in self.inputs if s.name not in self.upstream_grads)
 
     @staticmethod
     def _dims_text(spec: Tensor, axes: dict | None = None) -> str:
@@ -250,37 +273,96 @@ class Problem:
             return tuple(self.reference_math(*inputs))
 
     def run(self, *inputs) -> tuple:
-        """The fastest implementation available for the inputs' device."""
-        return self.backward(*inputs)
+        """The fastest implementation available for the inputs' device (the official interface:
+        float32 inputs, float32 outputs)."""
+        return self._backward(inputs, None, dtypes=(torch.float32,))[0]
 
     def backward(self, *inputs, needs=None) -> tuple:
-        """`run`, computing only the outputs flagged in `needs` (one bool per output; None: all).
+        """`run` for training: computing only the outputs flagged in `needs` (one bool per output;
+        None: all), and taking float32, bfloat16 or float16 tensors.
 
         Outputs not needed come back as None; the fused kernels skip the products that only they need.
+        bfloat16 and float16 inputs are converted to float32 first (the kernels take float32 and
+        accumulate in it); each gradient comes back in the dtype of the input it differentiates.
         Under `torch.use_deterministic_algorithms(True)` the fused kernels give the same bits every call.
         When a tensor the fused kernels round to fp16 is outside fp16's safe range (see
-        `fp16_range_check`), the outputs come from the fp32 reference instead, with an Fp16RangeWarning.
+        `fp16_range_check`) and that tensor is linear in the upstream gradients (the upstream gradients
+        themselves, their sums, the gradients formed from them), the kernels run again on the upstream
+        gradients times an exact power of two 2^k that brings every such tensor into range, and the
+        outputs are divided by 2^k; otherwise the outputs come from the fp32 reference instead, with an
+        Fp16RangeWarning.
         """
-        self.validate(inputs)
+        return self._backward(inputs, needs, dtypes=TRAINING_DTYPES)[0]
+
+    def _backward(self, inputs, needs, *, dtypes, exponent: int = 0) -> tuple:
+        """(outputs, the exponent k the upstream gradients were scaled by); exponent: the k to try first
+        (the training ops pass the last call's, so a steady run of tiny gradients costs one fused call)."""
+        self.validate(inputs, dtypes=dtypes)
         if needs is not None and len(needs) != len(self.outputs):
             raise ValueError(f"{self.name}: needs has {len(needs)} flags, expected one per output "
                              f"{list(self.output_names)}")
+        needs = tuple(bool(n) for n in needs) if needs is not None else (True,) * len(self.outputs)
+        low = [isinstance(x, torch.Tensor) and x.dtype != torch.float32 for x in inputs]
+        if any(low):  # float32 copies; each gradient goes back to its input's dtype
+            named = dict(zip(self.input_names, inputs))
+            out_dtypes = [named[name].dtype for name in self.differentiates]
+            inputs = [x.float() if converted else x for x, converted in zip(inputs, low)]
         first = next(x for x in inputs if isinstance(x, torch.Tensor))
         if fused_kernels_usable(first.device):
-            extra = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
-            if needs is not None:
-                extra["needs"] = tuple(needs)
-            ranges = RangeSlots()
-            outs = self.fused(*inputs, ranges=ranges, **extra)
-            if fp16_guard.checking(first.device):
-                outside = ranges.out_of_range()
-                if outside:
-                    warnings.warn(f"{self.name}: {describe(outside)} outside fp16's safe range [{SMALLEST_SAFE_MAX:g}, "
-                                  f"{FP16_MAX:g}]; computed in fp32 instead (slower)", Fp16RangeWarning, stacklevel=3)
-                    outs = self.fp32_backward(*inputs)
+            outs, exponent = self._guarded(inputs, needs, exponent, fp16_guard.checking(first.device))
         else:
-            outs = self.fp32_backward(*inputs)
-        return tuple(o if needs is None or n else None for o, n in zip(outs, needs or [True] * len(outs)))
+            outs, exponent = self.fp32_backward(*inputs), 0
+        if any(low):
+            outs = [o if not n or o.dtype == d else o.to(d) for o, n, d in zip(outs, needs, out_dtypes)]
+        return tuple(o if n else None for o, n in zip(outs, needs)), exponent
+
+    def _guarded(self, inputs, needs, exponent, checking) -> tuple:
+        """The fused kernels under the fp16 range guard: (outputs, exponent) as `_backward` describes."""
+        extra = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
+        if not all(needs):
+            extra["needs"] = needs
+        if not checking:
+            return self.fused(*inputs, **extra), 0  # nothing would tell whether a scale fits
+        attempt, tried = exponent, []
+        while True:
+            ranges = RangeSlots()
+            outs = self.fused(*self._scale_upstream(inputs, attempt), ranges=ranges, **extra)
+            maxima = ranges.maxima()
+            outside = fp16_guard.outside(maxima)
+            if not outside:
+                return self._unscale(outs, needs, attempt), attempt
+            tried.append(attempt)
+            attempt = fp16_guard.scale_exponent(maxima, self.scales_with_upstream, self.holds_upstream, attempt)
+            if attempt is None or attempt in tried or len(tried) == 2:
+                break  # at most one rerun: after the first guess (0, or the last call's), one from the maxima
+        unscaled = [(name, m * 2.0 ** -tried[-1] if self.scales_with_upstream(name) else m) for name, m in outside]
+        callsite.warn(f"{self.name}: {describe(unscaled)} outside fp16's safe range [{SMALLEST_SAFE_MAX:g}, "
+                      f"{FP16_MAX:g}]; computed in fp32 instead (slower)", Fp16RangeWarning)
+        return self.fp32_backward(*inputs), 0
+
+    def _scale_upstream(self, inputs, exponent: int) -> list:
+        """The inputs with the upstream gradients times 2^exponent (fresh tensors: the caller's stay as
+        they are; exact, as a power of two)."""
+        if not exponent:
+            return inputs
+        return [x * 2.0**exponent if name in self.upstream_grads else x for name, x in zip(self.input_names, inputs)]
+
+    @staticmethod
+    def _unscale(outs, needs, exponent: int) -> tuple:
+        if exponent:
+            for o, n in zip(outs, needs):
+                if n:
+                    o.mul_(2.0**-exponent)  # in place: the outputs are the kernels' fresh buffers
+        return outs
+
+    def holds_upstream(self, region: str) -> bool:
+        """Whether an fp16-range region holds (a sum of) an upstream gradient: it is named after one."""
+        return region.split(" ", 1)[0] in self.upstream_grads
+
+    def scales_with_upstream(self, region: str) -> bool:
+        """Whether an fp16-range region holds a tensor linear in the upstream gradients: the upstream
+        gradients and their sums (named after them) and every gradient the kernels form ("gradient of ...")."""
+        return self.holds_upstream(region) or region.startswith("gradient of ")
 
     # ---- cost model ----------------------------------------------------------------------
     def io_bytes(self, axes: dict) -> int:

@@ -1,0 +1,53 @@
+"""Where backfuse's warnings point: at the user's line, not at backfuse's or torch's internals.
+
+A warning raised inside a fused backward is several frames below the user's code, some of them
+torch's (the dispatcher's `torch/_ops.py`, autograd's engine), so no fixed `stacklevel` finds the
+user. `warn` attributes a warning to the innermost frame outside backfuse and torch, or to a site
+recorded earlier (`attributed_to`): the training ops record their forward's call site, because their
+backward may run on an autograd worker thread (CUDA), whose stack holds no user frame at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import sys
+import warnings
+
+import torch
+
+_INTERNAL = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__))
+_SITE = contextvars.ContextVar("backfuse_warning_site", default=None)
+
+
+def user_site():
+    """(filename, line, module globals) of the innermost frame outside backfuse and torch, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_INTERNAL):
+            return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def attributed_to(site):
+    """Warnings raised inside the block point at `site` (a user_site(); None: find it then)."""
+    token = _SITE.set(site)
+    try:
+        yield
+    finally:
+        _SITE.reset(token)
+
+
+def warn(message: str, category: type) -> None:
+    """warnings.warn, attributed to the recorded site or else to the innermost user frame."""
+    site = _SITE.get() or user_site()
+    if site is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    filename, line, module_globals = site
+    warnings.warn_explicit(message, category, filename, line, module=module_globals.get("__name__", "__main__"),
+                           registry=module_globals.setdefault("__warningregistry__", {}),
+                           module_globals=module_globals)
