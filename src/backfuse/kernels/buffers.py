@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 _poison = False
+_zeroed: dict = {}  # (device, stream): int32 slots that stay zero between kernels
 
 
 @contextlib.contextmanager
@@ -40,3 +41,18 @@ def on_device(device: torch.device):
     if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
         return torch.cuda.device(device)
     return contextlib.nullcontext()
+
+
+def zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 zeros for a kernel that leaves them zero when it finishes (the Gluon kernels' completion
+    counters: their last program resets them), so a call needs no memset launch. One buffer per device
+    and stream (kernels on one stream run one after another), grown when a call needs more slots;
+    during CUDA graph capture a fresh buffer instead (its zero fill becomes part of the graph)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    slots = _zeroed.get(key)
+    if slots is None or slots.numel() < n:
+        slots = _zeroed[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return slots[:n]

@@ -3,7 +3,6 @@ launch, or cuBLAS); or, on Hopper, one Gluon launch doing both; as `config.plan`
 
 from __future__ import annotations
 
-import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -112,7 +111,7 @@ def _one_launch(inputs, p, g, host, ranges):
     operands = dict(gq16=gq16, gkv16=gkv16, dec16=dec16, enc16=enc16, wq16=wq16, wkv16=wkv16)
     descriptors = [_descriptor(operands[buffer], block)
                    for _, buffer, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)]
-    counters = torch.empty(p.gluon.counters, dtype=torch.int32, device=host.device)
+    counters = buffers.zeroed_counters(host.device, p.gluon.counters)
     with buffers.on_device(host.device):
         launch = ONE_LAUNCH.prepare(
             (host.sms,),
@@ -120,6 +119,5 @@ def _one_launch(inputs, p, g, host, ranges):
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, ranges.block(offset),
             td, te, sd, se, p.gluon.dec_chunks, p.gluon.enc_chunks, *p.splits, *p.gluon.starts, p.gluon.tiles,
             *bases, STAGES=g.stages, num_warps=4, maxnreg=gluon_kernels.MAXNREG)
-        counters.zero_()  # the call's first GPU work; the launch was prepared before it
         launch()
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv

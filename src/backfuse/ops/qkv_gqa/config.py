@@ -18,16 +18,16 @@ from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
 class GluonConfig:
     """The one-launch Gluon kernel (sm_90): bm x bn x bk product tiles over a ring of `stages` slots
     (128 x 128: its 16 warps leave 128 registers per thread), beside its pack partition. It runs from
-    min_flop of product work up to the config's cublas_min_flop. Measured (benchmarks/notes/gluon.md):
-    its kernel is 12-19% faster than pack + our Triton products at 34-86 GFLOP, but on the official
-    clock its counter memset and launch add ~17 us, which leaves a win at 86 GFLOP (case 4: 258 ->
-    236 us) and none at 34-43."""
+    min_flop of product work up to the config's cublas_min_flop. Measured (benchmarks/notes/gluon.md,
+    official clock, which since its counters need no memset is the kernel's own time): 7-9% faster
+    than pack + our Triton products at 34-43 GFLOP, equal at 86, at parity with pack + cuBLAS at
+    137-172 and 4-19% slower below 30 GFLOP and above 250."""
 
     bm: int = 128
     bn: int = 128
     bk: int = 64
     stages: int = 4
-    min_flop: float = 60e9
+    min_flop: float = 30e9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +61,7 @@ class TilesLaunch:
     starts: tuple  # first program of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc (deepest tiles first)
 
 
-# The Gluon kernel's pack items (ops/qkv_gqa/gluon_kernels.py): 64 rows x 256 columns, or, for the
+# The Gluon kernel's pack items (ops/qkv_gqa/gluon_pack.py): 64 rows x 256 columns, or, for the
 # head-group sums, 16 tokens of the 4 query heads of one KV head; counted per 128-token block.
 GLUON_TOKEN_BLOCK, GLUON_ITEM_ROWS, GLUON_SUM_ROWS = 128, 64, 16
 
@@ -70,8 +70,9 @@ GLUON_TOKEN_BLOCK, GLUON_ITEM_ROWS, GLUON_SUM_ROWS = 128, 64, 16
 class GluonLaunch:
     """The one Gluon launch: tiles of grad_Wq [0, starts[0]), grad_dec [.., starts[1]), grad_[Wk; Wv]
     [.., starts[2]), grad_enc [.., programs_tiles); how many 256-column chunks of dec / enc the pack
-    converts (0 when no weight gradient is wanted); its pack's completion counters (zeroed per
-    call) and range regions (one slot per converting item)."""
+    converts (0 when no weight gradient is wanted); its completion counters (per token block and
+    weight, and one counting finished partitions; zero at the start, left zero at the end) and
+    range regions (one slot per converting item)."""
 
     starts: tuple
     tiles: int
@@ -157,7 +158,7 @@ def gluon_launch(cfg: GluonConfig, axes, splits, needs) -> GluonLaunch:
         ("v_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
     ))
     starts = (t_wq, t_wq + t_dec, t_wq + t_dec + t_wkv)
-    return GluonLaunch(starts, starts[-1] + t_enc, dec_chunks, enc_chunks, 2 * nb_d + 2 * nb_e + 6, regions)
+    return GluonLaunch(starts, starts[-1] + t_enc, dec_chunks, enc_chunks, 2 * nb_d + 2 * nb_e + 7, regions)
 
 
 def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, products: str | None = None,

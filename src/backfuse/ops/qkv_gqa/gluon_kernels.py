@@ -5,323 +5,53 @@ Math (072): GQ[t, h*256 + d] = grad_query_states[b, h, s, d] for token t = b*Sd 
 grad_Wq = GQ^T dec, grad_dec = GQ Wq, [grad_Wk; grad_Wv] = [GK | GV]^T enc, grad_enc = [GK | GV] [Wk; Wv].
 
 A program (one per SM) runs four partitions at once:
-- pack (4 warps): converts its share of the fp32 inputs to fp16 operand buffers in items of 64 rows
-  x 256 columns (a head-group sum: 16 tokens of 4 heads), read into shared memory by asynchronous
-  copies (64 KB in flight); the GQ layout change and the head-group sums included. It records each
-  item's largest |value| (the fp16 range guard), counts finished items per 128-token block and per
-  weight in global counters (release), and zeroes the outputs that split-K products add into;
+- pack (4 warps, ops/qkv_gqa/gluon_pack.py): converts its share of the fp32 inputs to the fp16
+  operand buffers (layout change and head-group sums included), counting finished items per
+  128-token block and per weight in global counters (release);
 - loader (1 warp): before the TMA copies of a tile's operands, waits (acquire) until the pack
   tiles they read are counted;
 - two consumer warpgroups: wgmma over the ring, fp32 stores (atomics for split-K tiles).
+Each partition counts itself out at its end; the launch's last one zeroes the counters again, so
+calls on a stream share one counter buffer and need no memset (`buffers.zeroed_counters`).
 The pack runs in the order the products need it (the decoder side first), so the products start
 after the first token block is packed and the pack's memory traffic runs under their compute.
-Measured (benchmarks/notes/gluon.md): at parity with pack + products as separate launches on the
-16-case mean; on the official clock faster only at the largest sizes below cuBLAS (config.GluonConfig).
+Measured (benchmarks/notes/gluon.md): 7-9% faster than pack + our Triton products at 34-43 GFLOP,
+at parity with pack + cuBLAS at 86-172 GFLOP, slower below and above (config.GluonConfig).
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ...kernels.gluon.gemm import LOADER_REGS, consume_tile, issue_step, store_tile, tile_coords, wait_count
-from . import config, spec
+from .gluon_pack import (
+    CROSS,
+    HEAD_DIM,
+    HIDDEN,
+    ITEM_ROWS,
+    KV_ITEMS,
+    KV_OUT,
+    PACK_REGS,
+    Q_OUT,
+    TOKEN_BLOCK,
+    UNIT,
+    UNITS,
+    W_ITEMS,
+    _chunks,
+    _counters,
+    _gkv_items,
+    _gq_items,
+    _leave,
+    _pack,
+)
 
-HIDDEN = gl.constexpr(spec.HIDDEN)
-CROSS = gl.constexpr(spec.CROSS_HIDDEN)
-HEADS = gl.constexpr(spec.HEADS)
-GROUP = gl.constexpr(spec.GROUP)
-HEAD_DIM = gl.constexpr(spec.HEAD_DIM)
-Q_OUT = gl.constexpr(spec.Q_OUT)
-KV_OUT = gl.constexpr(spec.KV_OUT)
-TOKEN_BLOCK = gl.constexpr(config.GLUON_TOKEN_BLOCK)  # tokens per pack counter (= BM)
-UNIT = gl.constexpr(config.GLUON_SUM_ROWS)  # rows of one shared-memory slot of the pack (16 x 256 fp32)
-UNITS = gl.constexpr(4)  # slots: 64 KB in flight per item
-ITEM_ROWS = gl.constexpr(config.GLUON_ITEM_ROWS)  # rows of a plain item (UNITS slots); a head-group sum: UNIT
-W_ITEMS = gl.constexpr((spec.Q_OUT // ITEM_ROWS) * (spec.HIDDEN // HEAD_DIM))  # of Wq16 (and of zeroing grad_Wq)
-KV_ITEMS = gl.constexpr((spec.KV_OUT // ITEM_ROWS) * (spec.CROSS_HIDDEN // HEAD_DIM))  # per weight (Wk16, Wv16)
-PACK_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 # 16 warps (4 + 4 consumer, 1 loader, 4 pack) share the 64K registers: the launch gives 128 per
 # thread (maxnreg), which caps every partition's code, so tiles are 128 x 128 (a 64 x 256 fp32
 # accumulator per warpgroup would need more than 154).
 MAXNREG = 128
-PACK_REGS = gl.constexpr(128)
 CONSUMER_REGS = gl.constexpr(128)
-
-
-
-@gluon.jit
-def _chunks(block, T, ROWS: gl.constexpr):
-    """ROWS-row pack items in token block `block` of T tokens (all full but the last block's)."""
-    return gl.cdiv(gl.minimum(TOKEN_BLOCK, T - block * TOKEN_BLOCK), ROWS)
-
-
-@gluon.jit
-def _gq_items(block, TD):
-    return HEADS * _chunks(block, TD, ITEM_ROWS)
-
-
-@gluon.jit
-def _gkv_items(block, TE):
-    return 2 * GROUP * _chunks(block, TE, UNIT)
-
-
-@gluon.jit
-def _counters(counters, TD, TE):
-    """The counter slots: GQ and dec16 per decoder token block, [GK | GV] and enc16 per encoder token
-    block, then (c_w + i) Wq16, [Wk; Wv]16 and the zeroed grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc."""
-    nb_d = gl.cdiv(TD, TOKEN_BLOCK)
-    nb_e = gl.cdiv(TE, TOKEN_BLOCK)
-    return counters, counters + nb_d, counters + 2 * nb_d, counters + 2 * nb_d + nb_e, counters + 2 * nb_d + 2 * nb_e
-
-
-@gluon.jit
-def _release(counter):
-    """Count one finished pack item: every thread's stores before the counter's increment."""
-    gl.thread_barrier()
-    gl.atomic_add(counter, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
-def _token_rows(t0, S, head):
-    """Rows of grad_*_states [B, 16, S, 256] (viewed [B*16*S, 256]) of tokens t0 + r, r < 16, of one head."""
-    r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, PACK_LAYOUT))
-    t = t0 + r
-    b = t // S
-    return (b * HEADS + head).to(gl.int64) * S + (t - b * S)
-
-
-@gluon.jit
-def _plain_rows(row0):
-    return (row0 + gl.arange(0, UNIT, layout=gl.SliceLayout(1, PACK_LAYOUT))).to(gl.int64)
-
-
-@gluon.jit
-def _fetch(buf, src, rows, stride, n_rows):
-    """Asynchronous copy of src[rows[r], :256] (r < n_rows; zeros past) into a [16, 256] slot."""
-    r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, PACK_LAYOUT))
-    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, PACK_LAYOUT))
-    ok = (r < n_rows)[:, None] & (c < HEAD_DIM)[None, :]
-    async_copy.async_copy_global_to_shared(buf, src + rows[:, None] * stride + c[None, :], mask=ok)
-
-
-@gluon.jit
-def _put(dst, rows, stride, n_rows, x):
-    """dst[rows[r], :256] = fp16(x[r]) for r < n_rows."""
-    r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, PACK_LAYOUT))
-    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, PACK_LAYOUT))
-    ok = (r < n_rows)[:, None] & (c < HEAD_DIM)[None, :]
-    gl.store(dst + rows[:, None] * stride + c[None, :], x.to(gl.float16), mask=ok)
-
-
-@gluon.jit
-def _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head):
-    """Start the asynchronous copies of one pack item into its 4 slots: mode 1, 64 rows of src from
-    row0; mode 2, 64 tokens from row0 of one head of grad_*_states [B, 16, S, 256]; mode 3, 16
-    tokens of 4 consecutive heads from `head`; mode 0 (zero fill) reads nothing."""
-    for u in gl.static_range(UNITS):
-        if mode == 1:
-            _fetch(bufs.slice(u * UNIT, UNIT), src, _plain_rows(row0 + u * UNIT), src_stride, n_rows - u * UNIT)
-        elif mode == 2:
-            _fetch(bufs.slice(u * UNIT, UNIT), src, _token_rows(row0 + u * UNIT, S, head), HEAD_DIM, n_rows - u * UNIT)
-        elif mode == 3:
-            _fetch(bufs.slice(u * UNIT, UNIT), src, _token_rows(row0, S, head + u), HEAD_DIM, n_rows)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot, counter):
-    """Store a landed item as fp16 rows of dst from row0 (mode 3: the sum of its 4 slots; mode 0:
-    zeros in fp32), record its largest |value| in `slot` and count it."""
-    if mode == 3:
-        acc = bufs.slice(0, UNIT).load(PACK_LAYOUT)
-        for u in gl.static_range(1, UNITS):
-            acc += bufs.slice(u * UNIT, UNIT).load(PACK_LAYOUT)
-        _put(dst, _plain_rows(row0), dst_stride, n_rows, acc)
-        gl.store(slot, gl.max(gl.max(gl.abs(acc), axis=1), axis=0))
-    elif mode == 0:
-        for u in gl.static_range(UNITS):
-            _put(zero_dst, _plain_rows(row0 + u * UNIT), dst_stride, n_rows - u * UNIT,
-                 gl.zeros([UNIT, HEAD_DIM], gl.float32, PACK_LAYOUT))
-    else:
-        largest = 0.0
-        for u in gl.static_range(UNITS):
-            x = bufs.slice(u * UNIT, UNIT).load(PACK_LAYOUT)
-            _put(dst, _plain_rows(row0 + u * UNIT), dst_stride, n_rows - u * UNIT, x)
-            largest = gl.maximum(largest, gl.max(gl.max(gl.abs(x), axis=1), axis=0))
-        gl.store(slot, largest)
-    _release(counter)
-
-
-@gluon.jit
-def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
-          grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv,
-          zero_dec, zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv):
-    """Pack item `item` of the call's list, in order: zero fills (split-K outputs), the decoder side
-    per token block (GQ heads, dec16), Wq16, the encoder side per token block ([GK | GV] head sums,
-    enc16), [Wk; Wv]16. Returns (mode, src, dst (fp16), zero_dst (fp32, zero fills), row0, n_rows,
-    src_stride, dst_stride, S, head, range slot, counter); items past the list have n_rows 0."""
-    nb_d = gl.cdiv(TD, TOKEN_BLOCK)
-    nb_e = gl.cdiv(TE, TOKEN_BLOCK)
-    c_gq, c_dec, c_gkv, c_enc, c_w = _counters(counters, TD, TE)
-    ROWS: gl.constexpr = ITEM_ROWS
-    PER_BLOCK: gl.constexpr = TOKEN_BLOCK // ROWS
-    SUM_PER_BLOCK: gl.constexpr = TOKEN_BLOCK // UNIT
-    n_zq = zero_wq * W_ITEMS
-    n_zkv = zero_wkv * 2 * KV_ITEMS
-    n_zdec = zero_dec * gl.cdiv(TD, ROWS) * (HIDDEN // HEAD_DIM)
-    n_zenc = zero_enc * gl.cdiv(TE, ROWS) * (CROSS // HEAD_DIM)
-    per_d = PER_BLOCK * (HEADS + dec_chunks)
-    n_d = (nb_d - 1) * per_d + _chunks(nb_d - 1, TD, ROWS) * (HEADS + dec_chunks)
-    per_e = SUM_PER_BLOCK * 2 * GROUP + PER_BLOCK * enc_chunks
-    n_e = (nb_e - 1) * per_e + _chunks(nb_e - 1, TE, UNIT) * 2 * GROUP + _chunks(nb_e - 1, TE, ROWS) * enc_chunks
-    e_zero = n_zq + n_zkv + n_zdec + n_zenc
-    e_d = e_zero + n_d
-    e_wq = e_d + pack_w * W_ITEMS
-    e_e = e_wq + n_e
-    total = e_e + pack_w * 2 * KV_ITEMS
-    # defaults: a zero fill of grad_Wq's row block (64 rows x 256 columns)
-    mode = 0
-    src = gq
-    dst = gq16
-    zero_dst = grad_wq + item // (Q_OUT // ROWS) * HEAD_DIM
-    row0 = item % (Q_OUT // ROWS) * ROWS
-    n_rows = Q_OUT - row0
-    src_stride = HEAD_DIM
-    dst_stride = HIDDEN
-    S = SD
-    head = 0
-    slot = ranges
-    counter = c_w + 2
-    if item >= total:
-        n_rows = 0
-    elif item < n_zq:
-        pass
-    elif item < n_zq + n_zkv:
-        local = item - n_zq
-        zero_dst = gl.where(local < KV_ITEMS, grad_wk, grad_wv) + local % KV_ITEMS // (KV_OUT // ROWS) * HEAD_DIM
-        row0 = local % (KV_OUT // ROWS) * ROWS
-        n_rows = KV_OUT - row0
-        dst_stride = CROSS
-        counter = c_w + 3
-    elif item < n_zq + n_zkv + n_zdec:  # zero grad_dec [TD, 1536]
-        local = item - n_zq - n_zkv
-        zero_dst = grad_dec + local // gl.cdiv(TD, ROWS) * HEAD_DIM
-        row0 = local % gl.cdiv(TD, ROWS) * ROWS
-        n_rows = TD - row0
-        counter = c_w + 4
-    elif item < e_zero:  # zero grad_enc [TE, 1024]
-        local = item - n_zq - n_zkv - n_zdec
-        zero_dst = grad_enc + local // gl.cdiv(TE, ROWS) * HEAD_DIM
-        row0 = local % gl.cdiv(TE, ROWS) * ROWS
-        n_rows = TE - row0
-        dst_stride = CROSS
-        counter = c_w + 5
-    elif item < e_d:  # decoder side, block by block
-        local = item - e_zero
-        block = local // per_d
-        sub = local - block * per_d
-        chunks = _chunks(block, TD, ROWS)
-        row0 = block * TOKEN_BLOCK + sub % chunks * ROWS
-        n_rows = TD - row0
-        if sub < _gq_items(block, TD):  # GQ: 64 tokens of one head
-            mode = 2
-            head = sub // chunks
-            dst = gq16 + head * HEAD_DIM
-            dst_stride = Q_OUT
-            slot = ranges + r_gq + block * PER_BLOCK * HEADS + sub
-            counter = c_gq + block
-        else:  # dec16: 64 tokens x 256 columns
-            mode = 1
-            col = (sub - HEADS * chunks) // chunks * HEAD_DIM
-            src = dec + col
-            dst = dec16 + col
-            src_stride = HIDDEN
-            slot = ranges + r_dec + block * PER_BLOCK * dec_chunks + sub - HEADS * chunks
-            counter = c_dec + block
-    elif item < e_wq:  # Wq16
-        local = item - e_d
-        mode = 1
-        col = local // (Q_OUT // ROWS) * HEAD_DIM
-        src = wq + col
-        dst = wq16 + col
-        row0 = local % (Q_OUT // ROWS) * ROWS
-        n_rows = ROWS
-        src_stride = HIDDEN
-        slot = ranges + r_wq + local
-        counter = c_w
-    elif item < e_e:  # encoder side, block by block
-        local = item - e_wq
-        block = local // per_e
-        sub = local - block * per_e
-        sum_chunks = _chunks(block, TE, UNIT)
-        S = SE
-        if sub < _gkv_items(block, TE):  # one KV head of GK or GV for 16 tokens: the sum of its 4 query heads
-            mode = 3
-            part = sub // sum_chunks  # 0..3: GK heads, 4..7: GV heads
-            row0 = block * TOKEN_BLOCK + sub % sum_chunks * UNIT
-            n_rows = TE - row0
-            src = gl.where(part < GROUP, gk, gv)
-            head = part % GROUP * GROUP
-            dst = gkv16 + part // GROUP * KV_OUT + part % GROUP * HEAD_DIM
-            dst_stride = 2 * KV_OUT
-            slot = ranges + gl.where(part < GROUP, r_gk, r_gv) + block * SUM_PER_BLOCK * GROUP \
-                + part % GROUP * sum_chunks + sub % sum_chunks
-            counter = c_gkv + block
-        else:  # enc16: 64 tokens x 256 columns
-            mode = 1
-            sub = sub - 2 * GROUP * sum_chunks
-            chunks = _chunks(block, TE, ROWS)
-            row0 = block * TOKEN_BLOCK + sub % chunks * ROWS
-            n_rows = TE - row0
-            col = sub // chunks * HEAD_DIM
-            src = enc + col
-            dst = enc16 + col
-            src_stride = CROSS
-            dst_stride = CROSS
-            slot = ranges + r_enc + block * PER_BLOCK * enc_chunks + sub
-            counter = c_enc + block
-    else:  # [Wk; Wv]16
-        local = item - e_e
-        on_v = local >= KV_ITEMS
-        local = local % KV_ITEMS
-        mode = 1
-        col = local // (KV_OUT // ROWS) * HEAD_DIM
-        src = gl.where(on_v, wv, wk) + col
-        dst = wkv16 + on_v.to(gl.int32) * KV_OUT * CROSS + col
-        row0 = local % (KV_OUT // ROWS) * ROWS
-        n_rows = ROWS
-        src_stride = CROSS
-        dst_stride = CROSS
-        slot = ranges + gl.where(on_v, r_wv, r_wk) + local
-        counter = c_w + 1
-    return mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter
-
-
-@gluon.jit
-def _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk, grad_wv,
-          grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec,
-          zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv):
-    """The pack partition: this program's share (every num_programs-th) of the pack items (`_item`),
-    one at a time (64 KB of copies in flight). Measured: two items in flight, with the products'
-    ring one slot shorter to make room, were slower (benchmarks/notes/gluon.md)."""
-    item = gl.program_id(0)
-    mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter = _item(
-        item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk, grad_wv,
-        grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec,
-        zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
-    while n_rows > 0:
-        _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head)
-        async_copy.wait_group(0)
-        gl.thread_barrier()  # every thread's copies have landed
-        _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot, counter)
-        item += gl.num_programs(0)
-        mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter = _item(
-            item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
-            grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv,
-            zero_dec, zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
 
 
 @gluon.jit
@@ -372,6 +102,7 @@ def _loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bu
             for k in range(k_lo, k_hi, BK):
                 issue_step(a_enc, b_enc, a_k, b_bufs, ready, empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
+    _leave(counters, TD, TE, 1)
 
 
 @gluon.jit
@@ -418,6 +149,7 @@ def _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_
             if split_enc > 1:
                 wait_count(c_w + 5, gl.cdiv(TE, ITEM_ROWS) * (CROSS // HEAD_DIM))
             store_tile(grad_enc, CROSS, acc, off_m + ROW0, off_n, TE, CROSS, split_enc > 1)
+    _leave(counters, TD, TE, 4)
 
 
 @gluon.jit
@@ -437,7 +169,8 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
                  r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
                  STAGES: gl.constexpr):
-    """The five 072 outputs from the official inputs, one persistent launch (counters pre-zeroed).
+    """The five 072 outputs from the official inputs, one persistent launch (counters zero at the
+    start; it leaves them zero).
 
     Descriptors (fp16, over the pack's buffers): a_wq/a_wkv [tokens, 4096 | 2048] in [BK, BM]
     tiles (A M-major), a_dec/a_enc the same buffers in [BM, BK] tiles, b_* the B operands in
