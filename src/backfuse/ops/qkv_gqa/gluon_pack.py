@@ -133,9 +133,9 @@ def _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head):
 
 
 @gluon.jit
-def _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot, counter):
+def _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot):
     """Store a landed item as fp16 rows of dst from row0 (mode 3: the sum of its 4 slots; mode 0:
-    zeros in fp32), record its largest |value| in `slot` and count it."""
+    zeros in fp32) and record its largest |value| in `slot`."""
     if mode == 3:
         acc = bufs.slice(0, UNIT).load(PACK_LAYOUT)
         for u in gl.static_range(1, UNITS):
@@ -146,14 +146,13 @@ def _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot, coun
         for u in gl.static_range(UNITS):
             _put(zero_dst, _plain_rows(row0 + u * UNIT), dst_stride, n_rows - u * UNIT,
                  gl.zeros([UNIT, HEAD_DIM], gl.float32, PACK_LAYOUT))
-    else:
-        largest = 0.0
+    else:  # one reduction per item: elementwise maxima over its units first (rows past n_rows are zeros)
+        largest = gl.zeros([UNIT, HEAD_DIM], gl.float32, PACK_LAYOUT)
         for u in gl.static_range(UNITS):
             x = bufs.slice(u * UNIT, UNIT).load(PACK_LAYOUT)
             _put(dst, _plain_rows(row0 + u * UNIT), dst_stride, n_rows - u * UNIT, x)
-            largest = gl.maximum(largest, gl.max(gl.max(gl.abs(x), axis=1), axis=0))
-        gl.store(slot, largest)
-    _release(counter)
+            largest = gl.maximum(largest, gl.abs(x))
+        gl.store(slot, gl.max(gl.max(largest, axis=1), axis=0))
 
 
 @gluon.jit
@@ -306,23 +305,34 @@ def _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
           grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec,
           zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv):
     """The pack partition: this program's share (every num_programs-th) of the pack items (`_item`),
-    one at a time (64 KB of copies in flight). Measured slower (benchmarks/notes/gluon.md): two items
-    in flight with the products' ring one slot shorter (+8% on the large cases), and the 16-row
-    units streamed through the slots, each refilled with the next item's unit once used, so that
-    48-64 KB stay in flight (the pack alone 1.9x slower)."""
+    one at a time (64 KB of copies in flight), with the next item's decode done while an item's
+    copies fly and its copies issued before the current item is counted (the release's fence then
+    waits for the stores under them): the pack alone 8% faster than decode, copy, use, count in
+    turn (benchmarks/notes/gluon.md). Measured slower: two items in flight with the products' ring
+    one slot shorter (+8% on the large cases); the 16-row units streamed through the slots (the
+    pack alone 1.9x slower, with spills)."""
     item = gl.program_id(0)
     mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter = _item(
         item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk, grad_wv,
         grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec,
         zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
+    _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head)
     while n_rows > 0:
-        _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head)
+        item += gl.num_programs(0)
+        # the next item's decode (integer divisions) while this item's copies fly
+        n_mode, n_src, n_dst, n_zero_dst, n_row0, n_n_rows, n_src_stride, n_dst_stride, n_S, n_head, n_slot, \
+            n_counter = _item(
+                item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
+                grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq,
+                zero_wkv, zero_dec, zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
         async_copy.wait_group(0)
         gl.thread_barrier()  # every thread's copies have landed
-        _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot, counter)
-        item += gl.num_programs(0)
-        mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter = _item(
-            item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
-            grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv,
-            zero_dec, zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
+        _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot)
+        gl.thread_barrier()  # every thread has read the slots
+        _fetch_item(bufs, n_mode, n_src, n_row0, n_n_rows, n_src_stride, n_S, n_head)
+        _release(counter)  # its fence waits for this item's stores while the next item's copies fly
+        mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter = \
+            n_mode, n_src, n_dst, n_zero_dst, n_row0, n_n_rows, n_src_stride, n_dst_stride, n_S, n_head, n_slot, \
+            n_counter
+    async_copy.wait_group(0)
     _leave(counters, TD, TE, 4)
