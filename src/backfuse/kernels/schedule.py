@@ -58,20 +58,20 @@ def longest_first(groups) -> list:
 
 
 def choose_products(requested: str | None, flop: float, cublas_min_flop: float, gpu: bool, *,
-                    gluon_min_flop: float | None = None) -> str:
+                    gluon_window: tuple | None = None) -> str:
     """The backend of an operator's projection products: `requested` ("triton": our tiles, "cublas":
     torch.mm on our fp16 operands, "gluon": an operator's one-launch Hopper kernel) as given; None:
-    cuBLAS on a GPU from cublas_min_flop of product work (where its faster products outweigh its
-    extra launches and their host time), the Gluon kernel from gluon_min_flop below that (where the
-    operator has one and the GPU runs it: None otherwise), else ours."""
+    on a GPU the Gluon kernel for product work in gluon_window = [low, high) FLOP (where the operator
+    has one and the GPU runs it: None otherwise), else cuBLAS from cublas_min_flop (where its faster
+    products outweigh its extra launches and their host time), else ours."""
     if requested is not None:
         if requested not in ("triton", "cublas", "gluon"):
             raise ValueError(f"products must be 'triton', 'cublas' or 'gluon', got {requested!r}")
         return requested
+    if gpu and gluon_window is not None and gluon_window[0] <= flop < gluon_window[1]:
+        return "gluon"
     if gpu and flop >= cublas_min_flop:
         return "cublas"
-    if gpu and gluon_min_flop is not None and flop >= gluon_min_flop:
-        return "gluon"
     return "triton"
 
 

@@ -17,17 +17,18 @@ from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
 @dataclass(frozen=True, kw_only=True)
 class GluonConfig:
     """The one-launch Gluon kernel (sm_90): bm x bn x bk product tiles over a ring of `stages` slots
-    (128 x 128: its 16 warps leave 128 registers per thread), beside its pack partition. It runs from
-    min_flop of product work up to the config's cublas_min_flop. Measured (benchmarks/notes/gluon.md,
-    official clock, which since its counters need no memset is the kernel's own time): 7-9% faster
-    than pack + our Triton products at 34-43 GFLOP, equal at 86, at parity with pack + cuBLAS at
-    137-172 and 4-19% slower below 30 GFLOP and above 250."""
+    (128 x 128: its 16 warps leave 128 registers per thread), beside its pack partition. It runs for
+    product work in [min_flop, max_flop). Measured (benchmarks/notes/gluon.md, official clock, which
+    since its counters need no memset is the kernel's own time): against pack + our Triton products
+    7-14% faster at 34-43 GFLOP; against pack + cuBLAS equal at 135-137 and 3% faster at 172;
+    slower below 30 GFLOP (up to 8%) and from 252 (3-7%)."""
 
     bm: int = 128
     bn: int = 128
     bk: int = 64
     stages: int = 4
     min_flop: float = 30e9
+    max_flop: float = 200e9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,12 +169,12 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
     needs: one bool per output (None: all); with our tiles the input gradients (grad_dec, grad_enc)
     and the weight gradients go as groups, with cuBLAS per product. deterministic: no K splits (our
     tiles add split partial sums by atomics). gluon: the GPU runs the Gluon kernel (Hopper).
-    products: "triton", "cublas", "gluon", or None (by size on a GPU: `cublas_min_flop`, and the
-    Gluon kernel's `min_flop` where it runs).
+    products: "triton", "cublas", "gluon", or None (by size on a GPU: the Gluon kernel's window
+    where it runs, else `cublas_min_flop`).
     """
     gemms = product_shapes(axes)
     backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu,
-                              gluon_min_flop=cfg.gluon.min_flop if gluon else None)
+                              gluon_window=(cfg.gluon.min_flop, cfg.gluon.max_flop) if gluon else None)
     needs = needs or (True,) * 5
     if backend == "gluon":
         g = cfg.gluon
