@@ -34,12 +34,13 @@ def descriptor_type(dtype, block, layout=None) -> str:
 class Usage:
     shared: int  # bytes
     registers: int  # per thread, as compiled
-    local: int  # bytes of local memory per thread (spills)
+    local: int  # bytes of local memory per thread outside the stack frame
+    stack: int  # bytes of stack frame per thread: where ptxas puts register spills
     wgmma: int  # HGMMA instructions in the SASS
 
     def __str__(self) -> str:
         return (f"smem {self.shared / 1024:6.1f} KB  regs {self.registers:3d}  local {self.local:4d} B  "
-                f"HGMMA {self.wgmma:3d}")
+                f"stack {self.stack:4d} B  HGMMA {self.wgmma:3d}")
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, maxnreg: int | None = None):
@@ -52,11 +53,13 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, maxnr
 
 
 def usage(kernel) -> Usage:
-    """Shared memory, registers, spills and wgmma count of a compiled kernel (cuobjdump on its cubin)."""
+    """Shared memory, registers, local memory, stack (spills) and wgmma count of a compiled kernel
+    (cuobjdump on its cubin)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         sass = subprocess.run([_CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         res = subprocess.run([_CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     return Usage(kernel.metadata.shared, int(re.search(r"REG:(\d+)", res).group(1)),
-                 int(re.search(r"LOCAL:(\d+)", res).group(1)), sass.count("HGMMA"))
+                 int(re.search(r"LOCAL:(\d+)", res).group(1)), int(re.search(r"STACK:(\d+)", res).group(1)),
+                 sass.count("HGMMA"))
