@@ -52,8 +52,9 @@ def _compile(case: str):
         if p.name not in sig and not p.is_constexpr:
             sig[p.name] = INTS if p.do_not_specialize else \
                 "*fp16" if p.name.endswith("16") else "*i32" if p.name == "counters" else "*fp32"
-    kernel = compile_sm90(fn, sig, dict(STAGES=g.stages), num_warps=4, maxnreg=gluon_kernels.MAXNREG)
-    return usage(kernel), gluon_kernels.MAXNREG
+    kernel = compile_sm90(fn, sig, dict(STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.maxnreg), num_warps=4,
+                          maxnreg=g.maxnreg)
+    return usage(kernel), g.maxnreg
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -118,6 +118,6 @@ def _one_launch(inputs, p, g, host, ranges):
             *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, ranges.block(offset),
             td, te, sd, se, p.gluon.dec_chunks, p.gluon.enc_chunks, *p.splits, *p.gluon.starts, p.gluon.tiles,
-            *bases, STAGES=g.stages, num_warps=4, maxnreg=gluon_kernels.MAXNREG)
+            *bases, STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.maxnreg, num_warps=4, maxnreg=g.maxnreg)
         launch()
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv

@@ -16,17 +16,23 @@ from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
 
 @dataclass(frozen=True, kw_only=True)
 class GluonConfig:
-    """The one-launch Gluon kernel (sm_90): bm x bn x bk product tiles over a ring of `stages` slots
-    (128 x 128: its 16 warps leave 128 registers per thread), beside its pack partition. It runs for
-    product work in [min_flop, max_flop). Measured (benchmarks/notes/gluon.md, official clock, which
-    since its counters need no memset is the kernel's own time): against pack + our Triton products
-    7-14% faster at 34-43 GFLOP; against pack + cuBLAS equal at 135-137 and 3% faster at 172;
-    slower below 30 GFLOP (up to 8%) and from 252 (3-7%)."""
+    """The one-launch Gluon kernel (sm_90): bm x bn x bk product tiles over a ring of `stages` slots,
+    beside a pack partition of `pack_warps` warps. Its warps (2 x 4 consumers, 1 loader, the pack;
+    rounded up to whole warpgroups) share the SM's 64K registers, and `maxnreg` (what the launch
+    gives each thread) caps every partition's code: 16 warps leave 128, so tiles are 128 x 128 (a
+    64 x 256 fp32 accumulator per warpgroup needs more than 154); 12 warps (a 2-warp pack) leave
+    168, enough for 128 x 256. It runs for product work in [min_flop, max_flop). Measured
+    (benchmarks/notes/gluon.md, official clock, which since its counters need no memset is the
+    kernel's own time): against pack + our Triton products 7-14% faster at 34-43 GFLOP; against
+    pack + cuBLAS equal at 135-137 and 3% faster at 172; slower below 30 GFLOP (up to 8%) and from
+    252 (3-7%)."""
 
     bm: int = 128
     bn: int = 128
     bk: int = 64
     stages: int = 4
+    pack_warps: int = 4
+    maxnreg: int = 128
     min_flop: float = 30e9
     max_flop: float = 200e9
 

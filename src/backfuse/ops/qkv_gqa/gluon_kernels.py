@@ -33,7 +33,6 @@ from .gluon_pack import (
     ITEM_ROWS,
     KV_ITEMS,
     KV_OUT,
-    PACK_REGS,
     Q_OUT,
     TOKEN_BLOCK,
     UNIT,
@@ -46,12 +45,6 @@ from .gluon_pack import (
     _leave,
     _pack,
 )
-
-# 16 warps (4 + 4 consumer, 1 loader, 4 pack) share the 64K registers: the launch gives 128 per
-# thread (maxnreg), which caps every partition's code, so tiles are 128 x 128 (a 64 x 256 fp32
-# accumulator per warpgroup would need more than 154).
-MAXNREG = 128
-CONSUMER_REGS = gl.constexpr(128)
 
 
 @gluon.jit
@@ -102,7 +95,7 @@ def _loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bu
             for k in range(k_lo, k_hi, BK):
                 issue_step(a_enc, b_enc, a_k, b_bufs, ready, empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
-    _leave(counters, TD, TE, 1)
+    _leave(counters, TD, TE)
 
 
 @gluon.jit
@@ -149,7 +142,7 @@ def _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_
             if split_enc > 1:
                 wait_count(c_w + 5, gl.cdiv(TE, ITEM_ROWS) * (CROSS // HEAD_DIM))
             store_tile(grad_enc, CROSS, acc, off_m + ROW0, off_n, TE, CROSS, split_enc > 1)
-    _leave(counters, TD, TE, 4)
+    _leave(counters, TD, TE)
 
 
 @gluon.jit
@@ -168,7 +161,7 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, ranges,
                  TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
                  r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
-                 STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, PACK_WARPS: gl.constexpr, REGS: gl.constexpr):
     """The five 072 outputs from the official inputs, one persistent launch (counters zero at the
     start; it leaves them zero).
 
@@ -176,7 +169,8 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     tiles (A M-major), a_dec/a_enc the same buffers in [BM, BK] tiles, b_* the B operands in
     [BK, BN] tiles. dec_chunks / enc_chunks: 256-column pack tiles per row of dec / enc (0 when
     no weight gradient is wanted). Tiles: grad_Wq [0, s1), grad_dec [s1, s2), grad_Wkv [s2, s3),
-    grad_enc [s3, total). Launched with num_warps=4 (the first consumer warpgroup).
+    grad_enc [s3, total). Launched with num_warps=4 (the first consumer warpgroup) and maxnreg=REGS,
+    which caps every partition's code (config.GluonConfig: the warps share 64K registers).
     """
     BK: gl.constexpr = a_dec.block_type.shape[1]
     BM: gl.constexpr = a_dec.block_type.shape[0]
@@ -204,7 +198,7 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  (split_wq > 1).to(gl.int32), (split_wkv > 1).to(gl.int32), (split_dec > 1).to(gl.int32),
                  (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32),
                  r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)),
-    ], [4, 1, 4], [CONSUMER_REGS, LOADER_REGS, PACK_REGS])
+    ], [4, 1, PACK_WARPS], [REGS, LOADER_REGS, REGS])
 
 
 def descriptor_blocks(bm: int, bn: int, bk: int) -> tuple:

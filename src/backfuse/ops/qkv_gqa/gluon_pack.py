@@ -32,10 +32,14 @@ UNITS = gl.constexpr(4)  # slots: 64 KB in flight per item
 ITEM_ROWS = gl.constexpr(config.GLUON_ITEM_ROWS)  # rows of a plain item (UNITS slots); a head-group sum: UNIT
 W_ITEMS = gl.constexpr((spec.Q_OUT // ITEM_ROWS) * (spec.HIDDEN // HEAD_DIM))  # of Wq16 (and of zeroing grad_Wq)
 KV_ITEMS = gl.constexpr((spec.KV_OUT // ITEM_ROWS) * (spec.CROSS_HIDDEN // HEAD_DIM))  # per weight (Wk16, Wv16)
-PACK_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
-PACK_REGS = gl.constexpr(128)
 PARTITIONS = gl.constexpr(4)  # per program: two consumers, the loader, the pack
 
+
+
+@gluon.constexpr_function
+def pack_layout(warps):
+    """[rows, 256] fp32 tiles over the pack partition's `warps` warps: 4 columns (16 B) per thread."""
+    return gl.BlockedLayout([1, 4], [1, 32], [warps, 1], [1, 0])
 
 
 @gluon.jit
@@ -64,15 +68,15 @@ def _counters(counters, TD, TE):
 
 
 @gluon.jit
-def _leave(counters, TD, TE, WARPS: gl.constexpr):
-    """Count this partition (of WARPS warps) out of the launch; the launch's last partition to leave
+def _leave(counters, TD, TE):
+    """Count this partition out of the launch; the launch's last partition to leave
     zeroes every counter slot, so the next call on this stream finds them zero (no memset launch)."""
     gl.thread_barrier()  # the partition's warps are past their last use of the counters
     n_slots = 2 * gl.cdiv(TD, TOKEN_BLOCK) + 2 * gl.cdiv(TE, TOKEN_BLOCK) + 7
     left = gl.atomic_add(counters + n_slots - 1, 1, sem="acq_rel", scope="gpu")
     if left == PARTITIONS * gl.num_programs(0) - 1:
-        layout: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
-        BLOCK: gl.constexpr = 128 * WARPS
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+        BLOCK: gl.constexpr = 128 * gl.num_warps()
         for start in range(0, n_slots, BLOCK):
             slots = start + gl.arange(0, BLOCK, layout=layout)
             gl.store(counters + slots, gl.zeros([BLOCK], gl.int32, layout), mask=slots < n_slots)
@@ -88,7 +92,7 @@ def _release(counter):
 @gluon.jit
 def _token_rows(t0, S, head):
     """Rows of grad_*_states [B, 16, S, 256] (viewed [B*16*S, 256]) of tokens t0 + r, r < 16, of one head."""
-    r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, PACK_LAYOUT))
+    r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, pack_layout(gl.num_warps())))
     t = t0 + r
     b = t // S
     return (b * HEADS + head).to(gl.int64) * S + (t - b * S)
@@ -96,14 +100,14 @@ def _token_rows(t0, S, head):
 
 @gluon.jit
 def _plain_rows(row0):
-    return (row0 + gl.arange(0, UNIT, layout=gl.SliceLayout(1, PACK_LAYOUT))).to(gl.int64)
+    return (row0 + gl.arange(0, UNIT, layout=gl.SliceLayout(1, pack_layout(gl.num_warps())))).to(gl.int64)
 
 
 @gluon.jit
 def _fetch(buf, src, rows, stride, n_rows):
     """Asynchronous copy of src[rows[r], :256] (r < n_rows; zeros past) into a [16, 256] slot."""
-    r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, PACK_LAYOUT))
-    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, PACK_LAYOUT))
+    r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, pack_layout(gl.num_warps())))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, pack_layout(gl.num_warps())))
     ok = (r < n_rows)[:, None] & (c < HEAD_DIM)[None, :]
     async_copy.async_copy_global_to_shared(buf, src + rows[:, None] * stride + c[None, :], mask=ok)
 
@@ -111,8 +115,8 @@ def _fetch(buf, src, rows, stride, n_rows):
 @gluon.jit
 def _put(dst, rows, stride, n_rows, x):
     """dst[rows[r], :256] = fp16(x[r]) for r < n_rows."""
-    r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, PACK_LAYOUT))
-    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, PACK_LAYOUT))
+    r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, pack_layout(gl.num_warps())))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, pack_layout(gl.num_warps())))
     ok = (r < n_rows)[:, None] & (c < HEAD_DIM)[None, :]
     gl.store(dst + rows[:, None] * stride + c[None, :], x.to(gl.float16), mask=ok)
 
@@ -137,19 +141,19 @@ def _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot):
     """Store a landed item as fp16 rows of dst from row0 (mode 3: the sum of its 4 slots; mode 0:
     zeros in fp32) and record its largest |value| in `slot`."""
     if mode == 3:
-        acc = bufs.slice(0, UNIT).load(PACK_LAYOUT)
+        acc = bufs.slice(0, UNIT).load(pack_layout(gl.num_warps()))
         for u in gl.static_range(1, UNITS):
-            acc += bufs.slice(u * UNIT, UNIT).load(PACK_LAYOUT)
+            acc += bufs.slice(u * UNIT, UNIT).load(pack_layout(gl.num_warps()))
         _put(dst, _plain_rows(row0), dst_stride, n_rows, acc)
         gl.store(slot, gl.max(gl.max(gl.abs(acc), axis=1), axis=0))
     elif mode == 0:
         for u in gl.static_range(UNITS):
             _put(zero_dst, _plain_rows(row0 + u * UNIT), dst_stride, n_rows - u * UNIT,
-                 gl.zeros([UNIT, HEAD_DIM], gl.float32, PACK_LAYOUT))
+                 gl.zeros([UNIT, HEAD_DIM], gl.float32, pack_layout(gl.num_warps())))
     else:  # one reduction per item: elementwise maxima over its units first (rows past n_rows are zeros)
-        largest = gl.zeros([UNIT, HEAD_DIM], gl.float32, PACK_LAYOUT)
+        largest = gl.zeros([UNIT, HEAD_DIM], gl.float32, pack_layout(gl.num_warps()))
         for u in gl.static_range(UNITS):
-            x = bufs.slice(u * UNIT, UNIT).load(PACK_LAYOUT)
+            x = bufs.slice(u * UNIT, UNIT).load(pack_layout(gl.num_warps()))
             _put(dst, _plain_rows(row0 + u * UNIT), dst_stride, n_rows - u * UNIT, x)
             largest = gl.maximum(largest, gl.abs(x))
         gl.store(slot, gl.max(gl.max(largest, axis=1), axis=0))
@@ -335,4 +339,4 @@ def _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
             n_mode, n_src, n_dst, n_zero_dst, n_row0, n_n_rows, n_src_stride, n_dst_stride, n_S, n_head, n_slot, \
             n_counter
     async_copy.wait_group(0)
-    _leave(counters, TD, TE, 4)
+    _leave(counters, TD, TE)
