@@ -74,3 +74,24 @@ def test_unsupported_triton_launches_through_the_jit(monkeypatch):
     (on the GPU this is the JIT path with its scratch allocator; on the CPU the interpreter's)."""
     monkeypatch.setattr(launch, "FAST_LAUNCH", False)
     check_fused(backfuse.problem("021"), dict(batch_size=1, num_video_tokens=9, num_text_tokens=5), seed=1)
+
+
+def test_launch_handles_are_specific_to_descriptor_blocks():
+    """A prepared launch reuses a compiled handle only for the same constexprs, tensor dtypes and
+    alignments, and TMA descriptor blocks (a Gluon kernel takes its tile shapes from them)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from backfuse.kernels.launch import specialization
+
+    t = torch.zeros(256, 256, dtype=torch.float16)
+
+    def desc(block):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
+
+    base = specialization((desc([64, 128]), t, 7), dict(STAGES=4))
+    assert base == specialization((desc([64, 128]), t, 9), dict(STAGES=4))  # unspecialized ints
+    assert base != specialization((desc([64, 256]), t, 7), dict(STAGES=4))
+    assert base != specialization((desc([64, 128]), t.float(), 7), dict(STAGES=4))
+    assert base != specialization((desc([64, 128]), t[:, 1:], 7), dict(STAGES=4))  # misaligned
+    assert base != specialization((desc([64, 128]), t, 7), dict(STAGES=3))

@@ -69,6 +69,16 @@ def _encode_descriptors(run, args):
     return cells["launcher"], encoded
 
 
+def specialization(args, meta) -> tuple:
+    """What a compiled handle is specific to: the constexprs and options, each tensor's dtype and
+    16-byte alignment, each TMA descriptor's dtype, block shape and shared layout (a kernel reads its
+    tiles' shapes from its descriptors' types). (With the current device, the key of its handle.)"""
+    tensors = tuple((a.dtype, a.data_ptr() % ALIGNMENT == 0) for a in args if isinstance(a, torch.Tensor))
+    descriptors = tuple((a.base.dtype, tuple(a.block_shape), repr(a.layout)) for a in args
+                        if not isinstance(a, (torch.Tensor, int, float, bool)) and hasattr(a, "block_shape"))
+    return tuple(meta.items()), tensors, descriptors
+
+
 class FastKernel:
     def __init__(self, jit_fn):
         self.fn = jit_fn
@@ -98,7 +108,7 @@ class FastKernel:
                     self.fn[grid](*args, **meta)
 
             return jit_launch
-        key = (tuple(meta.items()), tuple((t.dtype, t.data_ptr() % ALIGNMENT == 0) for t in tensors), torch.cuda.current_device())
+        key = specialization(args, meta), torch.cuda.current_device()
         handle = self.handles.get(key)
         if handle is None:  # first launch of this specialization: through the JIT, which compiles it
             self._check_unspecialized(args)
