@@ -8,6 +8,8 @@ import torch
 
 _poison = False
 _zeroed: dict = {}  # (device, stream): int32 slots that stay zero between kernels
+_tables: dict = {}  # (device, queue): its int32 table on the device, most recently used last
+TABLES_KEPT = 64
 
 
 @contextlib.contextmanager
@@ -43,12 +45,34 @@ def on_device(device: torch.device):
     return contextlib.nullcontext()
 
 
+def queue_table(queue, device: torch.device) -> torch.Tensor:
+    """A task queue's int32 table (`kernels/queue.py`) on `device`. The table depends only on the plan
+    (a function of the shape and the options, like a compiled kernel), and a host-to-device copy per
+    call would join the call's span; so the TABLES_KEPT most recently used tables stay on the device.
+    It holds no data of any call: no pointers, values or results."""
+    if device.type != "cuda":
+        return torch.tensor(queue.table, dtype=torch.int32)
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    key = (device, queue)
+    table = _tables.pop(key, None)
+    if table is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("backfuse: call the operator once at this shape before capturing it in a CUDA graph "
+                               "(its task table is uploaded on the first call)")
+        table = torch.tensor(queue.table, dtype=torch.int32).to(device)
+    _tables[key] = table
+    while len(_tables) > TABLES_KEPT:
+        _tables.pop(next(iter(_tables)))
+    return table
+
+
 def zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
     """n int32 zeros for a kernel that leaves them zero when it finishes (the Gluon kernels' completion
     counters: their last program resets them), so a call needs no memset launch. One buffer per device
     and stream (kernels on one stream run one after another), grown when a call needs more slots;
-    during CUDA graph capture a fresh buffer instead (its zero fill becomes part of the graph)."""
-    if torch.cuda.is_current_stream_capturing():
+    during CUDA graph capture a fresh buffer instead (its zero fill becomes part of the graph). On the
+    CPU (the Triton interpreter) a fresh buffer each call."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     key = (device, torch.cuda.current_stream(device).cuda_stream)

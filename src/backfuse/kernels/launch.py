@@ -89,6 +89,19 @@ class FastKernel:
         """fn[grid](*args, **meta): positional runtime args, then constexprs and launch options by name."""
         self.prepare(grid, *args, **meta)()
 
+    def prepare_named(self, grid: tuple, args: dict, **meta):
+        """prepare() with the runtime arguments by name (the kernel's parameter names), so that a
+        launcher and its kernel agree on names, not on positions; constexprs and options in meta."""
+        names = list(self.fn.arg_names)
+        unknown = set(args) - set(names)
+        missing = [n for n in names if n not in args and n not in meta]
+        if unknown or missing:
+            raise TypeError(f"{self.fn.__name__}: unknown arguments {sorted(unknown)}, missing {missing}")
+        order = [n for n in names if n in args]
+        if order != names[:len(order)]:
+            raise TypeError(f"{self.fn.__name__}: runtime parameters must precede the constexprs")
+        return self.prepare(grid, *(args[n] for n in order), **meta)
+
     def prepare(self, grid: tuple, *args, **meta):
         """The launch fn[grid](*args, **meta) as a callable with all host work but the launch done now.
 

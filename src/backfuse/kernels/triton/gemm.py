@@ -29,11 +29,13 @@ def mma_tile(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    STAGES: tl.constexpr = None,
 ):
     """A[off_m:+BM, k_lo:k_hi] @ B[k_lo:k_hi, off_n:+BN] with fp16 operands, as a [BM, BN] fp32 tile.
     A or B may also be fp32 in memory: rounded to fp16 on the way to the tensor cores.
 
     Any layout works through the strides; rows past M, columns past N and k past k_hi read zeros.
+    STAGES: the K loop's software-pipeline depth (None: the launch's num_stages).
     """
     rm = off_m + tl.arange(0, BM)
     rn = off_n + tl.arange(0, BN)
@@ -43,7 +45,7 @@ def mma_tile(
     m_ok = rm[:, None] < M
     n_ok = rn[None, :] < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BK):
+    for k in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         k_ok = (k + rk) < k_hi
         a = tl.load(a_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
@@ -54,10 +56,11 @@ def mma_tile(
 
 
 @triton.jit
-def tma_tile(a_desc, b_desc, a_row, b_row, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def tma_tile(a_desc, b_desc, a_row, b_row, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             STAGES: tl.constexpr = None):
     """A[a_row:+BM, k_lo:k_hi] @ B[b_row:+BN, k_lo:k_hi]^T as a [BM, BN] fp32 tile, both operands
     row-major fp16 read through TMA tensor descriptors (blocks [BM, BK] and [BN, BK]); rows past a
-    descriptor's shape read zeros.
+    descriptor's shape read zeros. STAGES: the K loop's pipeline depth (None: the launch's num_stages).
 
     Persistent programs that loop over tiles with this body, the tile loop flattened
     (`tl.range(..., flatten=True)`), keep the next tile's loads in flight during an epilogue:
@@ -65,7 +68,7 @@ def tma_tile(a_desc, b_desc, a_row, b_row, k_lo, k_hi, BM: tl.constexpr, BN: tl.
     128 x 128 tile at 8192 x 1024 x 1024.
     """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BK):
+    for k in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         acc = tl.dot(a_desc.load([a_row, k]), b_desc.load([b_row, k]).T, acc)
     return acc
 

@@ -1,6 +1,6 @@
-"""021's attention kernel: per (batch, head, run of blocks of video tokens) C, dQ and the run's
-share of dK and dV, and the q/k/v bias gradients' partial sums. Launch 3 of `triton_kernels.py`'s
-four; `backward.py` launches it as `config.plan` says."""
+"""021's attention: per (batch, head, run of blocks of video tokens) C, dQ and the run's share of dK
+and dV, and the q/k/v bias gradients' partial sums (`attention_item`). Launch 3 of
+`triton_kernels.py`'s four (`attention_kernel`); `backward.py` launches it as `config.plan` says."""
 
 from __future__ import annotations
 
@@ -230,38 +230,27 @@ def _text_tiles_block(q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT,
     return tl.sum(dq, 0), sum_dk, sum_dv, max_abs(dq), tl.max(dk_rows), tl.max(dv_rows)
 
 
-@triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "scale"])
-def attention_kernel(
-    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
-    NV, NT, TT, per_program, scale,
-    BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr, ALONE: tl.constexpr,
-    DETERMINISTIC: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One (batch, head, run of `per_program` blocks of BM video tokens): C, dQ and the run's share
-    of dK and dV.
+@triton.jit
+def attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrival, ranges, b, h, run, first, last,
+                   slot_dq, slot_dk, slot_dv, NV, NT, TT, runs, scale,
+                   BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr,
+                   ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """One (batch b, head h, run of video blocks [first, last) of BM tokens): C, dQ and the run's
+    share of dK and dV.
 
     With P known, δ = rowsum(P∘dP) = rowsum(dC∘C), dP = dC V^T, dS = P(dP − δ)·scale, dQ = dS K,
     dK = dS^T Q, dV = P^T dC. Two algorithms: ONE_TILE (all NT text tokens within BN + BN_TAIL;
     77 tokens as 64 + 16, not a padded 128, since every product and every softmax step scales with
     the padded width): _one_tile_run; else (runs of one block) _text_tiles_block. ALONE (one run per
     head: runs == 1) writes dK, dV in fp16; otherwise runs add fp32 partial sums and the last to
-    arrive converts them (_finish_kv_grads).
-    Column sums of dQ, dK, dV (the bias gradients) go to this program's row of bias_parts
-    ([programs / 16, 3 * 1024]: batch-major, then run), summed later in a fixed order. The largest
-    |value| of the dQ, dK and dV this program rounds to fp16 goes to ranges[pid + i * programs],
-    i = 0..2 (0 for dK, dV left to the head's last run). C needs no check: its rows are convex
-    combinations of V's, which the forward products check.
+    arrive on the head's `arrival` counter converts them (_finish_kv_grads).
+    Column sums of dQ, dK, dV (the bias gradients) go to the run's row b * runs + run of bias_parts
+    ([batch * runs, 3 * 1024]), summed later in a fixed order. The largest |value| of the dQ, dK and
+    dV this item rounds to fp16 goes to ranges[slot_dq], ranges[slot_dk], ranges[slot_dv] (0 for dK,
+    dV left to the head's last run). C needs no check: its rows are convex combinations of V's,
+    which the forward tiles check.
     """
-    after_previous_launch(PDL)
-    pid = tl.program_id(0)
-    m_blocks = (NV + BM - 1) // BM
-    runs = (m_blocks + per_program - 1) // per_program
-    bh = pid // runs
-    b = bh // _HEADS
-    h = bh % _HEADS
     d = tl.arange(0, _HEAD_DIM)
-    first = (pid % runs) * per_program
     qk_scale = scale * _LOG2E  # softmax in base 2
     # The batch's first rows: offsets within a batch fit 32 bits (one wide multiply-add per address).
     video_row0 = (b * NV).to(tl.int64) * _HIDDEN
@@ -275,18 +264,17 @@ def attention_kernel(
     dkv32 += text_row0
     if ONE_TILE:
         sum_dq, sum_dk, sum_dv, dq_largest, dk_largest, dv_largest = _one_tile_run(
-            q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, pid % runs, first,
-            tl.minimum(first + per_program, m_blocks), scale, qk_scale, BM, BN, BN_TAIL, ALONE, DETERMINISTIC)
+            q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, run, first, last, scale, qk_scale,
+            BM, BN, BN_TAIL, ALONE, DETERMINISTIC)
     else:
         sum_dq, sum_dk, sum_dv, dq_largest, dk_largest, dv_largest = _text_tiles_block(
-            q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, pid % runs, first, scale, qk_scale, BM, BN,
+            q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, run, first, scale, qk_scale, BM, BN,
             ALONE, DETERMINISTIC)
-    row = bias_parts + (b * runs + pid % runs) * (3 * _HIDDEN) + h * _HEAD_DIM + d
+    row = bias_parts + (b * runs + run) * (3 * _HIDDEN) + h * _HEAD_DIM + d
     tl.store(row, sum_dq)
-    programs = tl.num_programs(0)
-    tl.store(ranges + pid, dq_largest)
-    tl.store(ranges + programs + pid, dk_largest if ALONE else 0.0)
-    tl.store(ranges + 2 * programs + pid, dv_largest if ALONE else 0.0)
+    tl.store(ranges + slot_dq, dq_largest)
+    tl.store(ranges + slot_dk, dk_largest if ALONE else 0.0)
+    tl.store(ranges + slot_dv, dv_largest if ALONE else 0.0)
     if ALONE:
         tl.store(row + _HIDDEN, sum_dk)
         tl.store(row + 2 * _HIDDEN, sum_dv)
@@ -296,10 +284,34 @@ def attention_kernel(
         tl.store(row + 2 * _HIDDEN, tl.zeros((_HEAD_DIM,), dtype=tl.float32))
         # Publish this run's sums; the last run of the head to arrive converts them all.
         tl.debug_barrier()
-        if tl.atomic_add(arrivals + bh, 1, sem="acq_rel") == runs - 1:
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == runs - 1:
             sum_dk, sum_dv, dk_largest, dv_largest = _finish_kv_grads(dkv32, dkv16, h, NT, TT, runs, BN,
                                                                       DETERMINISTIC)
             tl.store(row + _HIDDEN, sum_dk)
             tl.store(row + 2 * _HIDDEN, sum_dv)
-            tl.store(ranges + programs + pid, dk_largest)
-            tl.store(ranges + 2 * programs + pid, dv_largest)
+            tl.store(ranges + slot_dk, dk_largest)
+            tl.store(ranges + slot_dv, dv_largest)
+
+
+@triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "scale"])
+def attention_kernel(
+    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
+    NV, NT, TT, per_program, scale,
+    BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr, ALONE: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """attention_item for program (batch, head, run of `per_program` blocks of BM video tokens),
+    batch-major then head then run; the head's arrival counter is arrivals[batch * 16 + head], its
+    range slots ranges[pid + i * programs], i = 0..2 for dQ, dK, dV."""
+    after_previous_launch(PDL)
+    pid = tl.program_id(0)
+    m_blocks = (NV + BM - 1) // BM
+    runs = (m_blocks + per_program - 1) // per_program
+    bh = pid // runs
+    run = pid % runs
+    first = run * per_program
+    programs = tl.num_programs(0)
+    attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals + bh, ranges, bh // _HEADS,
+                   bh % _HEADS, run, first, tl.minimum(first + per_program, m_blocks), pid, pid + programs,
+                   pid + 2 * programs, NV, NT, TT, runs, scale, BM, BN, BN_TAIL, ONE_TILE, ALONE, DETERMINISTIC)
