@@ -35,6 +35,7 @@ VARIANTS = {
         "triton_1launch": dict(products="triton", config=C72(tiles=T(128, 256, 64, 8, 4))),
         "triton_default": dict(products="triton"),
         "cublas": dict(products="cublas"),
+        "gluon": dict(products="gluon"),
         "pack_r32_b4096_i16_w8": dict(config=C72(pack=PackConfig(rows=32, block=4096, iters=16, warps=8))),
         # Smaller product tiles for the small (Triton-product) cases: more tiles than SMs, 2 per SM.
         "triton_128x128_w8": dict(products="triton", config=C72(tiles=T(128, 128, 64, 8, 4))),
