@@ -13,6 +13,7 @@ from helpers import FP16_REL_ERR, NEAR_ZERO, assert_official_pass, rel_err
 import backfuse
 from backfuse.bench import check_outputs
 from backfuse.fp16_guard import FP16_MAX, SMALLEST_SAFE_MAX, RangeSlots, scale_exponent
+from backfuse.kernels.schedule import Holds, Region
 
 SMALL_AXES = {
     "072": dict(batch_size=1, seq_len_dec=7, seq_len_enc=5),
@@ -99,8 +100,9 @@ def test_guard_can_be_turned_off():
 
 def test_range_slots_reduce_per_region():
     ranges = RangeSlots()
-    first = ranges.reserve({"a": 3, "unused": 0, "b": 2})
-    second = ranges.reserve({"c": 1, "d": 2, "e": 1, "f": 1}, overflow_only=("e", "f"))
+    first = ranges.reserve([Region("a", 3), Region("unused", 0), Region("b", 2)])
+    second = ranges.reserve([Region("c", 1), Region("d", 2), Region("e", 1, Holds.VANISHING),
+                             Region("f", 1, Holds.VANISHING)])
     assert (first, second) == (0, 8)  # blocks start 16-byte aligned
     ranges.allocate("cpu")
     ranges.slots.fill_(float("nan"))  # slots between blocks are never read
@@ -170,11 +172,11 @@ def test_the_last_scale_is_tried_first(monkeypatch):
 
 
 def test_scale_exponent_rules():
-    linear = ("g", "gradient of x", "s")  # "s": overflow-only (its underflow is not checked)
+    holds = {"g": Holds.UPSTREAM, "gradient of x": Holds.GRADIENT, "s": Holds.VANISHING}  # others: inputs
 
     def pick(maxima, current=0):
-        rows = [(name, m, name != "s") for name, m in maxima.items()]
-        return scale_exponent(rows, lambda n: n in linear, lambda n: n == "g", current)
+        rows = [(name, m, holds.get(name, Holds.INPUT)) for name, m in maxima.items()]
+        return scale_exponent(rows, current)
 
     assert pick({"g": 1e-6, "w": 0.5}) == 20  # the largest upstream value to [1, 2): 1e-6 * 2^20 = 1.05
     assert 1 <= 1e-6 * 2**20 < 2

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 import backfuse
-from backfuse.kernels.schedule import Layout, Segment, choose_products, longest_first
+from backfuse.kernels.schedule import Holds, Layout, Segment, choose_products, longest_first
 from backfuse.ops.gemma3_core import config as gemma3_core
 from backfuse.ops.qkv_gqa import config as qkv_gqa
 from backfuse.ops.wan_xattn import config as wan_xattn
@@ -34,26 +34,26 @@ def test_pack_layouts_are_consistent(pid):
         assert p.ranges[0] == p.pack.regions
 
 
-# The fp16-range regions whose tensors are linear in the upstream gradients: when only these are out of
-# range, Problem.backward scales the upstream gradients by a power of two instead of falling back to fp32
-# (a renamed region would silently change that: hence the explicit lists).
+# The fp16-range regions whose tensors are linear in the upstream gradients, and what each holds: when
+# only these are out of range, Problem.backward scales the upstream gradients by a power of two instead
+# of falling back to fp32 (a region given another Holds would silently change that: hence the lists).
+U, G, V = Holds.UPSTREAM, Holds.GRADIENT, Holds.VANISHING
 LINEAR_REGIONS = {
-    "072": {"grad_query_states": True, "grad_key_states (head-group sums)": True,
-            "grad_value_states (head-group sums)": True},
-    "037": {"grad_output": True, "gradient of attention output": False, "gradient of k projection": False,
-            "gradient of v projection": False, "gradient of q projection": False},
-    "021": {"grad_output": True, "gradient of attention context": False, "gradient of queries": False,
-            "gradient of keys": False, "gradient of values": False},
+    "072": {"grad_query_states": U, "grad_key_states (head-group sums)": U, "grad_value_states (head-group sums)": U},
+    "037": {"grad_output": U, "gradient of attention output": G, "gradient of k projection": V,
+            "gradient of v projection": V, "gradient of q projection": V},
+    "021": {"grad_output": U, "gradient of attention context": G, "gradient of queries": V,
+            "gradient of keys": V, "gradient of values": V},
 }
 
 
 @pytest.mark.parametrize("pid", ["072", "037", "021"])
 def test_regions_linear_in_the_upstream_gradients(pid):
-    """{region: holds the upstream gradients themselves} for every region that scales with them."""
-    prob = backfuse.problem(pid)
-    for p in _plans(pid) + _plans(pid, products="cublas"):
-        names = [name for regions in p.ranges for name, _ in regions.counts]
-        assert {n: prob.holds_upstream(n) for n in names if prob.scales_with_upstream(n)} == LINEAR_REGIONS[pid]
+    """{region: what it holds} for every region that scales with the upstream gradients."""
+    plans = _plans(pid) + _plans(pid, products="cublas") + (_plans(pid, products="gluon") if pid == "072" else [])
+    for p in plans:
+        regions = [r for block in p.ranges for r in block.regions]
+        assert {r.name: r.holds for r in regions if r.holds.linear} == LINEAR_REGIONS[pid]
 
 
 def test_product_backends_follow_the_notes():

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .kernels import buffers
+from .kernels.schedule import Holds
 
 FP16_MAX = 65504.0
 # Elements a few times smaller than the largest sit below 2^-14, where fp16's absolute spacing
@@ -75,20 +76,20 @@ class RangeSlots:
     """
 
     def __init__(self):
-        self.regions = []  # (name, start, stop, underflow checked)
+        self.regions = []  # (name, start, stop, Holds)
         self.size = 0
         self.slots = None
         self.device = None
 
-    def reserve(self, counts: dict, *, overflow_only=()) -> int:
-        """A block of consecutive regions, {tensor name: slots} (empty ones skipped); returns its
-        offset. Regions named in overflow_only can vanish by cancellation: no underflow check."""
+    def reserve(self, regions) -> int:
+        """A block of consecutive regions (`kernels/schedule.py: Region`s: name, slots, Holds; empty
+        ones skipped); returns its offset."""
         start = -(-self.size // 4) * 4  # 16-byte aligned, so every block's pointer is too
         at = start
-        for name, n in counts.items():
-            if n:
-                self.regions.append((name, at, at + n, name not in overflow_only))
-            at += n
+        for r in regions:
+            if r.slots:
+                self.regions.append((r.name, at, at + r.slots, r.holds))
+            at += r.slots
         self.size = at
         return start
 
@@ -100,8 +101,8 @@ class RangeSlots:
         return self.slots[offset:]
 
     def maxima(self) -> list:
-        """(region, largest |value|, underflow checked) of every region; reads the slots (on a GPU
-        this waits for the stream)."""
+        """(region, largest |value|, Holds) of every region; reads the slots (on a GPU this waits for
+        the stream)."""
         if not self.regions:
             return []
         if self.device.type == "cuda":
@@ -109,7 +110,7 @@ class RangeSlots:
         host = self.slots.numpy()
         bounds = [i for _, start, stop, _ in self.regions for i in (start, stop)]
         maxima = np.maximum.reduceat(host, bounds)[::2]  # over [start, stop) of each region
-        return [(name, float(m), underflow) for (name, _, _, underflow), m in zip(self.regions, maxima)]
+        return [(name, float(m), holds) for (name, _, _, holds), m in zip(self.regions, maxima)]
 
     def out_of_range(self) -> list:
         """(region, largest |value|) of every region outside fp16's safe range; reads the slots."""
@@ -118,21 +119,21 @@ class RangeSlots:
 
 def outside(maxima: list) -> list:
     """(region, largest |value|) of the entries of RangeSlots.maxima() outside fp16's safe range."""
-    return [(name, m) for name, m, underflow in maxima if not _fits(m, underflow)]
+    return [(name, m) for name, m, holds in maxima if not _fits(m, holds.underflow_checked)]
 
 
 def _fits(m: float, underflow: bool) -> bool:
     return m <= FP16_MAX and not (underflow and 0 < m < SMALLEST_SAFE_MAX)  # NaN fails the first test
 
 
-def scale_exponent(maxima: list, scales, upstream, current: int = 0):
+def scale_exponent(maxima: list, current: int = 0):
     """The exponent k of the power of two to multiply the upstream gradients by, or None when no
     power of two helps.
 
-    maxima: RangeSlots.maxima() of a call made with the upstream gradients times 2^current.
-    scales(region): whether the region's tensor is linear in the upstream gradients (its maximum
-    moves with them); upstream(region): whether it holds the upstream gradients themselves. Every
-    other region must already be in range, and the upstream gradients finite (a tensor formed from
+    maxima: RangeSlots.maxima() of a call made with the upstream gradients times 2^current. A
+    region's Holds says whether its tensor is linear in the upstream gradients (its maximum moves
+    with them) and whether it holds the upstream gradients themselves. Every other region must
+    already be in range, and the upstream gradients finite (a tensor formed from
     them that is not finite overflowed: only a smaller scale can fit, by how much the next call's
     maxima tell). Among the exponents that
     put every linear region in range, k is 0 when 0 is one of them (no scaling at all), otherwise
@@ -140,13 +141,14 @@ def scale_exponent(maxima: list, scales, upstream, current: int = 0):
     official inputs sit: the largest margin to both ends of fp16's range for them).
     """
     low, high, largest = -math.inf, math.inf, 0.0
-    for name, m, underflow in maxima:
-        if not scales(name):
+    for name, m, holds in maxima:
+        underflow = holds.underflow_checked
+        if not holds.linear:
             if not _fits(m, underflow):
                 return None  # not linear in the upstream gradients: scaling them cannot help
             continue
         if not math.isfinite(m):
-            if upstream(name):
+            if holds is Holds.UPSTREAM:
                 return None  # Inf or NaN in the upstream gradients themselves
             high = min(high, -1)  # formed from finite ones, it overflowed (Inf, or Inf - Inf): scale down
             continue
@@ -155,7 +157,7 @@ def scale_exponent(maxima: list, scales, upstream, current: int = 0):
         high = min(high, _largest_shift(m, FP16_MAX))
         if underflow:
             low = max(low, _smallest_shift(m, SMALLEST_SAFE_MAX))
-        if upstream(name):
+        if holds is Holds.UPSTREAM:
             largest = max(largest, m)
     if low > high:
         return None  # the linear tensors span more than fp16's safe range: no common scale fits

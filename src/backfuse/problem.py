@@ -332,10 +332,11 @@ class Problem:
             if not outside:
                 return self._unscale(outs, needs, attempt), attempt
             tried.append(attempt)
-            attempt = fp16_guard.scale_exponent(maxima, self.scales_with_upstream, self.holds_upstream, attempt)
+            attempt = fp16_guard.scale_exponent(maxima, attempt)
             if attempt is None or attempt in tried or len(tried) == 2:
                 break  # at most one rerun: after the first guess (0, or the last call's), one from the maxima
-        unscaled = [(name, m * 2.0 ** -tried[-1] if self.scales_with_upstream(name) else m) for name, m in outside]
+        linear = {name: holds.linear for name, _, holds in maxima}
+        unscaled = [(name, m * 2.0 ** -tried[-1] if linear[name] else m) for name, m in outside]
         callsite.warn(f"{self.name}: {describe(unscaled)} outside fp16's safe range [{SMALLEST_SAFE_MAX:g}, "
                       f"{FP16_MAX:g}]; computed in fp32 instead (slower)", Fp16RangeWarning)
         return self.fp32_backward(*inputs), 0
@@ -354,15 +355,6 @@ class Problem:
                 if n:
                     o.mul_(2.0**-exponent)  # in place: the outputs are the kernels' fresh buffers
         return outs
-
-    def holds_upstream(self, region: str) -> bool:
-        """Whether an fp16-range region holds (a sum of) an upstream gradient: it is named after one."""
-        return region.split(" ", 1)[0] in self.upstream_grads
-
-    def scales_with_upstream(self, region: str) -> bool:
-        """Whether an fp16-range region holds a tensor linear in the upstream gradients: the upstream
-        gradients and their sums (named after them) and every gradient the kernels form ("gradient of ...")."""
-        return self.holds_upstream(region) or region.startswith("gradient of ")
 
     # ---- cost model ----------------------------------------------------------------------
     def io_bytes(self, axes: dict) -> int:

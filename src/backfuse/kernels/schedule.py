@@ -6,6 +6,7 @@ Plain Python (no Triton, no torch), so that an operator's plan can be checked wi
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -75,27 +76,64 @@ def choose_products(requested: str | None, flop: float, cublas_min_flop: float, 
     return "triton"
 
 
+class Holds(enum.Enum):
+    """What the tensor of a range region is, which decides how the guard treats it."""
+
+    INPUT = "an input, or formed from inputs only"  # must fit as it is: scaling cannot move it
+    UPSTREAM = "upstream gradients or their sums"  # linear in them, and what a scale aims at
+    GRADIENT = "formed from the upstream gradients"  # linear in them
+    VANISHING = "a gradient that can cancel to zero"  # linear; tiny values are noise: overflow checked only
+
+    @property
+    def linear(self) -> bool:
+        """Whether the tensor moves with the upstream gradients (a power-of-two scale moves it exactly)."""
+        return self is not Holds.INPUT
+
+    @property
+    def underflow_checked(self) -> bool:
+        return self is not Holds.VANISHING
+
+
+@dataclass(frozen=True)
+class Region:
+    """The fp16-range slots of one tensor: its name (in messages), slots, and what it holds."""
+
+    name: str
+    slots: int
+    holds: Holds = Holds.INPUT
+
+
 @dataclass(frozen=True)
 class Regions:
-    """A block of fp16-range regions that one launch writes, {tensor name: slots} in slot order;
-    those in overflow_only can vanish by cancellation (no underflow check). See fp16_guard.RangeSlots."""
+    """A block of fp16-range regions that one launch writes, in slot order. See fp16_guard.RangeSlots."""
 
-    counts: tuple  # of (name, slots)
-    overflow_only: tuple = ()
+    regions: tuple  # of Region
+
+    def __post_init__(self):
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"region names must differ: {names}")
+
+    @property
+    def counts(self) -> tuple:
+        """((name, slots), ...) in slot order."""
+        return tuple((r.name, r.slots) for r in self.regions)
 
     def reserve(self, ranges) -> int:
         """Reserve the block in a RangeSlots; returns its offset."""
-        return ranges.reserve(dict(self.counts), overflow_only=self.overflow_only)
+        return ranges.reserve(self.regions)
 
 
 @dataclass(frozen=True)
 class Segment:
     """A run of consecutive programs of a pack launch doing one job. ranged: its programs convert a
-    tensor to fp16 and each stores the largest |value| it converted (one range slot per program)."""
+    tensor to fp16 and each stores the largest |value| it converted (one range slot per program);
+    holds: what that tensor is (`fp16_guard.Holds`)."""
 
     name: str
     programs: int
     ranged: bool = True
+    holds: Holds = Holds.INPUT
 
 
 @dataclass(frozen=True)
@@ -133,4 +171,4 @@ class Layout:
 
     @property
     def regions(self) -> Regions:
-        return Regions(tuple((s.name, s.programs) for s in self.segments if s.ranged))
+        return Regions(tuple(Region(s.name, s.programs, s.holds) for s in self.segments if s.ranged))

@@ -10,7 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...kernels.config import PackConfig, SumConfig, TileConfig
-from ...kernels.schedule import Layout, Regions, Segment, cdiv, choose_products, choose_splits, chunks, tile_count
+from ...kernels.schedule import (
+    Holds,
+    Layout,
+    Region,
+    Regions,
+    Segment,
+    cdiv,
+    choose_products,
+    choose_splits,
+    chunks,
+    tile_count,
+)
 from .spec import GROUP, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT, QKV
 
 
@@ -136,7 +147,7 @@ def pack_layout(cfg: Config, tokens: int, splits, arrivals: int) -> Layout:
 
     split_gx, split_wqkv, split_wo = (s > 1 for s in splits)
     return Layout((
-        Segment("grad_output", flat(tokens * HIDDEN)),
+        Segment("grad_output", flat(tokens * HIDDEN), holds=Holds.UPSTREAM),
         Segment("hidden_states", flat(tokens * HIDDEN)),
         Segment("q_weight", flat(Q_OUT * HIDDEN)),
         Segment("k_weight", flat(KV_OUT * HIDDEN)),
@@ -186,13 +197,14 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
                                                                                               fw.bn)
     attention_forward_programs = batch * HEADS * cdiv(seq, at.fwd_bm)
     pack = pack_layout(cfg, tokens, splits, kv_slots if split > 1 else 0)
-    gradients = ("gradient of k projection", "gradient of v projection", "gradient of q projection")
+    vanishing = Holds.VANISHING
     ranges = (
         pack.regions,
-        Regions((("normed, rotated q", HEADS * row_blocks), ("normed, rotated k", KV_HEADS * row_blocks))),
-        Regions((("gradient of attention output", attention_forward_programs),)),
-        Regions((("v projection", kv_slots), (gradients[0], kv_slots), (gradients[1], kv_slots),
-                 (gradients[2], q_programs)), overflow_only=gradients),
+        Regions((Region("normed, rotated q", HEADS * row_blocks), Region("normed, rotated k", KV_HEADS * row_blocks))),
+        Regions((Region("gradient of attention output", attention_forward_programs, Holds.GRADIENT),)),
+        Regions((Region("v projection", kv_slots), Region("gradient of k projection", kv_slots, vanishing),
+                 Region("gradient of v projection", kv_slots, vanishing),
+                 Region("gradient of q projection", q_programs, vanishing))),
     )
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw, forward_programs=forward_programs,
                 attention_forward_programs=attention_forward_programs, attention_forward_keys=forward_keys(at, seq),

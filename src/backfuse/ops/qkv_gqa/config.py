@@ -10,7 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...kernels.config import PackConfig, TileConfig
-from ...kernels.schedule import Layout, Regions, Segment, cdiv, choose_products, choose_splits, chunks, longest_first, tile_count
+from ...kernels.schedule import (
+    Holds,
+    Layout,
+    Region,
+    Regions,
+    Segment,
+    cdiv,
+    choose_products,
+    choose_splits,
+    chunks,
+    longest_first,
+    tile_count,
+)
 from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
 
 
@@ -121,9 +133,9 @@ def pack_layout(cfg: Config, axes, splits) -> Layout:
     split_wq, split_wkv, split_dec, split_enc = (s > 1 for s in splits)
     n_gk = batch * KV_HEADS * cdiv(se, rows)
     return Layout((
-        Segment("grad_query_states", batch * HEADS * cdiv(sd, rows)),
-        Segment("grad_key_states (head-group sums)", n_gk),
-        Segment("grad_value_states (head-group sums)", n_gk),
+        Segment("grad_query_states", batch * HEADS * cdiv(sd, rows), holds=Holds.UPSTREAM),
+        Segment("grad_key_states (head-group sums)", n_gk, holds=Holds.UPSTREAM),
+        Segment("grad_value_states (head-group sums)", n_gk, holds=Holds.UPSTREAM),
         Segment("decoder_hidden_states", flat(batch * sd * HIDDEN)),
         Segment("encoder_hidden_states", flat(batch * se * CROSS_HIDDEN)),
         Segment("q_weight", flat(Q_OUT * HIDDEN)),
@@ -155,14 +167,14 @@ def gluon_launch(cfg: GluonConfig, axes, splits, needs) -> GluonLaunch:
     sums = items(te, GLUON_SUM_ROWS)
     w = input_grads  # Wq16 and [Wk; Wv]16 feed the input gradients only
     regions = Regions((
-        ("grad_query_states", HEADS * items(td, GLUON_ITEM_ROWS)),
-        ("grad_key_states (head-group sums)", KV_HEADS * sums),
-        ("grad_value_states (head-group sums)", KV_HEADS * sums),
-        ("decoder_hidden_states", dec_chunks * items(td, GLUON_ITEM_ROWS)),
-        ("encoder_hidden_states", enc_chunks * items(te, GLUON_ITEM_ROWS)),
-        ("q_weight", w * (Q_OUT // GLUON_ITEM_ROWS) * (HIDDEN // 256)),
-        ("k_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
-        ("v_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
+        Region("grad_query_states", HEADS * items(td, GLUON_ITEM_ROWS), Holds.UPSTREAM),
+        Region("grad_key_states (head-group sums)", KV_HEADS * sums, Holds.UPSTREAM),
+        Region("grad_value_states (head-group sums)", KV_HEADS * sums, Holds.UPSTREAM),
+        Region("decoder_hidden_states", dec_chunks * items(td, GLUON_ITEM_ROWS)),
+        Region("encoder_hidden_states", enc_chunks * items(te, GLUON_ITEM_ROWS)),
+        Region("q_weight", w * (Q_OUT // GLUON_ITEM_ROWS) * (HIDDEN // 256)),
+        Region("k_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
+        Region("v_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
     ))
     starts = (t_wq, t_wq + t_dec, t_wq + t_dec + t_wkv)
     return GluonLaunch(starts, starts[-1] + t_enc, dec_chunks, enc_chunks, 2 * nb_d + 2 * nb_e + 7, regions)

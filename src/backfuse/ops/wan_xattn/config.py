@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from ...kernels.config import PackConfig, SumConfig, TileConfig
 from ...kernels.schedule import (
+    Holds,
     Layout,
+    Region,
     Regions,
     Segment,
     cdiv,
@@ -150,7 +152,7 @@ def pack_layout(cfg: Config, tv: int, tt: int, splits, zero_kv_partials: bool) -
     split_gv, split_gt, split_wv, _, split_wt, _ = (s > 1 for s in splits)
     weight = flat(HIDDEN * HIDDEN)
     return Layout((
-        Segment("grad_output", cdiv(tv, pk.rows)),
+        Segment("grad_output", cdiv(tv, pk.rows), holds=Holds.UPSTREAM),
         Segment("video_latents", flat(tv * HIDDEN)),
         Segment("text_embeddings", flat(tt * HIDDEN)),
         Segment("query_weight", weight),
@@ -206,11 +208,12 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     attention_programs = batch * HEADS * runs
     pack = pack_layout(cfg, tv, tt, splits, runs > 1 and not deterministic)
     q_tiles, k_tiles = tile_count(tv, HIDDEN, 1, fw.bm, fw.bn), tile_count(tt, HIDDEN, 1, fw.bm, fw.bn)
-    gradients = ("gradient of queries", "gradient of keys", "gradient of values")
     ranges = (
         pack.regions,
-        Regions((("queries", q_tiles), ("keys", k_tiles), ("values", k_tiles), ("gradient of attention context", q_tiles))),
-        Regions(tuple((g, attention_programs) for g in gradients), overflow_only=gradients),
+        Regions((Region("queries", q_tiles), Region("keys", k_tiles), Region("values", k_tiles),
+                 Region("gradient of attention context", q_tiles, Holds.GRADIENT))),
+        Regions(tuple(Region(g, attention_programs, Holds.VANISHING)
+                      for g in ("gradient of queries", "gradient of keys", "gradient of values"))),
     )
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
                 forward_programs=min(forward_tile_count(fw, tv, tt), sms), one_tile=one_tile, text_tile=text_tile,
