@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from backfuse.kernels.config import PackConfig, SumConfig, TileConfig
 from backfuse.kernels.queue import Queue, QueueBuilder
-from backfuse.kernels.schedule import Regions, cdiv, choose_splits, chunks, next_power_of_2
+from backfuse.kernels.schedule import Holds, Region, Regions, cdiv, choose_splits, chunks, next_power_of_2
 from backfuse.ops.wan_xattn.spec import HEADS, HIDDEN
 
 W = HIDDEN * HIDDEN  # elements of one weight
@@ -215,18 +215,16 @@ class _Ranges:
     """fp16-range regions (one per tensor rounded to fp16) laid out one after another."""
 
     def __init__(self):
-        self.counts, self.overflow_only, self.next = [], [], 0
+        self.list, self.next = [], 0
 
-    def region(self, name: str, slots: int, overflow_only: bool = False) -> int:
+    def region(self, name: str, slots: int, holds: Holds = Holds.INPUT) -> int:
         """Reserve `slots` slots for tensor `name`; returns the first."""
-        self.counts.append((name, slots))
-        if overflow_only:
-            self.overflow_only.append(name)
+        self.list.append(Region(name, slots, holds))
         self.next += slots
         return self.next - slots
 
     def regions(self) -> Regions:
-        return Regions(tuple(self.counts), overflow_only=tuple(self.overflow_only))
+        return Regions(tuple(self.list))
 
 
 def plan(cfg: Config, axes, sms: int, *, programs: int | None = None, needs=None, deterministic: bool = False) -> Plan:
@@ -293,7 +291,7 @@ def _plan(cfg: Config, shape: tuple, sms: int, launched: int, needs: tuple, dete
     for tile in range(wo_tiles):
         q.add(Work.TRANSPOSE, (tile,), (first + tile,), signal=wo[0])
     go_tiles = cdiv(tv, pk.rows)
-    first = ranges.region("grad_output", go_tiles)
+    first = ranges.region("grad_output", go_tiles, Holds.UPSTREAM)
     for tile in range(go_tiles):
         q.add(Work.GRAD_OUTPUT, (tile,), (first + tile,), signal=go[0])
 
@@ -314,10 +312,11 @@ def _plan(cfg: Config, shape: tuple, sms: int, launched: int, needs: tuple, dete
             (Product.QUERIES, tv, HIDDEN, 0, 0, (video, weights), ("queries",)),
             (Product.KEYS_VALUES, tt, 2 * HIDDEN, tv, HIDDEN, (text, key_values), ("keys", "values")),
             (Product.CONTEXT_GRADIENT, tv, HIDDEN, tv + tt, 3 * HIDDEN, (go, wo), ("gradient of attention context",))):
+        holds = Holds.GRADIENT if product == Product.CONTEXT_GRADIENT else Holds.INPUT
         tiles = _tiles(rows, width, fw.bm, fw.bn)
         for r, name in enumerate(regions):  # [K | V]: the K columns' tiles, then the V columns'
             mine = [t for t in tiles if t[1] // HIDDEN == r]
-            first = ranges.region(name, len(mine))
+            first = ranges.region(name, len(mine), holds)
             for i, (off_m, off_n) in enumerate(mine):
                 q.add(Work.FORWARD, (product, off_m // fw.bm, off_n // fw.bn, a_row + off_m, b_row + off_n, rows), (first + i,),
                       waits_for(*operands), signal=forward_done[0])
@@ -327,7 +326,7 @@ def _plan(cfg: Config, shape: tuple, sms: int, launched: int, needs: tuple, dete
     # 4. attention: one item per (batch, head, run); three regions of one slot per item
     items = [(b, h, run, run * per_run, min((run + 1) * per_run, m_blocks), arrivals[b * HEADS + h] if shared_heads else -1)
              for b in range(batch) for h in range(HEADS) for run in range(runs)]
-    firsts = [ranges.region(name, len(items), overflow_only=True)
+    firsts = [ranges.region(name, len(items), Holds.VANISHING)
               for name in ("gradient of queries", "gradient of keys", "gradient of values")]
     for i, args in enumerate(items):
         q.add(Work.ATTENTION, args, tuple(f + i for f in firsts), waits_for(forward_done, partials_zeroed),
