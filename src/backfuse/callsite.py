@@ -19,7 +19,6 @@ import warnings
 import torch
 
 
-
 class BackfuseWarning(UserWarning):
     """The category of backfuse's own warnings (filter it to silence them all; the test suite makes it an error)."""
 

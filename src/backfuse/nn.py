@@ -21,10 +21,10 @@ import torch
 
 from . import callsite
 from . import functional as F
-from .problem import TRAINING_DTYPES, check_real, dtypes_text
 from .ops.gemma3_core import spec as _gemma
 from .ops.qkv_gqa import spec as _qkv
 from .ops.wan_xattn import spec as _wan
+from .problem import TRAINING_DTYPES, check_real, dtypes_text
 
 
 def _linear_default(w):  # torch.nn.Linear's own initialisation (kaiming uniform, a = sqrt(5))
