@@ -310,8 +310,7 @@ def _bench(problems, args, *, timing: bool) -> int:
     for pid, entry in doc["problems"].items():
         print(report.case_table(pid, entry, gpu=getattr(args, "gpu", "h200"), baseline=baseline, meta=doc))
         print()
-    statuses = {report.case_status(name, impl.get("fallback"), c["passed"])
-                for entry in doc["problems"].values() for name, impl in entry["impls"].items() for c in impl["cases"]}
+    statuses = {status for _, status in _statuses(doc)}
     print(_summary(doc, device))
     if json_path:
         _write_json(doc, json_path, merge=args.merge)
@@ -340,26 +339,28 @@ def _announce_cpu_kernels() -> None:
         "no timing (seconds per case and round)")
 
 
+def _statuses(doc: dict):
+    """(impl, status) of every case of a results document (report.case_status)."""
+    for entry in doc["problems"].values():
+        for name, impl in entry["impls"].items():
+            for c in impl["cases"]:
+                yield name, report.case_status(name, impl.get("fallback"), c["passed"])
+
+
 def _summary(doc: dict, device: str) -> str:
     """One line: what was checked (implementations, cases, shapes, rounds), on what, with what result, and on a
     CPU what needs a CUDA GPU."""
-    checked, fallbacks, passed, failed = [], [], 0, 0
     where = []
     for pid, entry in doc["problems"].items():
         prob = problem(pid)
         indices = [report.case_index(prob, c, k) for k, c in enumerate(next(iter(entry["impls"].values()))["cases"])]
         where.append(f"{pid} {'all 16 cases' if sorted(indices) == list(range(16)) else _cases_text(indices)}")
-        for name, impl in entry["impls"].items():
-            for c in impl["cases"]:
-                status = report.case_status(name, impl.get("fallback"), c["passed"])
-                if status in ("pass", "FAIL"):
-                    checked += [name] if name not in checked else []
-                    passed, failed = passed + (status == "pass"), failed + (status == "FAIL")
-                elif status == "fallback" and name not in fallbacks:
-                    fallbacks.append(name)
-    interpreted = doc.get("triton_interpret")
-    names = ", ".join(("backfuse's kernels in the Triton interpreter" if n == "backfuse" and interpreted else n)
-                      for n in checked)
+    statuses = list(_statuses(doc))
+    checked = list(dict.fromkeys(name for name, status in statuses if status in ("pass", "FAIL")))
+    fallbacks = list(dict.fromkeys(name for name, status in statuses if status == "fallback"))
+    passed, failed = (sum(status == s for _, status in statuses) for s in ("pass", "FAIL"))
+    names = ", ".join(("backfuse's kernels in the Triton interpreter" if n == "backfuse" and doc.get("triton_interpret")
+                       else n) for n in checked)
     rounds = f"{doc['rounds']} round{'s' if doc['rounds'] > 1 else ''} each"
     text = (f"checked {names} against the fp32 reference on {doc['device']}: {'; '.join(where)} ({doc['shapes']} shapes), "
             f"{rounds}: {passed}/{passed + failed} passed" if checked else
