@@ -463,3 +463,12 @@ def test_gpu_bench_plumbing(tmp_path, capsys, monkeypatch):
     assert len(doc["problems"]["021"]["impls"]["torch_compile"]["cases"]) == 16  # kept by --merge
     assert "021's implementations now cover different cases" in err
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_readme_and_report_show_the_results_file_with_both_means():
+    """README's table is scripts/update_readme.py's (report.readme_table of h200.json), and so is the report's."""
+    table = report.readme_table(_h200())
+    readme = (ROOT / "README.md").read_text()
+    assert readme.split("<!-- results:start -->\n", 1)[1].split("\n<!-- results:end -->", 1)[0] == table
+    assert table in (ROOT / "benchmarks" / "report.md").read_text()
+    assert "| mean ms | geomean ms |" in table
