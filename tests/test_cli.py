@@ -177,6 +177,30 @@ def test_cpu_bench_json_keeps_official_indices_and_says_what_ran(tmp_path, capsy
     assert report.readme_table(doc).splitlines()[-1] == "| 021 | backfuse (reference fallback) | – | – | fallback | – | – |"
 
 
+@cpu_only
+def test_cpu_check_refuses_a_numpy_the_interpreter_fails_on(tmp_path):
+    """`TRITON_INTERPRET=1 backfuse check 021 --cases 0 --rounds 1` with numpy 2.4 once died inside the interpreter."""
+    (tmp_path / "sitecustomize.py").write_text("import numpy\nnumpy.__version__ = '2.4.6'  # as pip's newest\n")
+    r = run_cli("check", "021", "--cases", "0", "--rounds", "1",
+                env={"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src")])})
+    assert r.returncode == 2 and r.stdout == ""
+    _one_line_error(r.stderr, "backfuse check: error: the Triton interpreter (TRITON_INTERPRET=1) fails "
+                    "on numpy 2.4.6; it needs numpy < 2.4 (backfuse's dependencies ask for the tested range: "
+                    "pip install 'numpy<2.3')")
+
+
+def test_the_main_dependencies_bound_numpy_for_the_interpreter():
+    """`pip install -e .` alone must give a numpy the interpreter runs on (the test extra is not installed then)."""
+    from backfuse.problem import INTERPRETER_NUMPY_BELOW
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    bounds = [d for d in project["dependencies"] if d.startswith("numpy")]
+    assert bounds == ["numpy<2.3"] and (2, 3) <= INTERPRETER_NUMPY_BELOW
+    assert not any(d.startswith("numpy") for d in project["optional-dependencies"]["test"])
+
+
 @pytest.mark.parametrize("args, words", [
     (["check", "021", "--impl", "reference"], ["--impl reference", "checking it against itself tells nothing"]),
     (["bench", "021", "--impl", "reference"] if not torch.cuda.is_available() else ["check", "--impl", "reference"],

@@ -124,7 +124,7 @@ def fused_unusable(device: torch.device) -> str | None:
         if tuple(int(part) for part in numpy.__version__.split(".")[:2]) >= INTERPRETER_NUMPY_BELOW:
             below = ".".join(map(str, INTERPRETER_NUMPY_BELOW))
             return (f"the Triton interpreter (TRITON_INTERPRET=1) fails on numpy {numpy.__version__}; it needs numpy < "
-                    f"{below} (pip install 'numpy<{below}')")
+                    f"{below} (backfuse's dependencies ask for the tested range: pip install 'numpy<2.3')")
     return None
 
 
