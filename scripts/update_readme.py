@@ -1,4 +1,6 @@
-"""Regenerate README's results table and the latency plot from benchmarks/results/h200.json.
+"""Regenerate README's results table (per implementation the arithmetic and geometric means of the
+per-case latencies; older results files get their geometric means computed from those) and the
+latency plot from benchmarks/results/h200.json.
 
     python scripts/update_readme.py
 """

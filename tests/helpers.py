@@ -1,5 +1,10 @@
 """Shared test helpers."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import torch
 from conftest import DEVICE
 
@@ -7,6 +12,22 @@ import backfuse
 from backfuse.bench import check_outputs
 from backfuse.fp16_guard import RangeSlots
 from backfuse.kernels import buffers
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, env=None, stdout=subprocess.PIPE, timeout=300):
+    """`python -m backfuse ARGS` in a fresh process running this checkout (CLI findings are tested as a user
+    meets them); env: variables to set, None as a value unsets one. Returns the CompletedProcess (text)."""
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    for key, value in (env or {}).items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    return subprocess.run([sys.executable, "-m", "backfuse", *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          env=environ, timeout=timeout)
+
 
 # Small odd shapes per problem (axes in official order).
 ODD_AXES = {

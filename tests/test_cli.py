@@ -1,21 +1,20 @@
 """The command line never misleads: labels say what ran and what was measured, errors are one line."""
 
 import json
+import math
 import os
-import pathlib
 import shutil
-import subprocess
-import sys
+import statistics
 
 import pytest
 import torch
+from helpers import ROOT, run_cli
 
 import backfuse
 from backfuse import cli
-from backfuse.bench import report
+from backfuse.bench import report, sol_ms
 from backfuse.cli import main
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 H200 = ROOT / "benchmarks" / "results" / "h200.json"
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
 
@@ -52,11 +51,16 @@ def test_version(capsys):
     assert out.startswith(f"backfuse {backfuse.__version__} (torch {torch.__version__}, triton ")
 
 
+FALLBACK_STATUS = "3 backfuse was only the fp32 reference fallback"
+
+
 @pytest.mark.parametrize("command, words", [
     ("bench", ["--cases", "--json", "--merge", "--plot", "median CUPTI span", "reduced shapes", "TRITON_INTERPRET=1",
-               "reference fallback", "needs timings"]),
-    ("check", ["--impl", "--rounds", "nothing is timed", "Exit status", "TRITON_INTERPRET=1", "reference fallback"]),
-    ("sol", ["--gpu", "speed-of-light", "No GPU needed"]),
+               "reference fallback", "needs timings", "geometric mean", "kernel launches per call", "Triton interpreter",
+               "smallest case", "checked before the run", "timed, not checked", FALLBACK_STATUS, "141"]),
+    ("check", ["--impl", "--rounds", "nothing is timed", "Exit status", "TRITON_INTERPRET=1", "reference fallback",
+               "not a pass", FALLBACK_STATUS]),
+    ("sol", ["--gpu", "speed-of-light", "No GPU needed", "geometric means"]),
     ("export", ["-o", "solution.py::run", "are created"]),
     ("report", ["--results", "--out", "any directory", "benchmarks/results/h200.json"]),
     ("merge", ["INTO", "FROM", "Refuses", "another device", "reduced shapes"]),
@@ -76,6 +80,7 @@ def test_top_level_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for command in ("bench", "check", "sol", "export", "report", "merge", "--version"):
         assert command in out
+    assert FALLBACK_STATUS in " ".join(out.split())
 
 
 @pytest.mark.parametrize("args, message", [
@@ -87,25 +92,42 @@ def test_top_level_help_lists_every_command(capsys):
 def test_bad_selection_is_a_usage_error(capsys, args, message):
     with pytest.raises(SystemExit) as e:
         main(["check", "021", *args])
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err
+    assert f"argument {args[0]}: {args[0]}" not in err  # argparse names the option once
+
+
+def test_bad_cases_in_a_fresh_process_name_the_option_once():
+    r = run_cli("check", "021", "--cases", "")
+    assert r.returncode == 2 and "error: argument --cases: no case index given" in r.stderr
+    assert "--cases: --cases" not in r.stderr and r.stdout == ""
 
 
 def test_cases_keep_their_order_once():
     assert cli._cases("5,0,5") == [5, 0]
 
 
-# ---- CPU runs: the fallback is labelled, nothing claims timing, indices are official -----------
+# ---- CPU runs: the kernels run in the interpreter; a fallback is labelled and no pass ----------
 
 @cpu_only
-def test_cpu_check_without_interpreter_labels_the_fallback(capsys, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the fused kernels can't run: problem.run is the reference
-    assert main(["check", "021", "--cases", "3", "--rounds", "1"]) == 0
-    out, err = capsys.readouterr()
-    assert "backfuse (reference fallback)" in out and "1/1 fallback" in out and "pass" not in out
-    assert "checked against itself" in out
-    assert "correctness only, reduced shapes, no timing" in out and "CUPTI" not in out
-    assert "TRITON_INTERPRET=1" in err and "not checked" in err
-    assert "\r" not in err  # no progress bar when stderr is not a terminal
+def test_cpu_bench_runs_the_kernels_in_the_interpreter_without_being_asked(tmp_path):
+    """No TRITON_INTERPRET, no case or round: backfuse's kernels run in the interpreter on the problem's
+    smallest case, one round, with a progress line on a pipe and one line saying what was checked."""
+    out_json = tmp_path / "r.json"
+    r = run_cli("bench", "021", "--json", str(out_json), env={"TRITON_INTERPRET": None})
+    assert r.returncode == 0, r.stderr
+    case = backfuse.bench.runner.smallest_case(backfuse.problem("021"))
+    assert f"[1/1] 021 case {case} (" in r.stderr and "backfuse pass" in r.stderr and "\r" not in r.stderr
+    assert "Traceback" not in r.stderr and "fallback" not in r.stdout + r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("checked backfuse's kernels in the Triton interpreter against the fp32 reference on cpu: "
+                           f"021 case {case} (reduced shapes), 1 round each: 1/1 passed.")
+    assert "need a CUDA GPU" in last and "CUPTI" not in r.stdout
+    doc = json.loads(out_json.read_text())
+    assert doc["triton_interpret"] is True and doc["rounds"] == 1 and list(doc["problems"]["021"]["impls"]) == ["backfuse"]
+    impl = doc["problems"]["021"]["impls"]["backfuse"]
+    assert "fallback" not in impl and impl["mean_ms"] is None and impl["gmean_ms"] is None
+    assert [(c["index"], c["passed"], c["launches"]) for c in impl["cases"]] == [(case, True, None)]
 
 
 @cpu_only
@@ -127,32 +149,68 @@ def test_cpu_check_in_the_interpreter_runs_the_kernels(capsys, monkeypatch):
 
 
 @cpu_only
+def test_cpu_fallback_is_not_a_pass():
+    """TRITON_INTERPRET=0: backfuse is only the fp32 reference, labelled so everywhere, with its own exit status."""
+    r = run_cli("check", "021", "--cases", "3", "--rounds", "1", env={"TRITON_INTERPRET": "0"})
+    assert r.returncode == cli.FALLBACK == 3, r.stderr
+    assert "backfuse (reference fallback)" in r.stdout and "pass" not in r.stdout and "1/1" not in r.stdout
+    assert "nothing of backfuse was checked" in r.stdout and r.stdout.strip().splitlines()[-1].startswith("checked nothing")
+    assert "TRITON_INTERPRET=0" in r.stderr and "exit status 3" in r.stderr and "Traceback" not in r.stderr
+    assert "[1/1] 021 case 3 (B=2 Nv=26 Nt=32): backfuse fallback" in r.stderr
+
+
+@cpu_only
 def test_cpu_bench_json_keeps_official_indices_and_says_what_ran(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the fallback: nothing runs, quickly
     out_json = tmp_path / "cpu.json"
-    assert main(["bench", "021", "--cases", "12,3", "--rounds", "1", "--json", str(out_json)]) == 0
+    assert main(["bench", "021", "--cases", "12,3", "--rounds", "1", "--json", str(out_json)]) == cli.FALLBACK
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines()[2:4]]
     assert rows == ["12", "3"]
     doc = json.loads(out_json.read_text())
     assert doc["device"] == "cpu" and doc["shapes"] == "reduced" and doc["timed"] is False
     assert doc["triton_interpret"] is False and "iters" not in doc
-    impls = doc["problems"]["021"]["impls"]
-    assert impls["backfuse"]["fallback"] == "reference" and "fallback" not in impls["reference"]
-    assert [c["index"] for c in impls["backfuse"]["cases"]] == [12, 3]
-    assert impls["backfuse"]["cases"][0]["uuid"] == backfuse.problem("021").workloads[12].uuid
+    impl = doc["problems"]["021"]["impls"]["backfuse"]
+    assert impl["fallback"] == "reference" and [c["passed"] for c in impl["cases"]] == [None, None]
+    assert [c["index"] for c in impl["cases"]] == [12, 3]
+    assert impl["cases"][0]["uuid"] == backfuse.problem("021").workloads[12].uuid
+    assert report.readme_table(doc).splitlines()[-1] == "| 021 | backfuse (reference fallback) | – | – | fallback | – | – |"
 
 
 @cpu_only
-def test_cpu_check_in_a_fresh_process_without_the_interpreter():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src")] + [p for p in [env.get("PYTHONPATH")] if p])
-    r = subprocess.run([sys.executable, "-m", "backfuse", "check", "037", "--cases", "1", "--rounds", "1"],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "backfuse (reference fallback)" in r.stdout and "CUPTI" not in r.stdout
-    assert r.stdout.splitlines()[2].split()[0] == "1"
-    assert "\r" not in r.stderr and "Traceback" not in r.stderr
+def test_cpu_check_refuses_a_numpy_the_interpreter_fails_on(tmp_path):
+    """`TRITON_INTERPRET=1 backfuse check 021 --cases 0 --rounds 1` with numpy 2.4 once died inside the interpreter."""
+    (tmp_path / "sitecustomize.py").write_text("import numpy\nnumpy.__version__ = '2.4.6'  # as pip's newest\n")
+    r = run_cli("check", "021", "--cases", "0", "--rounds", "1",
+                env={"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "src")])})
+    assert r.returncode == 2 and r.stdout == ""
+    _one_line_error(r.stderr, "backfuse check: error: the Triton interpreter (TRITON_INTERPRET=1) fails "
+                    "on numpy 2.4.6; it needs numpy < 2.4 (backfuse's dependencies ask for the tested range: "
+                    "pip install 'numpy<2.3')")
+
+
+def test_the_main_dependencies_bound_numpy_for_the_interpreter():
+    """`pip install -e .` alone must give a numpy the interpreter runs on (the test extra is not installed then)."""
+    from backfuse.problem import INTERPRETER_NUMPY_BELOW
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    bounds = [d for d in project["dependencies"] if d.startswith("numpy")]
+    assert bounds == ["numpy<2.3"] and (2, 3) <= INTERPRETER_NUMPY_BELOW
+    assert not any(d.startswith("numpy") for d in project["optional-dependencies"]["test"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["check", "021", "--impl", "reference"], ["--impl reference", "checking it against itself tells nothing"]),
+    (["bench", "021", "--impl", "reference"] if not torch.cuda.is_available() else ["check", "--impl", "reference"],
+     ["--impl reference"]),
+])
+def test_the_reference_is_never_checked_against_itself(args, words):
+    r = run_cli(*args)
+    assert r.returncode == 2
+    line = _one_line_error(r.stderr, f"backfuse {args[0]}: error:", *words)
+    assert "interpreter" not in line and r.stdout == ""
 
 
 @cpu_only
@@ -210,8 +268,24 @@ def test_merge_of_cpu_runs_into_a_new_file(tmp_path):
     assert set(json.loads(into.read_text())["problems"]) == {"021", "072"}
 
 
-@pytest.mark.parametrize("content, words", [(None, "does not exist"), ("{", "not JSON"), ("[]", "not a results file"),
-                                            ('{"problems": {"999": {}}}', "unknown problem")])
+def _spoiled(change):
+    doc = _cpu_doc()
+    change(doc, doc["problems"]["021"]["impls"]["backfuse"])
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "does not exist"), ("{", "not JSON"), ("[]", "results: expected an object, got []"),
+    (_spoiled(lambda d, i: d["problems"].update({"999": {}})), "problems.999: unknown problem '999'"),
+    (_spoiled(lambda d, i: i.update(cases="oops")),
+     'problems.021.impls.backfuse.cases: expected a non-empty list of cases, got "oops"'),
+    (_spoiled(lambda d, i: d.pop("device")), 'results: no "device" (a string)'),
+    (_spoiled(lambda d, i: i["cases"][0].update(launches="x")), "cases[0].launches: expected an integer >= 0 or null"),
+    (_spoiled(lambda d, i: i["cases"][0]["axes"].pop("batch_size")), "cases[0].axes: expected positive integers for "
+                                                                      "batch_size, num_video_tokens, num_text_tokens"),
+    (_spoiled(lambda d, i: i["cases"][0].update(passed="yes")), "cases[0].passed: expected true, false or null"),
+    (_spoiled(lambda d, i: i.update(mean_ms="1")), 'mean_ms: expected a number or null, got "1"'),
+])
 def test_merge_of_a_bad_file_is_one_line(tmp_path, capsys, content, words):
     src = tmp_path / "src.json"
     if content is not None:
@@ -219,6 +293,18 @@ def test_merge_of_a_bad_file_is_one_line(tmp_path, capsys, content, words):
     assert main(["merge", str(tmp_path / "into.json"), str(src)]) == 2
     _one_line_error(capsys.readouterr().err, "backfuse merge: error:", words)
     assert not (tmp_path / "into.json").exists()
+
+
+def test_merge_and_report_refuse_a_bad_schema_in_a_fresh_process(tmp_path):
+    """The file that merge once wrote and report then crashed on."""
+    src = tmp_path / "src.json"
+    src.write_text(_spoiled(lambda d, i: i.update(cases="oops")))
+    into = tmp_path / "into.json"
+    for args in (["merge", str(into), str(src)], ["report", "--results", str(src), "--out", str(tmp_path / "r")]):
+        r = run_cli(*args)
+        assert r.returncode == 2
+        _one_line_error(r.stderr, f"backfuse {args[0]}: error: {src} is not a results file", "cases: expected")
+    assert not into.exists() and not (tmp_path / "r" / "report.md").exists()
 
 
 @cpu_only
@@ -270,18 +356,58 @@ def test_export_to_an_unwritable_place_is_one_line(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert main(["export", "021", "-o", str(blocker / "x.json")]) == 2
-    _one_line_error(capsys.readouterr().err, "backfuse export: error: cannot write", "x.json")
+    _one_line_error(capsys.readouterr().err, "backfuse export: error: cannot write", "x.json", "is not a directory")
+
+
+@pytest.mark.parametrize("args", [["bench", "021", "--json", "{dir}"], ["bench", "021", "--json", "{file}/x.json"],
+                                  ["merge", "{dir}", "{h200}"],
+                                  ["report", "--results", "{h200}", "--out", "{file}"]])
+def test_output_paths_are_checked_before_any_work(tmp_path, args):
+    """bench --json DIR used to run everything and then fail to write it."""
+    (tmp_path / "file").write_text("")
+    paths = {"dir": str(tmp_path), "file": str(tmp_path / "file"), "h200": str(H200)}
+    r = run_cli(*[a.format(**paths) for a in args])
+    assert r.returncode == 2, r.stderr
+    _one_line_error(r.stderr, f"backfuse {args[0]}: error: cannot write")
+    assert r.stdout == "" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`backfuse sol 072 | head -3`: the reader is gone before the output is written."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = run_cli("sol", "072", stdout=write)
+    finally:
+        os.close(write)
+    assert r.returncode == cli.CLOSED_PIPE and r.stderr == ""
+
+
+def test_sol_prints_both_means(capsys):
+    assert main(["sol", "021"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    sols = [sol_ms(backfuse.problem("021"), w.axes) for w in backfuse.problem("021").workloads]
+    assert lines[18].split()[:2] == ["mean", f"{statistics.fmean(sols):.4f}"]
+    assert lines[19].split()[:2] == ["geomean", f"{statistics.geometric_mean(sols):.4f}"]
 
 
 # ---- the H200 results still load, report and plot; tables and plots by official index ------
 
 def test_h200_results_are_read_as_before():
+    """The GPU file predates "gmean_ms" and "launches": both means come from its per-case latencies, launches show as ?."""
     doc = _h200()
     assert report.shapes_of(doc) == "official" and report.is_timed(doc)
-    assert report.readme_table(doc).startswith("Measured on NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0, 2026-12-01), "
-                                               "official protocol: median CUPTI span of 50 calls")
+    readme = report.readme_table(doc)
+    assert readme.startswith("Measured on NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0, 2026-12-01), "
+                             "official protocol: median CUPTI span of 50 calls")
+    latencies = [c["latency_ms"] for c in doc["problems"]["072"]["impls"]["backfuse"]["cases"]]
+    gmean = math.exp(statistics.fmean(math.log(x) for x in latencies))
+    assert f"| 072 | backfuse | {statistics.fmean(latencies):.3f} | {gmean:.3f} | 16/16 |" in readme
+    assert "| 072 | reference | 3.457 |" in readme and "| (reference) |" in readme
     table = report.case_table("072", doc["problems"]["072"]).splitlines()
     assert "median of CUPTI spans" in table[0] and [r.split()[0] for r in table[2:18]] == [str(i) for i in range(16)]
+    assert all(row.count("[?]") == 4 for row in table[2:18])
+    assert table[19].split()[0] == "geomean" and f"{gmean:.4f}" in table[19].split()
 
 
 def test_subset_tables_and_plots_use_official_indices():
@@ -311,7 +437,7 @@ def test_merged_subset_next_to_full_runs_reports_and_plots(tmp_path):
     impl["cases"] = [dict(impl["cases"][5], index=5), dict(impl["cases"][0], index=0)]
     table = report.case_table("021", doc["problems"]["021"]).splitlines()
     assert [r.split()[0] for r in table[2:18]] == [str(i) for i in range(16)]
-    assert table[3].rstrip().endswith("–") and "%" in table[7].split()[-1]
+    assert table[3].rstrip().endswith("–") and "%" in table[7].split()[-2]
     assert "mean over the cases run" in report.readme_table(doc)
     report.plot(doc, str(tmp_path / "p.png"), only="021")
 
@@ -322,9 +448,16 @@ def test_gpu_bench_plumbing(tmp_path, capsys, monkeypatch):
     from backfuse.bench.runner import CaseResult
 
     def fake_run(prob, impls, *, cases, device, rounds, warmup, iters, timing, seed, progress):
-        assert device == "cuda" and timing and iters == 5 and warmup == 2
-        return {name: [CaseResult(prob.workloads[i].uuid, dict(prob.workloads[i].axes), True, 1.0, latency_ms=0.5 + i,
-                                  event_ms=0.6 + i, kernels=4, index=i) for i in cases] for name in impls}
+        assert device == "cuda" and timing and iters == 5 and warmup == 2 and rounds == 10
+        results = {name: [] for name in impls}
+        for i in cases:
+            for name in impls:
+                checked = name != "reference"
+                results[name].append(CaseResult(prob.workloads[i].uuid, dict(prob.workloads[i].axes), checked or None,
+                                                1.0 if checked else None, latency_ms=0.5 + i, event_ms=0.6 + i,
+                                                kernels=4, launches=3, index=i))
+            progress(i, dict(prob.workloads[i].axes), {n: r[-1] for n, r in results.items()}, 0.1)
+        return results
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cli, "run_problem", fake_run)
@@ -333,14 +466,33 @@ def test_gpu_bench_plumbing(tmp_path, capsys, monkeypatch):
     shutil.copy(H200, into)
     png = tmp_path / "plots" / "g.png"
     args = ["bench", "021", "--cases", "7,2", "--impl", "reference", "backfuse", "--warmup", "2", "--iters", "5",
-            "--rounds", "1", "--baseline", "reference", "--json", str(into), "--merge", "--plot", str(png)]
+            "--baseline", "reference", "--json", str(into), "--merge", "--plot", str(png)]
     assert main(args) == 0
     out, err = capsys.readouterr()
     assert "median of CUPTI spans of 5 calls" in out and "fallback" not in out and "score S" in out
-    assert [line.split()[0] for line in out.splitlines()[2:4]] == ["7", "2"]
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines[2:4]] == ["7", "2"]
+    assert lines[2].count("[3]") == 2 and lines[4].split()[:1] == ["mean"] and lines[5].split()[:1] == ["geomean"]
+    assert lines[4].split()[-3:] == ["5.0000", "5.0000", "2/2"]  # the reference: a mean, no passes
+    assert lines[5].split()[-2:] == [f"{math.sqrt(7.5 * 2.5):.4f}"] * 2
+    assert "[1/2] 021 case 7 (B=" in err and "reference reference 7.5000 ms, backfuse pass 7.5000 ms" in err
+    assert out.strip().splitlines()[-1].startswith("checked backfuse against the fp32 reference on NVIDIA H200: 021 cases 7, 2 "
+                                                   "(official shapes), 10 rounds each: 2/2 passed; timed")
     doc = json.loads(into.read_text())
     assert doc["timed"] is True and doc["iters"] == 5 and doc["shapes"] == "official" and "triton_interpret" not in doc
-    assert [c["index"] for c in doc["problems"]["021"]["impls"]["backfuse"]["cases"]] == [7, 2]
+    impls = doc["problems"]["021"]["impls"]
+    assert [(c["index"], c["launches"]) for c in impls["backfuse"]["cases"]] == [(7, 3), (2, 3)]
+    assert impls["backfuse"]["mean_ms"] == 5.0 and impls["backfuse"]["gmean_ms"] == pytest.approx(math.sqrt(7.5 * 2.5))
+    assert [c["passed"] for c in impls["reference"]["cases"]] == [None, None]
     assert len(doc["problems"]["021"]["impls"]["torch_compile"]["cases"]) == 16  # kept by --merge
     assert "021's implementations now cover different cases" in err
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_readme_and_report_show_the_results_file_with_both_means():
+    """README's table is scripts/update_readme.py's (report.readme_table of h200.json), and so is the report's."""
+    table = report.readme_table(_h200())
+    readme = (ROOT / "README.md").read_text()
+    assert readme.split("<!-- results:start -->\n", 1)[1].split("\n<!-- results:end -->", 1)[0] == table
+    assert table in (ROOT / "benchmarks" / "report.md").read_text()
+    assert "| mean ms | geomean ms |" in table

@@ -95,3 +95,43 @@ def test_launch_handles_are_specific_to_descriptor_blocks():
     assert base != specialization((desc([64, 128]), t.float(), 7), dict(STAGES=4))
     assert base != specialization((desc([64, 128]), t[:, 1:], 7), dict(STAGES=4))  # misaligned
     assert base != specialization((desc([64, 128]), t, 7), dict(STAGES=3))
+
+
+@pytest.mark.parametrize("setup, words", [
+    (lambda m: m.setenv("TRITON_INTERPRET", "0"), "on CPU tensors the fused kernels run only in the Triton interpreter"),
+    (lambda m: m.setattr("numpy.__version__", "2.4.6"), "the Triton interpreter (TRITON_INTERPRET=1) fails on numpy "
+                                                        "2.4.6; it needs numpy < 2.4"),
+])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_fused_says_in_one_line_why_it_cannot_run(monkeypatch, setup, words):
+    """Instead of triton's `0 active drivers` or an InterpreterError from deep inside numpy."""
+    prob = backfuse.problem("021")
+    x = prob.make_inputs(dict(batch_size=1, num_video_tokens=3, num_text_tokens=2), seed=0)
+    setup(monkeypatch)
+    with pytest.raises(RuntimeError) as caught:
+        prob.fused(*x)
+    assert str(caught.value).startswith(f"{prob.name}.fused: {words}") and "\n" not in str(caught.value)
+
+
+def test_fused_on_tensors_no_kernel_runs_on():
+    prob = backfuse.problem("021")
+    x = [t.to("meta") if isinstance(t, torch.Tensor) else t
+         for t in prob.make_inputs(dict(batch_size=1, num_video_tokens=3, num_text_tokens=2), seed=0)]
+    with pytest.raises(RuntimeError, match=r"fused: the fused kernels run on CUDA tensors, or on CPU tensors in the "
+                                           r"Triton interpreter, not on meta$"):
+        prob.fused(*x)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_fused_after_triton_was_imported_without_the_interpreter():
+    code = ("import os, torch, triton, backfuse\n"
+            "os.environ['TRITON_INTERPRET'] = '1'  # too late: triton's standard library is compiled already\n"
+            "p = backfuse.problem('021')\n"
+            "x = p.make_inputs(dict(batch_size=1, num_video_tokens=3, num_text_tokens=2), seed=0)\n"
+            "try:\n"
+            "    p.fused(*x)\n"
+            "except RuntimeError as e:\n"
+            "    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env).stdout
+    assert out.startswith(f"{backfuse.problem('021').name}.fused: triton was imported before TRITON_INTERPRET=1 was set")

@@ -1,8 +1,12 @@
 """examples/train_tiny.py: every block trains on the fused path (no fp32 fallback: its warning fails
-the test) and its losses follow the plain-PyTorch twin's."""
+the test) and its losses follow the plain-PyTorch twin's; run as a user runs it, it prints what its
+docstring says and refuses bad arguments in one line."""
 
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -23,3 +27,28 @@ def test_train_tiny_stays_fused(train_tiny, pid, capsys):
     assert "fp32 fallbacks: 0" in capsys.readouterr().out
     assert len(history) == 2 and history[1][1] < history[0][1]  # the twin's loss falls
     assert all(abs(ours - twin) <= 1e-4 * twin for ours, twin in history)
+
+
+def _example(*args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user runs it: it sets what it needs
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE.parents[1] / "src")] + [p for p in [env.get("PYTHONPATH")] if p])
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_train_tiny_prints_what_its_docstring_says():
+    r = _example("--steps", "1", "--blocks", "021")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == ("021_cross_attention_text_video_conditioning_backward: step, loss (backfuse), loss (plain PyTorch), "
+                        "relative difference")
+    step, ours, twin, diff = lines[1].split()
+    assert step == "0" and abs(float(ours) - float(twin)) <= 1e-4 * float(twin) and float(diff) < 1e-4
+    assert lines[2:] == ["  fp32 fallbacks: 0"] and r.stderr == ""
+
+
+@pytest.mark.parametrize("args, words", [(["--blocks", "72"], "argument --blocks: expected comma-separated problem ids "
+                                          "from 072, 021, 037, got '72'"),
+                                         (["--steps", "0"], "argument --steps: expected a whole number of steps >= 1")])
+def test_train_tiny_refuses_bad_arguments(args, words):
+    r = _example(*args)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr and r.stdout == ""

@@ -192,3 +192,34 @@ def test_names_of_earlier_releases_still_work():
         F.qkv_gqa, F.gemma3_core, F.wan_xattn)
     assert (bnn.CrossAttnQKVGQA, bnn.Gemma3AttentionCore, bnn.WanTextVideoCrossAttention) == (
         bnn.QkvGqa, bnn.Gemma3Core, bnn.WanXattn)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: bnn.WanXattn(dtype=torch.float64), TypeError,
+     "backfuse.nn.WanXattn: dtype must be torch.float32, torch.bfloat16 or torch.float16 (what the forward takes), "
+     "got torch.float64"),
+    (lambda: bnn.QkvGqa(dtype="float32"), TypeError, "backfuse.nn.QkvGqa: dtype must be torch.float32, torch.bfloat16 "
+                                                     "or torch.float16 (what the forward takes), got 'float32'"),
+    (lambda: bnn.WanXattn(scale="x"), TypeError, "backfuse.nn.WanXattn: scale must be a real number, got str"),
+    (lambda: bnn.WanXattn(scale=float("nan")), ValueError, "backfuse.nn.WanXattn: scale must be finite, got nan"),
+    (lambda: bnn.Gemma3Core(softcap=True), TypeError, "backfuse.nn.Gemma3Core: softcap must be a real number, got bool"),
+    (lambda: bnn.WanXattn.from_state_dict({n: torch.zeros(shape) for n, shape, _ in bnn.WanXattn.PARAMS}, scale=None),
+     TypeError, "backfuse.nn.WanXattn: scale must be a real number, got NoneType"),
+    (lambda: bnn.QkvGqa(device="gpu"), ValueError, "backfuse.nn.QkvGqa: device must be a torch.device or a name such as "
+                                                   "'cpu' or 'cuda', got 'gpu'"),
+    (lambda: bnn.QkvGqa(device=f"cuda:{torch.cuda.device_count()}"), ValueError,
+     f"backfuse.nn.QkvGqa: device 'cuda:{torch.cuda.device_count()}' is not available"),
+])
+def test_module_constructors_refuse_what_the_forward_refuses(make, error, message):
+    """Refused when built, in the forward's style (the module's name, the argument, expected, got), not at the
+    first forward (a bare float() error, a float64 the forward refuses) or inside torch (an AssertionError)."""
+    with pytest.raises(error) as caught:
+        make()
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_scalars_are_floats_as_printed():
+    assert bnn.WanXattn(scale=1).scale == 1.0 and isinstance(bnn.WanXattn(scale=1).scale, float)
+    prob, grads, fwd = _forward_inputs("021")
+    with pytest.raises(TypeError, match=r"^backfuse.functional.wan_xattn: input 'scale' must be a real number, got str$"):
+        F.wan_xattn(*fwd[:-1], "x")

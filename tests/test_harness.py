@@ -2,11 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import run_cli
 
 import backfuse
 from backfuse.bench import check_outputs, leaderboard_score, report, sol_ms
@@ -76,8 +75,8 @@ def test_call_spans_group_kernels_by_launch():
         close(900),
         close(950),  # the profiler's own
     ]
-    spans, counts, kernel_ms = call_spans(events, 2)
-    assert counts == [2, 2]
+    spans, counts, launches, kernel_ms = call_spans(events, 2)
+    assert counts == [2, 2] and launches == [2, 2]
     assert kernel_ms == {"k1": pytest.approx(100 / 2e6), "k2": pytest.approx(80 / 2e6), "side-stream": pytest.approx(60 / 2e6)}
     assert spans == [pytest.approx(200 / 1e6), pytest.approx(70 / 1e6)]
 
@@ -97,8 +96,9 @@ def test_call_spans_with_a_sync_inside_the_call():
         FakeEvent("kernel", "k1", 95, 105, corr=3),
         FakeEvent("cuda_runtime", CLOSE_API, 110, 111),
     ]
-    spans, counts, _ = call_spans(events, 2)
+    spans, counts, launches, _ = call_spans(events, 2)
     assert counts == [2, 1] and spans == [pytest.approx(43 / 1e6), pytest.approx(10 / 1e6)]
+    assert launches == [1, 1]  # the copy is a device activity of the call, not a kernel launch
 
 
 def test_call_spans_needs_every_sync():
@@ -113,8 +113,8 @@ def test_call_spans_by_host_ranges():
         FakeEvent("kernel", "k2", 250, 330, corr=3),
         FakeEvent("kernel", "flush", 450, 480),
     ]
-    spans, counts, _ = call_spans(events, 1)
-    assert counts == [1] and spans == [pytest.approx(80 / 1e6)]
+    spans, counts, launches, _ = call_spans(events, 1)
+    assert counts == launches == [1] and spans == [pytest.approx(80 / 1e6)]
 
 
 def test_trace_events_reads_a_profile():
@@ -182,64 +182,65 @@ def _doc(latency=0.1):
 def test_reports(tmp_path):
     doc = _doc()
     text = report.case_table("021", doc["problems"]["021"], baseline="reference")
-    assert "score S" in text and len(text.splitlines()) == 1 + 1 + 16 + 2
+    assert "score S" in text and len(text.splitlines()) == 1 + 1 + 16 + 3 + 1  # means, score, the reference's note
     md = report.readme_table(doc)
-    assert "| 021 | backfuse | 0.100 | 16/16 | 46% | 1.0× |" in md
+    assert "| 021 | backfuse | 0.100 | 0.100 | 16/16 | 46% | 1.0× |" in md
+    assert "| 021 | reference | 0.100 | 0.100 | (reference) | 46% | 1.0× |" in md
     png = tmp_path / "plot.png"
     report.plot(doc, str(png))
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "backfuse", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600)
-
-
 def test_cli_help_and_sol():
-    assert _cli("--help").returncode == 0
-    r = _cli("bench", "--help")
+    assert run_cli("--help").returncode == 0
+    r = run_cli("bench", "--help")
     assert r.returncode == 0 and "--cases" in r.stdout and "--json" in r.stdout
-    r = _cli("sol", "072", "--gpu", "b200")
+    r = run_cli("sol", "072", "--gpu", "b200")
     assert r.returncode == 0 and r.stdout.count("\n") >= 19 and "0.0" in r.stdout
-    r = _cli("sol", "nope")
+    r = run_cli("sol", "nope")
     assert r.returncode == 2 and "unknown problem" in r.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback path")
 def test_cli_bench_without_gpu_checks_reduced_shapes(tmp_path):
     out = tmp_path / "r.json"
-    r = _cli("bench", "021", "--cases", "12", "--rounds", "1", "--impl", "reference", "backfuse", "--json", str(out))
+    r = run_cli("bench", "021", "--cases", "12", "--rounds", "1", "--impl", "reference", "backfuse", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert "no CUDA GPU" in r.stderr
+    assert "no CUDA GPU" in r.stderr and "reference left out" in r.stderr
     doc = json.loads(out.read_text())
     # The first schema's fields, and the ones added since (additively: old files still load).
     assert set(doc) == {"device", "torch", "triton", "date", "problems"} | {"shapes", "timed", "rounds", "triton_interpret"}
     assert doc["shapes"] == "reduced" and doc["timed"] is False and doc["rounds"] == 1
     entry = doc["problems"]["021"]
     assert set(entry) == {"sol_h200_mean_ms", "impls"}
+    assert list(entry["impls"]) == ["backfuse"] and set(entry["impls"]["backfuse"]) == {"mean_ms", "gmean_ms", "cases"}
     case = entry["impls"]["backfuse"]["cases"][0]
-    assert set(case) == {"uuid", "axes", "latency_ms", "passed", "min_matched"} | {"index"}
+    assert set(case) == {"uuid", "axes", "latency_ms", "passed", "min_matched"} | {"index", "launches"}
     assert case["passed"] and case["latency_ms"] is None and case["axes"]["batch_size"] == 2 and case["index"] == 12
-    # The subprocess inherits TRITON_INTERPRET=1 from conftest on a CPU: then the kernels ran, no fallback.
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    assert doc["triton_interpret"] is interpreted and ("fallback" in entry["impls"]["backfuse"]) is not interpreted
+    assert case["launches"] is None and doc["triton_interpret"] is True  # the kernels ran in the interpreter
 
 
 def test_cli_merge_keeps_other_entries(tmp_path):
     from backfuse.cli import main
 
+    def impl(ms, pid="072"):
+        w = backfuse.problem(pid).workloads[0]
+        return {"mean_ms": ms, "cases": [{"uuid": w.uuid, "axes": w.axes, "latency_ms": ms, "passed": True,
+                                          "min_matched": 1.0, "index": 0}]}
+
     def doc(date, problems):
-        return {"device": "NVIDIA H200", "torch": "t", "triton": "t", "date": date, "problems": problems}
+        return {"device": "NVIDIA H200", "torch": "t", "triton": "t", "date": date,
+                "problems": {pid: {"sol_h200_mean_ms": 0.1, "impls": impls} for pid, impls in problems.items()}}
 
     into, new = tmp_path / "into.json", tmp_path / "new.json"
-    into.write_text(json.dumps(doc("old", {"072": {"impls": {"reference": {"mean_ms": 3.0}, "backfuse": {"mean_ms": 1.0}}},
-                                           "021": {"impls": {"reference": {"mean_ms": 2.0}}}})))
-    new.write_text(json.dumps(doc("new", {"072": {"impls": {"backfuse": {"mean_ms": 0.5}}}})))
+    into.write_text(json.dumps(doc("old", {"072": {"reference": impl(3.0), "backfuse": impl(1.0)},
+                                           "021": {"reference": impl(2.0, "021")}})))
+    new.write_text(json.dumps(doc("new", {"072": {"backfuse": impl(0.5)}})))
     assert main(["merge", str(into), str(new)]) == 0
     merged = json.loads(into.read_text())
     assert merged["date"] == "new"
-    assert merged["problems"]["072"]["impls"] == {"reference": {"mean_ms": 3.0}, "backfuse": {"mean_ms": 0.5}}
-    assert merged["problems"]["021"]["impls"] == {"reference": {"mean_ms": 2.0}}
+    assert merged["problems"]["072"]["impls"] == {"reference": impl(3.0), "backfuse": impl(0.5)}
+    assert merged["problems"]["021"]["impls"] == {"reference": impl(2.0, "021")}
 
 
 def test_cli_report_writes_markdown_and_plots(tmp_path):

@@ -1,11 +1,12 @@
 """backfuse: fused backward kernels for three attention blocks (SOL-ExecBench 072, 037, 021)."""
 
+from .callsite import BackfuseWarning
 from .fp16_guard import Fp16RangeWarning, fp16_range_check
 from .ops import PROBLEMS
 from .problem import Problem
 
 __version__ = "0.1.0"
-__all__ = ["PROBLEM_IDS", "Fp16RangeWarning", "Problem", "fp16_range_check", "problem"]
+__all__ = ["PROBLEM_IDS", "BackfuseWarning", "Fp16RangeWarning", "Problem", "fp16_range_check", "problem"]
 
 PROBLEM_IDS = tuple(PROBLEMS)
 

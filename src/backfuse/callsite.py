@@ -1,4 +1,5 @@
-"""Where backfuse's warnings point: at the user's line, not at backfuse's or torch's internals.
+"""Where backfuse's warnings point: at the user's line, not at backfuse's or torch's internals; and
+their category, BackfuseWarning.
 
 A warning raised inside a fused backward is several frames below the user's code, some of them
 torch's (the dispatcher's `torch/_ops.py`, autograd's engine), so no fixed `stacklevel` finds the
@@ -17,12 +18,20 @@ import warnings
 
 import torch
 
+
+class BackfuseWarning(UserWarning):
+    """The category of backfuse's own warnings (filter it to silence them all; the test suite makes it an error)."""
+
+
 _INTERNAL = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__))
 _SITE = contextvars.ContextVar("backfuse_warning_site", default=None)
 
 
 def user_site():
-    """(filename, line, module globals) of the innermost frame outside backfuse and torch, or None."""
+    """(filename, line, module globals) of the innermost frame outside backfuse and torch, or None.
+
+    The filename may name no file (`<stdin>`, `<string>`, a notebook cell); warnings prints the
+    line's text where `linecache` has it (files, and the cells IPython registers there)."""
     frame = sys._getframe(1)
     while frame is not None:
         if not frame.f_code.co_filename.startswith(_INTERNAL):
@@ -42,12 +51,16 @@ def attributed_to(site):
 
 
 def warn(message: str, category: type) -> None:
-    """warnings.warn, attributed to the recorded site or else to the innermost user frame."""
+    """warnings.warn, attributed to the recorded site or else to the innermost user frame.
+
+    The module's globals are not handed to `warn_explicit`: it would ask their `__loader__` for the
+    source, and `__main__`'s loader in the REPL, `python -c` and stdin (BuiltinImporter) raises
+    ImportError there instead of answering None. Only the warning filters (an "error" filter) may
+    turn the warning into an exception."""
     site = _SITE.get() or user_site()
     if site is None:
         warnings.warn(message, category, stacklevel=2)
         return
     filename, line, module_globals = site
     warnings.warn_explicit(message, category, filename, line, module=module_globals.get("__name__", "__main__"),
-                           registry=module_globals.setdefault("__warningregistry__", {}),
-                           module_globals=module_globals)
+                           registry=module_globals.setdefault("__warningregistry__", {}))

@@ -1,7 +1,9 @@
 """The `backfuse` command line: bench, check, sol, export, report, merge.
 
 Errors a user can cause (a missing or malformed file, an impossible request) end in one line on
-stderr and exit status 2, without a traceback; a case that fails the correctness rule exits 1.
+stderr and exit status 2, without a traceback, before any work; a case that fails the correctness
+rule exits 1, and a run where backfuse was only the fp32 reference fallback (nothing of it checked)
+exits 3. Without a CUDA GPU, `bench` and `check` run backfuse's kernels in the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ import statistics
 import sys
 
 from . import PROBLEM_IDS, __version__, problem
-from .bench import report
-from .bench.impls import IMPLS, fallback
-from .bench.runner import ITERS, ROUNDS, WARMUP, environment, log, run_info, run_problem, to_json
+from .bench import report, schema
+from .bench.impls import IMPLS
+from .bench.runner import ITERS, ROUNDS, WARMUP, environment, log, run_info, run_problem, smallest_case, to_json
 from .bench.sol import GPUS, sol_ms
 from .export import solution
+from .problem import fused_unusable
 
 RESULTS = pathlib.Path("benchmarks", "results", "h200.json")
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]  # the repository root when run from a checkout
-INTERPRETER_HINT = ("set TRITON_INTERPRET=1 in the environment of the command to run them in the Triton interpreter "
-                    "(slow: seconds per case and round; try --cases 0 --rounds 1)")
+CPU_ROUNDS = 1  # the interpreter takes seconds per case and round
+FAILED, USAGE, FALLBACK, CLOSED_PIPE = 1, 2, 3, 141  # exit statuses besides 0 (141: as a process killed by SIGPIPE)
+EXIT_STATUS = (f"Exit status: 0 every case checked passed, {FAILED} a case failed the correctness rule, {USAGE} usage or "
+               f"file errors (nothing run), {FALLBACK} backfuse was only the fp32 reference fallback (its kernels did not "
+               f"run: nothing of it was checked), {CLOSED_PIPE} the output pipe closed (e.g. | head), 130 interrupted.")
 
 
 class CLIError(Exception):
@@ -34,12 +40,12 @@ def _cases(text: str):
     try:
         cases = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--cases takes comma-separated case indices 0..15, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated case indices 0..15, got {text!r}")
     if not cases:
-        raise argparse.ArgumentTypeError("--cases: no case index given")
+        raise argparse.ArgumentTypeError("no case index given")
     bad = [c for c in cases if not 0 <= c < 16]
     if bad:
-        raise argparse.ArgumentTypeError(f"--cases: indices must be in 0..15, got {bad}")
+        raise argparse.ArgumentTypeError(f"indices must be in 0..15, got {bad}")
     return list(dict.fromkeys(cases))  # each case once, in the order given
 
 
@@ -60,35 +66,45 @@ def _problems(ids):
     return [problem(pid) for pid in (ids or PROBLEM_IDS)]
 
 
-def _version() -> str:
-    import torch
-    import triton
+class _Version(argparse.Action):
+    """--version: the backfuse, torch and triton versions. Triton is imported only here, when asked: `bench` and
+    `check` may still have to turn its interpreter on, which must happen before triton is first imported."""
 
-    return f"backfuse {__version__} (torch {torch.__version__}, triton {triton.__version__})"
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import torch
+        import triton
+
+        print(f"backfuse {__version__} (torch {torch.__version__}, triton {triton.__version__})")
+        parser.exit()
 
 
 def _add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("problems", nargs="*", metavar="PROBLEM", help="072, 037, 021 or an official name (default: all three)")
     p.add_argument("--cases", type=_cases, metavar="I,J,...",
-                   help="comma-separated official case indices 0..15, e.g. 0,3 (default: all 16); tables and JSON "
-                   "keep these indices")
-    p.add_argument("--rounds", type=_at_least(1), default=ROUNDS,
-                   help=f"correctness rounds of fresh random inputs per case (default {ROUNDS})")
+                   help="comma-separated official case indices 0..15, e.g. 0,3 (default: all 16 on a CUDA GPU; without "
+                   "one, each problem's smallest case); tables and JSON keep these indices")
+    p.add_argument("--rounds", type=_at_least(1),
+                   help=f"correctness rounds of fresh random inputs per case (default {ROUNDS} on a CUDA GPU, "
+                   f"{CPU_ROUNDS} without one)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the input draws (default 0)")
 
 
 CPU_NOTE = ("Without a CUDA GPU: correctness only, on reduced shapes (batch at most 2, other axes 17..47), no timing; "
-            "`backfuse` is then the fp32 reference fallback (labelled so) unless TRITON_INTERPRET=1 is set in the "
-            "command's environment, which runs its kernels in the Triton interpreter (slowly).")
+            "backfuse's kernels run in the Triton interpreter (TRITON_INTERPRET=1 is set for the run unless "
+            "TRITON_INTERPRET is already set; set to anything else, backfuse is the fp32 reference fallback, labelled "
+            "so, which is not a pass: exit status 3); by default each problem's smallest case, 1 round (the interpreter "
+            "takes seconds per case and round). Timing, the official shapes and the Hopper Gluon kernel need a CUDA GPU.")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="backfuse",
-        description="Fused backward kernels for three attention blocks, measured as SOL-ExecBench does. "
-        "Exit status: 0 success, 1 a case failed the correctness rule, 2 usage or file errors.",
+        description="Fused backward kernels for three attention blocks, measured as SOL-ExecBench does. " + EXIT_STATUS,
     )
-    parser.add_argument("--version", action="version", version=_version(), help="print the versions and exit")
+    parser.add_argument("--version", action=_Version, help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     bench = sub.add_parser(
@@ -96,12 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="check and time implementations on the official cases",
         description="Per case: correctness (the official rule over --rounds rounds of fresh random inputs) and, on a "
         "CUDA GPU, timing (--warmup untimed calls, then --iters timed calls, each after an L2 flush and on fresh input "
-        "addresses; latency = median CUPTI span); per implementation the mean over the cases run. " + CPU_NOTE,
+        "addresses; latency = median CUPTI span, and the kernel launches per call); per implementation the arithmetic "
+        "and the geometric mean over the cases run. The reference is what the others are checked against: it is "
+        "timed, not checked. " + CPU_NOTE + " " + EXIT_STATUS,
     )
     _add_selection(bench)
     bench.add_argument("--impl", nargs="+", choices=IMPLS, metavar="NAME",
-                       help=f"implementations, from {', '.join(IMPLS)} (default: all on a GPU; reference and backfuse "
-                       "on the CPU)")
+                       help=f"implementations, from {', '.join(IMPLS)} (default: all on a GPU; backfuse without one, where "
+                       "the reference, which is never checked against itself, would have nothing to do)")
     bench.add_argument("--warmup", type=_at_least(0), default=WARMUP, help=f"untimed calls before timing (default {WARMUP})")
     bench.add_argument("--iters", type=_at_least(1), default=ITERS, help=f"timed calls per case (default {ITERS})")
     bench.add_argument("--gpu", choices=sorted(GPUS), default="h200",
@@ -109,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--baseline", choices=IMPLS, metavar="NAME",
                        help="also print SOL-ExecBench's leaderboard score S of each impl against this one (needs timings)")
     bench.add_argument("--json", metavar="FILE", help="write results as JSON (the benchmarks/results schema; "
-                       "missing directories are created)")
+                       "missing directories are created; checked before the run)")
     bench.add_argument("--merge", action="store_true",
                        help="with --json: keep the file's other problems and impls (refused across devices or shapes)")
     bench.add_argument("--plot", metavar="FILE.png",
@@ -119,15 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="correctness only (official rule)",
         description="Runs one implementation on the official cases (--rounds rounds of fresh random inputs each) and "
-        "applies the official rule; nothing is timed. Exit status 0 when every case passes, 1 otherwise. " + CPU_NOTE,
+        "applies the official rule against the fp32 reference; nothing is timed. " + CPU_NOTE + " " + EXIT_STATUS,
     )
     _add_selection(check)
+    checkable = [n for n in IMPLS if n != "reference"]
     check.add_argument("--impl", choices=IMPLS, default="backfuse", metavar="NAME",
-                       help=f"implementation, one of {', '.join(IMPLS)} (default backfuse)")
+                       help=f"implementation, one of {', '.join(checkable)} (default backfuse; the reference is what "
+                       "they are checked against)")
 
     sol = sub.add_parser("sol", help="speed-of-light table (no GPU needed)",
                          description="Per official case: matrix GFLOP, minimal fp32 I/O in MB, and speed-of-light times "
-                         "max(2 * MACs / tensor-core rate, I/O bytes / HBM bandwidth) at the fp16 and TF32 rates. No GPU needed.")
+                         "max(2 * MACs / tensor-core rate, I/O bytes / HBM bandwidth) at the fp16 and TF32 rates, with "
+                         "their arithmetic and geometric means. No GPU needed.")
     sol.add_argument("problems", nargs="*", metavar="PROBLEM", help="072, 037, 021 or an official name (default: all three)")
     sol.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="GPU peaks to use (default h200)")
 
@@ -166,13 +187,22 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return _dispatch(parser, args)
+        status = _dispatch(parser, args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+        return status
     except CLIError as e:
         print(f"backfuse {args.command}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return USAGE
     except KeyboardInterrupt:
         print(f"backfuse {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`backfuse sol | head -3`): stop quietly, as other Unix tools do, and
+        # point both streams at /dev/null so that the interpreter's flush at exit finds nothing to say.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            os.dup2(devnull, stream.fileno())
+        return CLOSED_PIPE
 
 
 def _dispatch(parser, args) -> int:
@@ -182,9 +212,11 @@ def _dispatch(parser, args) -> int:
         return _merge(args.into, args.sources)
     if args.command == "export":
         try:
-            doc = solution(_problems([args.problem])[0], author=args.author)
+            prob = _problems([args.problem])[0]
         except ValueError as e:
             parser.error(str(e))
+        _check_writable(args.output)
+        doc = solution(prob, author=args.author)
         _write_file(args.output, json.dumps(doc, indent=1))
         log(f"wrote {args.output}: {doc['definition']}, {len(doc['sources'])} source files")
         return 0
@@ -213,7 +245,9 @@ def _sol(problems, gpu: str) -> int:
             bound = "compute" if 2 * prob.macs(a) / g.fp16_flops > prob.io_bytes(a) / g.hbm_bytes else "memory"
             print(f"{i:>2}  {report.axes_text(a):<28} {2 * prob.macs(a) / 1e9:8.1f} {prob.io_bytes(a) / 1e6:7.1f} "
                   f"{fp16[-1]:12.4f} {tf32[-1]:12.4f}  {bound}")
-        print(f"{'mean':>2}  {'':<28} {'':>8} {'':>7} {statistics.fmean(fp16):12.4f} {statistics.fmean(tf32):12.4f}\n")
+        print(f"{'mean':>2}  {'':<28} {'':>8} {'':>7} {statistics.fmean(fp16):12.4f} {statistics.fmean(tf32):12.4f}")
+        print(f"{'geomean':<32} {'':>8} {'':>7} {statistics.geometric_mean(fp16):12.4f} "
+              f"{statistics.geometric_mean(tf32):12.4f}\n")
     return 0
 
 
@@ -221,63 +255,127 @@ def _bench(problems, args, *, timing: bool) -> int:
     import torch
 
     json_path, plot_path = getattr(args, "json", None), getattr(args, "plot", None)
-    if torch.cuda.is_available():
-        device = "cuda"
-        impls = [args.impl] if args.command == "check" else args.impl or list(IMPLS)
-    else:
-        device = "cpu"
+    for path in (json_path, plot_path):
+        if path:
+            _check_writable(path)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    impls = [args.impl] if args.command == "check" else args.impl or (list(IMPLS) if cuda else ["backfuse"])
+    if args.command == "check" and args.impl == "reference":
+        raise CLIError("--impl reference: the reference is what check compares against, and checking it against itself "
+                       f"tells nothing; pick one of {', '.join(n for n in IMPLS if n != 'reference')}")
+    if not cuda:
         timing = False
-        impls = [args.impl] if args.command == "check" else args.impl or ["reference", "backfuse"]
         if plot_path:
             raise CLIError("--plot needs latencies, and without a CUDA GPU nothing is timed (correctness only); "
                            "drop --plot or run on a GPU")
-    fallbacks = [p.id for p in problems if "backfuse" in impls and fallback(p, "backfuse", device)]
-    if device == "cpu":
-        how = ("backfuse is the reference fallback (its kernels did not run): " + INTERPRETER_HINT if fallbacks
-               else "backfuse's kernels run in the Triton interpreter")
-        log(f"no CUDA GPU: correctness only, on reduced shapes, no timing; {how}")
-    elif fallbacks:
-        log(f"backfuse has no fused kernels for {', '.join(fallbacks)}: there it is the reference fallback")
-    doc = {**environment(), **run_info(device, timing=timing, rounds=args.rounds, warmup=getattr(args, "warmup", WARMUP),
-                                       iters=getattr(args, "iters", ITERS)), "problems": {}}
+        if "reference" in impls:
+            impls = [n for n in impls if n != "reference"]
+            if not impls:
+                raise CLIError("--impl reference: without a CUDA GPU nothing is timed, and the reference is what the "
+                               "others are checked against, so it alone has nothing to do; add backfuse, reference_tf32 "
+                               "or torch_compile")
+            log("reference left out: without a CUDA GPU nothing is timed, and it is what the others are checked against")
+        if "backfuse" in impls:
+            _announce_cpu_kernels()
+    rounds = args.rounds or (ROUNDS if cuda else CPU_ROUNDS)
+    warmup, iters = getattr(args, "warmup", WARMUP), getattr(args, "iters", ITERS)
+    doc = {**environment(), **run_info(device, timing=timing, rounds=rounds, warmup=warmup, iters=iters), "problems": {}}
     if json_path and args.merge and os.path.exists(json_path):
         _check_mergeable(_load_results(json_path), json_path, doc, "this run")
     baseline = getattr(args, "baseline", None)
     if baseline and (not timing or baseline not in impls):
         log(f"--baseline {baseline}: no score S (needs {baseline} among the timed implementations)")
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress bars are a nicety
-        tqdm = None
-    n_cases = len(args.cases) if args.cases is not None else 16
-    steps = len(problems) * n_cases * (args.rounds + (len(impls) if timing else 0))
-    # disable=None: no bar when stderr is not a terminal (no carriage returns in log files).
-    progress = tqdm(total=steps, desc=args.command, unit="step", file=sys.stderr, disable=None) if tqdm else None
-    all_passed = True
-    try:
-        for prob in problems:
-            results = run_problem(prob, impls, cases=args.cases, device=device, rounds=args.rounds,
-                                  warmup=getattr(args, "warmup", WARMUP), iters=getattr(args, "iters", ITERS),
-                                  timing=timing, seed=args.seed, progress=progress)
-            doc["problems"][prob.id] = to_json(prob, results)
-            for name, cases in results.items():
-                for c in cases:
-                    if not c.passed:
-                        all_passed = False
-                        log(f"{prob.id} {name} case {c.index} ({report.axes_text(c.axes)}) FAILED: {c.reason}")
-    finally:
-        if progress:
-            progress.close()
+    # The cases asked for; else all 16 on a CUDA GPU, else each problem's smallest (the interpreter is slow).
+    selection = {prob.id: args.cases or (list(range(len(prob.workloads))) if cuda else [smallest_case(prob)])
+                 for prob in problems}
+    total, done = sum(map(len, selection.values())), []
+
+    def progress(prob, index, axes, results, seconds):
+        """One line per case on stderr, whatever it is (terminal, file, pipe)."""
+        done.append(index)
+        cells = ", ".join(f"{name} {report.case_status(name, r.fallback, r.passed)}"
+                          + (f" {r.latency_ms:.4f} ms" if r.latency_ms is not None else "") for name, r in results.items())
+        log(f"[{len(done)}/{total}] {prob.id} case {index} ({report.axes_text(axes)}): {cells} ({seconds:.1f} s)")
+
+    for prob in problems:
+        results = run_problem(prob, impls, cases=selection[prob.id], device=device, rounds=rounds, warmup=warmup,
+                              iters=iters, timing=timing, seed=args.seed,
+                              progress=lambda *a, prob=prob: progress(prob, *a))
+        doc["problems"][prob.id] = to_json(prob, results)
+        for name, results_of_impl in results.items():
+            for c in results_of_impl:
+                if c.passed is False:
+                    log(f"{prob.id} {name} case {c.index} ({report.axes_text(c.axes)}) FAILED: {c.reason}")
     for pid, entry in doc["problems"].items():
         print(report.case_table(pid, entry, gpu=getattr(args, "gpu", "h200"), baseline=baseline, meta=doc))
         print()
-    if fallbacks:
-        log(f"note: for {', '.join(fallbacks)} backfuse ran as the fp32 reference fallback; its fused kernels were not checked")
+    statuses = {status for _, status in _statuses(doc)}
+    print(_summary(doc, device))
     if json_path:
         _write_json(doc, json_path, merge=args.merge)
     if plot_path:
         _plot(doc, plot_path, gpu=args.gpu)
-    return 0 if all_passed else 1
+    return FAILED if "FAIL" in statuses else FALLBACK if "fallback" in statuses else 0
+
+
+def _announce_cpu_kernels() -> None:
+    """Without a CUDA GPU, run backfuse's kernels in the Triton interpreter: TRITON_INTERPRET=1 unless the user
+    set TRITON_INTERPRET (then respected). The command line imports triton only after this (the interpreter
+    must be on before triton is first imported). Says what will run; a setup where the kernels cannot run in
+    the interpreter (`fused_unusable`) is a CLIError."""
+    import torch
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] != "1":
+        log(f"no CUDA GPU and TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}: backfuse runs as the fp32 reference "
+            "fallback, so nothing of it is checked (exit status 3); unset TRITON_INTERPRET to run its kernels in the "
+            "Triton interpreter")
+        return
+    reason = fused_unusable(torch.device("cpu"))
+    if reason:
+        raise CLIError(reason)
+    log("no CUDA GPU: running backfuse's Triton kernels in the Triton interpreter on the CPU, on reduced shapes, "
+        "no timing (seconds per case and round)")
+
+
+def _statuses(doc: dict):
+    """(impl, status) of every case of a results document (report.case_status)."""
+    for entry in doc["problems"].values():
+        for name, impl in entry["impls"].items():
+            for c in impl["cases"]:
+                yield name, report.case_status(name, impl.get("fallback"), c["passed"])
+
+
+def _summary(doc: dict, device: str) -> str:
+    """One line: what was checked (implementations, cases, shapes, rounds), on what, with what result, and on a
+    CPU what needs a CUDA GPU."""
+    where = []
+    for pid, entry in doc["problems"].items():
+        prob = problem(pid)
+        indices = [report.case_index(prob, c, k) for k, c in enumerate(next(iter(entry["impls"].values()))["cases"])]
+        where.append(f"{pid} {'all 16 cases' if sorted(indices) == list(range(16)) else _cases_text(indices)}")
+    statuses = list(_statuses(doc))
+    checked = list(dict.fromkeys(name for name, status in statuses if status in ("pass", "FAIL")))
+    fallbacks = list(dict.fromkeys(name for name, status in statuses if status == "fallback"))
+    passed, failed = (sum(status == s for _, status in statuses) for s in ("pass", "FAIL"))
+    names = ", ".join(("backfuse's kernels in the Triton interpreter" if n == "backfuse" and doc.get("triton_interpret")
+                       else n) for n in checked)
+    rounds = f"{doc['rounds']} round{'s' if doc['rounds'] > 1 else ''} each"
+    text = (f"checked {names} against the fp32 reference on {doc['device']}: {'; '.join(where)} ({doc['shapes']} shapes), "
+            f"{rounds}: {passed}/{passed + failed} passed" if checked else
+            f"checked nothing on {doc['device']} ({'; '.join(where)})")
+    if fallbacks:
+        text += f"; {', '.join(fallbacks)} ran as the fp32 reference fallback (not checked)"
+    if doc["timed"]:
+        text += f"; timed: median CUPTI span of {doc['iters']} calls per case"
+    elif device == "cpu":
+        text += ". Timing, the official shapes and the Hopper Gluon kernel need a CUDA GPU"
+    return text + "."
+
+
+def _cases_text(indices) -> str:
+    return ("case " if len(indices) == 1 else "cases ") + ", ".join(map(str, indices))
 
 
 def _plot(results: dict, path: str, **kw) -> None:
@@ -310,6 +408,7 @@ def _report(results_path: str | None, out: str | None, gpu: str) -> int:
     if out is None:
         folder = path.resolve().parent
         out = str(folder.parent if folder.name == "results" else folder)
+    _check_writable(out, directory=True)
     try:
         os.makedirs(os.path.join(out, "plots"), exist_ok=True)
         plots = {}
@@ -320,8 +419,6 @@ def _report(results_path: str | None, out: str | None, gpu: str) -> int:
         text = report.markdown_report(results, plots, gpu=gpu)
     except OSError as e:
         raise CLIError(f"cannot write into {out}: {e.strerror or e}")
-    except (KeyError, TypeError, ValueError) as e:
-        raise CLIError(f"{path} is not a results file this version can read ({type(e).__name__}: {e})")
     report_path = os.path.join(out, "report.md")
     _write_file(report_path, text)
     log(f"wrote {report_path} and {len(plots)} plots from {path}")
@@ -329,6 +426,7 @@ def _report(results_path: str | None, out: str | None, gpu: str) -> int:
 
 
 def _merge(into: str, sources) -> int:
+    _check_writable(into)
     docs = [(source, _load_results(source)) for source in sources]
     target = (into, _load_results(into)) if os.path.exists(into) else docs[0]
     for source, doc in docs:  # all or nothing: check every file before writing any
@@ -341,15 +439,15 @@ def _merge(into: str, sources) -> int:
 
 def _check_mergeable(old: dict, old_name: str, new: dict, new_name: str) -> None:
     """Results from different devices, or from reduced and official shapes, must not share a file."""
-    old_device, old_shapes = old.get("device", "unknown device"), report.shapes_of(old)
-    new_device, new_shapes = new.get("device", "unknown device"), report.shapes_of(new)
+    old_device, old_shapes = old["device"], report.shapes_of(old)
+    new_device, new_shapes = new["device"], report.shapes_of(new)
     if old_device != new_device or (old_shapes and new_shapes and old_shapes != new_shapes):
         raise CLIError(f"refusing to merge {new_name} ({new_device}, {new_shapes or 'no'} shapes) into {old_name} "
                        f"({old_device}, {old_shapes or 'no'} shapes): results from different devices or shapes don't mix")
 
 
 def _load_results(path: str) -> dict:
-    """A results file written by `backfuse bench --json`, or a one-line error saying why not."""
+    """A results file written by `backfuse bench --json` (bench/schema.py), or a one-line error saying why not."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -359,14 +457,27 @@ def _load_results(path: str) -> dict:
         raise CLIError(f"cannot read {path}: {e.strerror or e}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CLIError(f"{path} is not JSON ({e})")
-    if not isinstance(doc, dict) or not isinstance(doc.get("problems"), dict):
-        raise CLIError(f"{path} is not a results file written by `backfuse bench --json` (no \"problems\" object)")
-    for pid in doc["problems"]:
-        try:
-            problem(pid)
-        except (TypeError, ValueError):
-            raise CLIError(f"{path}: unknown problem {pid!r}")
+    try:
+        schema.validate(doc)
+    except schema.SchemaError as e:
+        raise CLIError(f"{path} is not a results file written by `backfuse bench --json`: {e}")
     return doc
+
+
+def _check_writable(path: str, *, directory: bool = False) -> None:
+    """Refuse, before any work, an output path that cannot be written: a directory where a file is wanted (or
+    the other way round), or one whose nearest existing ancestor is a file or not writable (missing
+    directories are created when writing)."""
+    target = os.path.abspath(path)
+    if os.path.exists(target) and os.path.isdir(target) != directory:
+        raise CLIError(f"cannot write {path}: it is {'not ' if directory else ''}a directory")
+    parent = os.path.dirname(target)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise CLIError(f"cannot write {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        raise CLIError(f"cannot write {path}: permission denied")
 
 
 def _make_parent(path: str) -> None:
@@ -387,9 +498,9 @@ def _write_json(doc: dict, path: str, *, merge: bool) -> None:
     if merge and os.path.exists(path):
         old = _load_results(path)
         for pid, entry in doc["problems"].items():
-            kept = old.get("problems", {}).get(pid, {}).get("impls", {})
+            kept = old["problems"].get(pid, {}).get("impls", {})
             entry["impls"] = {**kept, **entry["impls"]}
-        doc = {**doc, "problems": {**old.get("problems", {}), **doc["problems"]}}
+        doc = {**doc, "problems": {**old["problems"], **doc["problems"]}}
         _note_uneven_cases(doc)
     _write_file(path, json.dumps(doc, indent=1))
     log(f"wrote {path}")
@@ -399,8 +510,8 @@ def _note_uneven_cases(doc: dict) -> None:
     """After a merge, say where implementations of one problem cover different cases (their means don't compare)."""
     for pid, entry in doc["problems"].items():
         prob = problem(pid)
-        covered = {name: sorted(report.case_index(prob, c, k) for k, c in enumerate(impl.get("cases", [])))
-                   for name, impl in entry.get("impls", {}).items()}
+        covered = {name: sorted(report.case_index(prob, c, k) for k, c in enumerate(impl["cases"]))
+                   for name, impl in entry["impls"].items()}
         if len({tuple(v) for v in covered.values()}) > 1:
             text = "; ".join(f"{name} {v if len(v) < 16 else 'all 16'}" for name, v in covered.items())
             log(f"note: {pid}'s implementations now cover different cases ({text}): their means don't compare")

@@ -30,6 +30,7 @@ import math
 import numpy as np
 import torch
 
+from .callsite import BackfuseWarning
 from .kernels import buffers
 from .kernels.schedule import Holds
 
@@ -39,7 +40,7 @@ FP16_MAX = 65504.0
 SMALLEST_SAFE_MAX = 2.0**-12
 
 
-class Fp16RangeWarning(UserWarning):
+class Fp16RangeWarning(BackfuseWarning):
     """A fused backward met values outside fp16's safe range and recomputed in fp32 instead."""
 
 

@@ -31,7 +31,7 @@ import torch
 
 from . import callsite
 from . import problem as _problem
-from .problem import TRAINING_DTYPES, Scalar
+from .problem import TRAINING_DTYPES, Scalar, check_real
 
 _LIB = torch.library.Library("backfuse", "DEF")  # noqa: TOR901 (the ops are defined below)
 # Per op, the power of two (its exponent) its last backward scaled the upstream gradients by: the next
@@ -138,12 +138,19 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
     """Gemma 3 attention core (QK RMSNorm with 1 + w, RoPE, soft-capped causal GQA, output
     projection): output [B,S,3072]. Backward: the fused 037 kernels (cos and sin get none)."""
     return _GEMMA3_CORE(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight,
-                        float(scaling), float(softcap), float(eps))
+                        *_reals("gemma3_core", "037", scaling, softcap, eps))
 
 
 def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, scale):
     """Wan 2.2 text-to-video cross-attention: output [B,Nv,1024]. Backward: the fused 021 kernels."""
-    return _WAN_XATTN(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, float(scale))
+    return _WAN_XATTN(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias,
+                      *_reals("wan_xattn", "021", scale))
+
+
+def _reals(name: str, pid: str, *values) -> list:
+    """The scalar inputs as floats (the ops' schemas take floats), refused as the forward's validation words it."""
+    specs = [s for s in _problem(pid).inputs if isinstance(s, Scalar)]
+    return [check_real(v, f"backfuse.functional.{name}: input '{s.name}'") for s, v in zip(specs, values)]
 
 
 # The names of earlier releases.

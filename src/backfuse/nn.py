@@ -24,6 +24,7 @@ from . import functional as F
 from .ops.gemma3_core import spec as _gemma
 from .ops.qkv_gqa import spec as _qkv
 from .ops.wan_xattn import spec as _wan
+from .problem import TRAINING_DTYPES, check_real, dtypes_text
 
 
 def _linear_default(w):  # torch.nn.Linear's own initialisation (kaiming uniform, a = sqrt(5))
@@ -36,10 +37,36 @@ class _Block(torch.nn.Module):
     UNSUPPORTED: dict = {}  # key suffix of the family's layer that this block has no parameter for -> why
 
     def __init__(self, *, device=None, dtype=torch.float32):
+        """Parameters of `dtype` (one the forward takes) on `device` (None: torch's default); bad values are
+        refused here, in one line naming the argument, rather than at the first forward."""
         super().__init__()
+        if dtype not in TRAINING_DTYPES:
+            raise TypeError(f"{self._label()}: dtype must be {dtypes_text(TRAINING_DTYPES)} (what the forward takes), "
+                            f"got {dtype!r}")
+        device = self._device(device)
         for name, shape, _ in self.PARAMS:
             self.register_parameter(name, torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
         self.reset_parameters()
+
+    @classmethod
+    def _label(cls) -> str:
+        return f"backfuse.nn.{cls.__name__}"
+
+    @classmethod
+    def _device(cls, device):
+        """device as a torch.device (None stays None), when it parses and, for CUDA, when one is there."""
+        if device is None:
+            return None
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{cls._label()}: device must be a torch.device or a name such as 'cpu' or 'cuda', "
+                             f"got {device!r}") from None
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            why = (f"torch {torch.__version__} was built without CUDA" if not torch.backends.cuda.is_built() else
+                   f"{torch.cuda.device_count()} CUDA device(s) visible")
+            raise ValueError(f"{cls._label()}: device '{device}' is not available ({why})")
+        return device
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -53,7 +80,7 @@ class _Block(torch.nn.Module):
 
         strict (default): every parameter must have a key, and every key that starts with `prefix`
         must be used, else a RuntimeError lists the missing and unexpected keys, as
-        `torch.nn.Module.load_state_dict` does. strict=False: the same list comes as a UserWarning;
+        `torch.nn.Module.load_state_dict` does. strict=False: the same list comes as a BackfuseWarning;
         missing parameters keep their initialisation. A tensor of the wrong shape is a ValueError
         either way.
         """
@@ -77,7 +104,7 @@ class _Block(torch.nn.Module):
                 raise RuntimeError(f"{cls.__name__}.from_state_dict: {report}")
             callsite.warn(f"{cls.__name__}.from_state_dict (strict=False): {report}; "
                           f"{'the missing parameters keep their initialisation' if missing else 'loaded the rest'}",
-                          UserWarning)
+                          callsite.BackfuseWarning)
         devices = [v.device for v in values.values()]
         module = cls(**{"device": devices[0] if devices else None, **kwargs})
         module.load_state_dict(values, strict=False)
@@ -144,13 +171,14 @@ class Gemma3Core(_Block):
 
     def __init__(self, *, scaling: float = 1 / math.sqrt(_gemma.HEAD_DIM), softcap: float = 50.0,
                  eps: float = 1e-6, device=None, dtype=torch.float32):
+        scalars = [check_real(v, f"{self._label()}: {n}") for n, v in zip(self.SCALARS, (scaling, softcap, eps))]
         super().__init__(device=device, dtype=dtype)
-        self.scaling, self.softcap, self.eps = scaling, softcap, eps
+        self.scaling, self.softcap, self.eps = scalars
 
     @classmethod
     def from_state_dict(cls, state_dict: dict, prefix: str = "", *, strict: bool = True, **kwargs):
         """As `_Block.from_state_dict`. A state dict holds no scalars: when it uses Hugging Face's
-        names and scaling, softcap or eps is not passed, a UserWarning says which benchmark values
+        names and scaling, softcap or eps is not passed, a BackfuseWarning says which benchmark values
         are kept (released Gemma 3 configs scale by query_pre_attn_scalar**-0.5 and have no
         attention soft cap, which these kernels do not support)."""
         module = super().from_state_dict(state_dict, prefix, strict=strict, **kwargs)
@@ -160,7 +188,7 @@ class Gemma3Core(_Block):
             kept = ", ".join(f"{n}={getattr(module, n):g}" for n in unset)
             callsite.warn(f"{cls.__name__}.from_state_dict: the state dict holds no scalars; kept the benchmark's "
                           f"{kept} (pass {', '.join(n + '=' for n in unset)} to set them; released Gemma 3 configs "
-                          f"scale by query_pre_attn_scalar**-0.5 and have no attention soft cap)", UserWarning)
+                          f"scale by query_pre_attn_scalar**-0.5 and have no attention soft cap)", callsite.BackfuseWarning)
         return module
 
     def _sizes(self):
@@ -189,6 +217,7 @@ class WanXattn(_Block):
                    for norm in ("norm_q", "norm_k")}
 
     def __init__(self, *, scale: float = 1 / math.sqrt(_wan.HEAD_DIM), device=None, dtype=torch.float32):
+        scale = check_real(scale, f"{self._label()}: scale")
         super().__init__(device=device, dtype=dtype)
         self.scale = scale
 

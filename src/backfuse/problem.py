@@ -15,6 +15,7 @@ import json
 import math
 import numbers
 import os
+import sys
 from dataclasses import dataclass
 from importlib import resources
 
@@ -81,9 +82,18 @@ def fp32_matmul(tf32: bool):
 TRAINING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _dtypes_text(dtypes) -> str:
+def dtypes_text(dtypes) -> str:
     names = [str(d) for d in dtypes]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def check_real(value, where: str) -> float:
+    """value as a float, when it is a finite real number (not a bool); else the error `where` starts."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{where} must be finite, got {value}")
+    return float(value)
 
 
 def fused_kernels_usable(device: torch.device) -> bool:
@@ -91,6 +101,31 @@ def fused_kernels_usable(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Triton 3.6's interpreter turns one-element arrays into Python ints, which numpy 2.4 refuses.
+INTERPRETER_NUMPY_BELOW = (2, 4)
+
+
+def fused_unusable(device: torch.device) -> str | None:
+    """Why the fused kernels cannot run on tensors of `device`, in one line; None when they can."""
+    if not fused_kernels_usable(device):
+        if device.type != "cpu":
+            return f"the fused kernels run on CUDA tensors, or on CPU tensors in the Triton interpreter, not on {device.type}"
+        return ("on CPU tensors the fused kernels run only in the Triton interpreter: set TRITON_INTERPRET=1 in the "
+                "environment before triton is first imported")
+    if device.type == "cpu":
+        import numpy
+
+        language = sys.modules.get("triton.language")
+        if language is not None and type(language.sum).__name__ != "InterpretedFunction":
+            return ("triton was imported before TRITON_INTERPRET=1 was set, so its standard library is not "
+                    "interpreted: set TRITON_INTERPRET=1 in the environment before triton is first imported")
+        if tuple(int(part) for part in numpy.__version__.split(".")[:2]) >= INTERPRETER_NUMPY_BELOW:
+            below = ".".join(map(str, INTERPRETER_NUMPY_BELOW))
+            return (f"the Triton interpreter (TRITON_INTERPRET=1) fails on numpy {numpy.__version__}; it needs numpy < "
+                    f"{below} (backfuse's dependencies ask for the tested range: pip install 'numpy<2.3')")
+    return None
 
 
 class Problem:
@@ -129,7 +164,11 @@ class Problem:
         (one bool per output) lets the kernels skip work for outputs nobody wants (those come back
         as None), deterministic asks for the same bits on every call and ranges (a RangeSlots)
         receives the largest |value| of every tensor the kernels round to fp16; options go to the
-        launcher as they are (config, products, sms)."""
+        launcher as they are (config, products, sms). On a device where they cannot run
+        (`fused_unusable`), a RuntimeError says why in one line."""
+        reason = fused_unusable(next(x for x in inputs if isinstance(x, torch.Tensor)).device)
+        if reason:
+            raise RuntimeError(f"{self.name}.fused: {reason}")
         package = type(self).__module__.rpartition(".")[0]
         backward = importlib.import_module(package + ".backward").backward
         return backward(*inputs, needs=needs, deterministic=deterministic, ranges=ranges, **options)
@@ -216,16 +255,13 @@ class Problem:
         device = dtype = None
         for spec, value in zip(specs, inputs):
             if isinstance(spec, Scalar):
-                if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                    raise TypeError(f"{label}: input '{spec.name}' must be a real number, got {type(value).__name__}")
-                if not math.isfinite(value):
-                    raise ValueError(f"{label}: input '{spec.name}' must be finite, got {value}")
+                check_real(value, f"{label}: input '{spec.name}'")
                 continue
             where = f"{label}: input '{spec.name}'"
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{where} must be a torch.Tensor, got {type(value).__name__}")
             if value.dtype not in dtypes:
-                raise TypeError(f"{where} must be {_dtypes_text(dtypes)}, got {value.dtype}")
+                raise TypeError(f"{where} must be {dtypes_text(dtypes)}, got {value.dtype}")
             if value.dim() != len(spec.dims):
                 raise ValueError(f"{where} must have {len(spec.dims)} dims {self._dims_text(spec)}, got shape {tuple(value.shape)}")
             if device is None:

@@ -59,6 +59,41 @@ def impl_label(name: str, impl: dict) -> str:
     return f"{name} (reference fallback)" if impl.get("fallback") else name
 
 
+def case_status(name: str, fallback, passed) -> str:
+    """A case's status for an impl: "reference" (what the others are checked against, so never
+    checked itself), "fallback" (the fp32 reference ran in the impl's place: nothing of it was
+    checked), "pass" or "FAIL"."""
+    if name == "reference":
+        return "reference"
+    if fallback:
+        return "fallback"
+    return "pass" if passed else "FAIL"
+
+
+def passes(name: str, impl: dict) -> str:
+    """An impl's passes as "14/16", or what stands in for them ("reference", "fallback")."""
+    statuses = [case_status(name, impl.get("fallback"), c["passed"]) for c in impl["cases"]]
+    if statuses[0] in ("reference", "fallback"):
+        return statuses[0]
+    return f"{statuses.count('pass')}/{len(statuses)}"
+
+
+def means(latencies) -> tuple:
+    """(arithmetic, geometric) mean of per-case latencies in ms; (None, None) unless every case has one.
+
+    The leaderboard ranks by geometric means (a case twice as fast counts the same on any case);
+    the arithmetic mean follows the largest cases."""
+    latencies = list(latencies)
+    if not latencies or None in latencies:
+        return None, None
+    return statistics.fmean(latencies), statistics.geometric_mean(latencies)
+
+
+def impl_means(impl: dict) -> tuple:
+    """means() of an impl's cases (computed from them, so older files without "gmean_ms" get both)."""
+    return means(c["latency_ms"] for c in impl["cases"])
+
+
 def _aligned_cases(prob, impls: dict) -> tuple:
     """(official indices in first-seen order, {impl: {index: case}})."""
     by_impl = {name: {case_index(prob, c, k): c for k, c in enumerate(impl.get("cases", []))} for name, impl in impls.items()}
@@ -68,12 +103,17 @@ def _aligned_cases(prob, impls: dict) -> tuple:
     return order, by_impl
 
 
-FALLBACK_NOTE = ("{names}: the fused kernels did not run (on a CPU they need TRITON_INTERPRET=1), so this is the fp32 "
-                 "reference checked against itself, not a check of backfuse's kernels.")
+FALLBACK_NOTE = ("{names}: the fused kernels did not run (on a CPU they need the Triton interpreter, TRITON_INTERPRET=1), "
+                 "so the fp32 reference ran in their place and nothing of backfuse was checked.")
+
+
+def _launches(case: dict) -> str:
+    return "?" if case.get("launches") is None else str(case["launches"])
 
 
 def case_table(pid: str, entry: dict, *, gpu: str = "h200", baseline: str | None = None, meta: dict | None = None) -> str:
-    """Per case (by official index): axes and, for each impl, pass/fail and, where timed, latency against SOL; then totals.
+    """Per case (by official index): axes and, for each impl, its status and, where timed, latency against
+    SOL and kernel launches per call; then the means (arithmetic and geometric) or the totals.
 
     meta: the results file's top level (for how many calls each latency is the median of).
     """
@@ -91,26 +131,33 @@ def case_table(pid: str, entry: dict, *, gpu: str = "h200", baseline: str | None
         row = [str(i), axes_text(axes[i])] + ([f"{sols[i]:.4f}"] if timed else [])
         for name in names:
             c = by_impl[name].get(i)
+            status = None if c is None else case_status(name, impls[name].get("fallback"), c["passed"])
             if c is None:
                 row.append("–")
             elif c["latency_ms"] is not None:
-                row.append(f"{c['latency_ms']:.4f} {100 * sols[i] / c['latency_ms']:3.0f}%" + ("" if c["passed"] else " FAIL"))
-            elif c["passed"] and impls[name].get("fallback"):
-                row.append("fallback")
+                row.append(f"{c['latency_ms']:.4f} {100 * sols[i] / c['latency_ms']:3.0f}% [{_launches(c)}]"
+                           + (" FAIL" if status == "FAIL" else ""))
+            elif status in ("reference", "fallback"):
+                row.append(status)
             else:
-                row.append(("ok" if c["passed"] else "FAIL") + f" {c['min_matched']:.4f}")
+                row.append(("ok" if status == "pass" else "FAIL") + f" {c['min_matched']:.4f}")
         rows.append(row)
-    summary = ["mean" if timed else "total", ""] + ([f"{statistics.fmean(sols.values()):.4f}"] if timed else [])
-    for name in names:
-        cases = impls[name]["cases"]
-        passed = f"{sum(c['passed'] for c in cases)}/{len(cases)}"
-        mean = impls[name]["mean_ms"]
-        if mean is not None:
-            summary.append(f"{mean:.4f} {passed}")
-        else:
-            summary.append(f"{passed} fallback" if impls[name].get("fallback") else f"{passed} pass")
-    rows.append(summary)
-    if baseline and baseline in impls and impls[baseline]["mean_ms"] is not None:
+    if timed:
+        sol_mean, sol_gmean = means(sols.values())
+        mean_row, gmean_row = ["mean", "", f"{sol_mean:.4f}"], ["geomean", "", f"{sol_gmean:.4f}"]
+        for name in names:
+            mean, gmean = impl_means(impls[name])
+            shown = passes(name, impls[name])
+            mean_row.append((f"{mean:.4f}" if mean is not None else "–") + ("" if shown == "reference" else f" {shown}"))
+            gmean_row.append(f"{gmean:.4f}" if gmean is not None else "–")
+        rows += [mean_row, gmean_row]
+    else:
+        total = ["total", ""]
+        for name in names:
+            shown = passes(name, impls[name])
+            total.append(f"{shown} pass" if "/" in shown else shown)
+        rows.append(total)
+    if baseline and baseline in impls and impl_means(impls[baseline])[0] is not None:
         score = ["score S", f"vs {baseline}"] + [""]
         for name in names:
             base = by_impl[baseline]
@@ -121,7 +168,8 @@ def case_table(pid: str, entry: dict, *, gpu: str = "h200", baseline: str | None
     widths = [max(len(r[j]) for r in [header] + rows) for j in range(len(header))]
     if timed:
         calls = f" of {meta['iters']} calls" if meta and meta.get("iters") else ""
-        what = f"latency ms, median of CUPTI spans{calls}; % of {GPUS[gpu].name} fp16 SOL"
+        what = (f"latency ms, median of CUPTI spans{calls}; % of {GPUS[gpu].name} fp16 SOL; [kernel launches per call, "
+                "? where not recorded]")
     else:
         what = (f"correctness only, {'reduced' if reduced else 'official'} shapes, no timing; "
                 "ok/FAIL and the worst output's fraction of elements in tolerance")
@@ -131,11 +179,15 @@ def case_table(pid: str, entry: dict, *, gpu: str = "h200", baseline: str | None
     fallbacks = [n for n in names if impls[n].get("fallback")]
     if fallbacks:
         lines.append(FALLBACK_NOTE.format(names=", ".join(fallbacks)))
+    if "reference" in impls:
+        lines.append("reference: what the others are checked against (its outputs are the expected ones), so not "
+                     "checked itself.")
     return "\n".join(lines)
 
 
 def readme_table(results: dict) -> str:
-    """Markdown summary: per problem and impl, the mean over the cases run, passes, % of SOL and speedup."""
+    """Markdown summary: per problem and impl, the arithmetic and geometric means over the cases run,
+    passes, % of SOL and speedup (both from the arithmetic means)."""
     counts = {len(i.get("cases", [])) for e in results["problems"].values() for i in e["impls"].values()}
     over = f"{counts.pop()} cases" if len(counts) == 1 else "the cases run"
     versions = f"torch {results['torch']}, triton {results['triton']}, {results['date']}"
@@ -143,28 +195,36 @@ def readme_table(results: dict) -> str:
     if timed:
         calls = results.get("iters", 50)
         head = (f"Measured on {results['device']} ({versions}), official protocol: median CUPTI span of {calls} calls, "
-                f"L2 flushed, fresh input addresses; mean over {over}.")
+                f"L2 flushed, fresh input addresses; arithmetic and geometric mean over {over} (the leaderboard "
+                "uses geometric means).")
     else:
         head = f"Checked on {results['device']} ({versions}): correctness only, {shapes_of(results)} shapes, no timing."
     lines = [
         head,
         "",
-        "| problem | implementation | mean ms | passed | % of H200 SOL | vs fp32 reference |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| problem | implementation | mean ms | geomean ms | passed | % of H200 SOL | vs fp32 reference |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for pid, entry in results["problems"].items():
-        sol = entry["sol_h200_mean_ms"]
-        ref = entry["impls"].get("reference", {}).get("mean_ms")
+        prob = get_problem(pid)
+        order, by_impl = _aligned_cases(prob, entry["impls"])
+        axes = {i: next(cases[i]["axes"] for cases in by_impl.values() if i in cases) for i in order}
+        sol, sol_gmean = means(sol_ms(prob, axes[i]) for i in order)
+        ref = impl_means(entry["impls"]["reference"])[0] if "reference" in entry["impls"] else None
         for name, impl in entry["impls"].items():
-            mean = impl["mean_ms"]
-            passed = f"{sum(c['passed'] for c in impl['cases'])}/{len(impl['cases'])}"
+            mean, gmean = impl_means(impl)
             speedup = f"{ref / mean:.1f}×" if ref and mean else "–"
             pct = f"{100 * sol / mean:.0f}%" if mean else "–"
-            mean_text = f"{mean:.3f}" if mean else "–"
-            lines.append(f"| {pid} | {impl_label(name, impl)} | {mean_text} | {passed} | {pct} | {speedup} |")
+            shown = passes(name, impl)
+            shown = f"({shown})" if shown == "reference" else shown
+            lines.append(f"| {pid} | {impl_label(name, impl)} | {_ms(mean)} | {_ms(gmean)} | {shown} | {pct} | {speedup} |")
         if timed:  # (the SOL of reduced shapes compares with nothing)
-            lines.append(f"| {pid} | *speed of light (fp16)* | {sol:.3f} | | 100% | |")
+            lines.append(f"| {pid} | *speed of light (fp16)* | {sol:.3f} | {sol_gmean:.3f} | | 100% | |")
     return "\n".join(lines)
+
+
+def _ms(value) -> str:
+    return f"{value:.3f}" if value else "–"
 
 
 class NothingToPlot(ValueError):
@@ -206,9 +266,10 @@ def figure(results: dict, *, gpu: str = "h200", only: str | None = None):
         for k, name in enumerate(names):
             cases = by_impl[name]
             xs = [x for x, i in enumerate(order) if i in cases and cases[i]["latency_ms"] is not None]
-            mean = timed[name]["mean_ms"]
+            mean, gmean = impl_means(timed[name])
             ax.bar([x + (k - (len(names) - 1) / 2) * width for x in xs], [cases[order[x]]["latency_ms"] for x in xs], width,
-                   label=impl_label(name, timed[name]) + (f" (mean {mean:.3f} ms)" if mean is not None else ""))
+                   label=impl_label(name, timed[name])
+                   + (f" (mean {mean:.3f} ms, geomean {gmean:.3f} ms)" if mean is not None else ""))
         axes = {i: next(c[i]["axes"] for c in by_impl.values() if i in c) for i in order}
         sols = [sol_ms(prob, axes[i], gpu) for i in order]
         ax.hlines(sols, [x - 0.45 for x in range(len(order))], [x + 0.45 for x in range(len(order))],

@@ -6,6 +6,7 @@ import datetime
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,12 +26,13 @@ ITERS = 50
 class CaseResult:
     uuid: str
     axes: dict
-    passed: bool
-    min_matched: float
+    passed: bool | None  # None: nothing was checked (the reference itself, or a fallback)
+    min_matched: float | None
     reason: str = ""
     latency_ms: float | None = None  # median CUPTI span
     event_ms: float | None = None  # median CUDA-event time (cross-check)
-    kernels: int | None = None  # device activities per call
+    kernels: int | None = None  # device activities per call (kernels, memcpy, memset)
+    launches: int | None = None  # kernel launches per call
     index: int | None = None  # the case's index among the problem's official workloads
     fallback: str | None = None  # "reference" when the impl ran as the fp32 reference (no fused kernels)
 
@@ -38,6 +40,11 @@ class CaseResult:
 def reduced_axes(axes: dict) -> dict:
     """Small stand-ins for a case's axes, for CPU runs: batch at most 2, other axes 17..47."""
     return {k: (min(v, 2) if k == "batch_size" else (v if v <= 47 else 17 + v % 31)) for k, v in axes.items()}
+
+
+def smallest_case(problem: Problem) -> int:
+    """The official case with the fewest MACs once reduced: a CPU run's default (the interpreter is slow)."""
+    return min(range(len(problem.workloads)), key=lambda i: (problem.macs(reduced_axes(problem.workloads[i].axes)), i))
 
 
 def run_problem(
@@ -56,33 +63,37 @@ def run_problem(
     """{impl: [CaseResult, ...]} over the selected cases (all 16 by default), in the order given.
 
     On a device other than CUDA the cases run on reduced shapes (`reduced_axes`) and nothing is timed.
+    The reference is what the others are checked against, so it is not checked itself, and an impl
+    that would only be the fp32 reference on this device (`fallback`) is not run: their results say
+    passed=None. progress(index, axes, {impl: CaseResult}, seconds) is called after each case.
     """
     device = torch.device(device)
     reduce = device.type != "cuda"
     timing = timing and device.type == "cuda"
     impls = {name: implementation(problem, name) for name in impl_names}
+    fallbacks = {name: fallback(problem, name, device) for name in impls}
+    checked = {name: fn for name, fn in impls.items() if name != "reference" and not fallbacks[name]}
     selected = list(range(len(problem.workloads))) if cases is None else list(cases)
     results = {name: [] for name in impls}
     for index in selected:
+        started = time.perf_counter()
         workload = problem.workloads[index]
         axes = reduced_axes(workload.axes) if reduce else dict(workload.axes)
         case_seed = seed * 1_000_003 + index * 1000
-        verdicts = {name: Verdict(True, 1.0) for name in impls}
-        for r in range(rounds):
+        verdicts = {name: Verdict(True, 1.0) for name in checked}
+        for r in range(rounds if checked else 0):
             inputs = problem.make_inputs(axes, seed=case_seed + r, device=device, scalars=workload.scalars)
             references = problem.reference(*inputs)
-            for name, fn in impls.items():
+            for name, fn in checked.items():
                 verdict = check_outputs(fn(*inputs), references, workload.tolerance, problem.output_names)
                 verdicts[name] = _worse(verdicts[name], verdict)
                 if r == 0:
                     verdicts[name] = _worse(verdicts[name], _unmodified(problem, axes, inputs, case_seed, workload, name))
             del inputs, references
-            if progress:
-                progress.update(1)
         for name in impls:
-            v = verdicts[name]
-            results[name].append(CaseResult(workload.uuid, dict(axes), v.passed, v.min_matched, v.reason, index=index,
-                                            fallback=fallback(problem, name, device)))
+            v = verdicts.get(name)
+            results[name].append(CaseResult(workload.uuid, dict(axes), v and v.passed, v and v.min_matched,
+                                            v.reason if v else "", index=index, fallback=fallbacks[name]))
         if timing:
             inputs = problem.make_inputs(axes, seed=case_seed + rounds, device=device, scalars=workload.scalars)
             for name, fn in impls.items():
@@ -90,15 +101,16 @@ def run_problem(
                 result = results[name][-1]
                 result.latency_ms, result.event_ms = t.median_ms, t.event_median_ms
                 result.kernels = statistics.median(t.kernels_per_call)
+                result.launches = statistics.median_low(t.launches_per_call)
                 if result.kernels == 0 or result.event_ms < 0.9 * result.latency_ms:
                     # The events bracket the whole call, so they can't read much less than its span.
                     log(f"{problem.id} {name} case {index}: CUPTI span {result.latency_ms:.4f} ms over "
                         f"{result.kernels} kernels vs CUDA events {result.event_ms:.4f} ms; timing suspect")
-                if progress:
-                    progress.update(1)
             del inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if progress:
+            progress(index, axes, {name: cases[-1] for name, cases in results.items()}, time.perf_counter() - started)
     return results
 
 
@@ -145,18 +157,23 @@ def run_info(device, *, timing: bool, rounds: int, warmup: int = WARMUP, iters: 
 
 
 def to_json(problem: Problem, results: dict) -> dict:
-    """One problem's entry of benchmarks/results/*.json."""
+    """One problem's entry of benchmarks/results/*.json: per impl the arithmetic and geometric means of
+    the per-case latencies (None unless every case was timed) and the cases, each with its kernel
+    launches per call (None where untimed) and passed=None where nothing was checked."""
     axes_list = [c.axes for c in next(iter(results.values()))]
     impls = {}
     for name, cases in results.items():
         latencies = [c.latency_ms for c in cases]
+        timed = None not in latencies
         impls[name] = {
-            "mean_ms": statistics.fmean(latencies) if None not in latencies else None,
+            "mean_ms": statistics.fmean(latencies) if timed else None,
+            "gmean_ms": statistics.geometric_mean(latencies) if timed else None,
             "cases": [
                 {
                     "uuid": c.uuid,
                     "axes": c.axes,
                     "latency_ms": c.latency_ms,
+                    "launches": c.launches,
                     "passed": c.passed,
                     "min_matched": c.min_matched,
                     **({"index": c.index} if c.index is not None else {}),

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ..callsite import BackfuseWarning
+
 ALIGN = 256  # bytes between successive placements of the inputs
 OPEN_API = "cudaStreamSynchronize"  # issued right before each timed call
 CLOSE_API = "cudaDeviceSynchronize"  # right after it (the profiler issues some of its own too)
@@ -75,6 +77,7 @@ class Timing:
     span_ms: list  # CUPTI span per timed call
     event_ms: list  # CUDA-event time per timed call
     kernels_per_call: list  # device activities (kernels, memcpy, memset) per timed call
+    launches_per_call: list  # kernel launches per timed call (kernels only)
     kernel_ms: dict  # device activity name -> mean time per call, ms
 
     @property
@@ -106,7 +109,7 @@ def time_calls(fn, inputs: list, *, warmup: int = 10, iters: int = 50) -> Timing
         return _profiled_calls(fn, flush, fresh, device, iters, annotate=False)
     except MissingCallBoundaries as e:
         # Fall back to host ranges (tracing host operators too, which slows calls a little).
-        warnings.warn(f"{e}; delimiting calls by host ranges instead")
+        warnings.warn(f"{e}; delimiting calls by host ranges instead", BackfuseWarning, stacklevel=2)
         return _profiled_calls(fn, flush, fresh, device, iters, annotate=True)
 
 
@@ -123,8 +126,8 @@ def _profiled_calls(fn, flush, fresh, device, iters: int, *, annotate: bool) -> 
                 fn(*args)
                 end.record()
                 torch.cuda.synchronize(device)
-    spans, counts, kernel_ms = call_spans(trace_events(prof), iters)
-    return Timing(spans, [s.elapsed_time(e) for s, e in events], counts, kernel_ms)
+    spans, counts, launches, kernel_ms = call_spans(trace_events(prof), iters)
+    return Timing(spans, [s.elapsed_time(e) for s, e in events], counts, launches, kernel_ms)
 
 
 class MissingCallBoundaries(RuntimeError):
@@ -159,8 +162,9 @@ def trace_events(prof) -> list:
 
 
 def call_spans(events, iters: int) -> tuple:
-    """Per timed call: (first device activity start .. last end) in ms and the activity count; and
-    per activity name, its mean time per call in ms.
+    """Per timed call: (first device activity start .. last end) in ms, the device activity count and
+    the kernel count (its launches: memcpy and memset are not kernels); and per activity name, its mean
+    time per call in ms.
 
     Call i runs from the end of the stream synchronization that opens it to the next device
     synchronization (or, in a trace with host ranges, over call i's range). A device
@@ -196,6 +200,7 @@ def call_spans(events, iters: int) -> tuple:
     first = [None] * iters
     last = [None] * iters
     count = [0] * iters
+    launches = [0] * iters
     busy_ns = {}
     for e in events:
         if e.kind not in DEVICE_ACTIVITIES:
@@ -205,9 +210,10 @@ def call_spans(events, iters: int) -> tuple:
         if call < 0 or t > windows[call][1]:
             continue
         count[call] += 1
+        launches[call] += e.kind == "kernel"
         busy_ns[e.name] = busy_ns.get(e.name, 0) + e.end_ns - e.start_ns
         first[call] = e.start_ns if first[call] is None else min(first[call], e.start_ns)
         last[call] = e.end_ns if last[call] is None else max(last[call], e.end_ns)
     spans = [((last[i] - first[i]) / 1e6 if count[i] else 0.0) for i in range(iters)]
     kernel_ms = {name: ns / 1e6 / iters for name, ns in busy_ns.items()}
-    return spans, count, kernel_ms
+    return spans, count, launches, kernel_ms
