@@ -169,6 +169,7 @@ def test_qkv_gqa_gluon_window():
         assert counts["grad_query_states"] == 16 * -(-td // 64) and counts["q_weight"] == 64 * 6
         assert p.gluon.counters == 2 * -(-td // 128) + 2 * -(-w.axes["batch_size"] * w.axes["seq_len_enc"] // 128) + 7
         assert p.gluon.tiles >= p.gluon.starts[-1] >= p.gluon.starts[0] and p.pack is None
+        assert p.ranges == (p.gluon.regions,)  # the one block `kernels/host.begin` reserves is the kernel's
     det = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[4].axes, SMS, gluon=True, deterministic=True)
     assert det.products == "gluon" and det.splits == (1, 1, 1, 1)
     frozen = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[4].axes, SMS, gluon=True,

@@ -1,20 +1,23 @@
 """The host prelude every fused backward starts with: whether its kernels can index the tensors,
-the device and its processor count, which config applies, and the call's buffers.
+the device and its processor count, which config applies, the plan, the fp16-range slots of its
+launches, and the call's buffers. Every operator's `backward.py` reads:
 
     if not fits_int32(...):                     # then the fp32 reference instead
         return PROBLEM.fp32_backward(*inputs)
-    host = Host(device, sms)
-    cfg = host.config(config, CONFIG, INTERPRETER_CONFIG)
-    p = plan(cfg, axes, host.sms, gpu=host.gpu, ...)
-    out = host.f32(rows, cols)
-    ...
+    call = begin(device, sms, config, (CONFIG, INTERPRETER_CONFIG), ranges,
+                 lambda cfg, host: plan(cfg, axes, host.sms, gpu=host.gpu, ...))
+    out = call.host.f32(rows, cols)
+    ...  launch i gets call.ranges_of(i) for its slots
     cublas_products([(a16, b16, out, needed), ...])   # where the plan says cuBLAS
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..fp16_guard import RangeSlots
 from . import buffers
 from .launch import FAST_LAUNCH
 
@@ -52,6 +55,35 @@ class Host:
 
     def i32(self, *shape) -> torch.Tensor:
         return buffers.empty(shape, torch.int32, self.device)
+
+
+@dataclass
+class FusedCall:
+    """One fused call's host side: its device, config and plan, and the fp16-range slots with one
+    block per launch the plan lists (`plan.ranges`, in launch order)."""
+
+    host: Host
+    cfg: object
+    plan: object
+    ranges: RangeSlots
+    offsets: tuple  # of each launch's block in ranges
+
+    def ranges_of(self, launch: int) -> torch.Tensor:
+        """The range slots of the plan's launch `launch`."""
+        return self.ranges.block(self.offsets[launch])
+
+
+def begin(device: torch.device, sms, config, configs: tuple, ranges, make_plan) -> FusedCall:
+    """The prelude of a fused call: Host(device, sms); `config`, else configs[0] on a GPU and
+    configs[1] (the interpreter's) on the CPU; make_plan(cfg, host); the range slots of every launch
+    of the plan reserved in `ranges` (a fresh RangeSlots when None) and allocated."""
+    host = Host(device, sms)
+    cfg = host.config(config, *configs)
+    p = make_plan(cfg, host)
+    ranges = ranges or RangeSlots()
+    offsets = tuple(r.reserve(ranges) for r in p.ranges)
+    ranges.allocate(host.device)
+    return FusedCall(host, cfg, p, ranges, offsets)
 
 
 def cublas_products(products) -> None:

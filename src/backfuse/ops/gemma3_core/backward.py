@@ -7,9 +7,8 @@ import contextlib
 
 import torch
 
-from ...fp16_guard import RangeSlots
 from ...kernels import buffers
-from ...kernels.host import Host, cublas_products, fits_int32
+from ...kernels.host import begin, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HEAD_DIM, HEADS, HIDDEN, KV_OUT, PROBLEM, Q_OUT, QK, QKV
@@ -58,10 +57,10 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
     tokens = batch * seq
     if not fits_int32(tokens * QKV):
         return PROBLEM.fp32_backward(*inputs)
-    host = Host(x.device, sms)
-    cfg = host.config(config, CONFIG, INTERPRETER_CONFIG)
-    p = plan(cfg, dict(batch_size=batch, seq_len=seq), host.sms, gpu=host.gpu, products=products, needs=needs,
-             deterministic=deterministic)
+    call = begin(x.device, sms, config, (CONFIG, INTERPRETER_CONFIG), ranges,
+                 lambda cfg, host: plan(cfg, dict(batch_size=batch, seq_len=seq), host.sms, gpu=host.gpu,
+                                        products=products, needs=needs, deterministic=deterministic))
+    host, cfg, p = call.host, call.cfg, call.plan
     f16, f32 = host.f16, host.f32
     go16, x16, d_attn16, attn16 = (f16(tokens, HIDDEN) for _ in range(4))
     qk32, v16, rot16, g16 = f32(tokens, QK), f16(tokens, KV_OUT), f16(tokens, QK), f16(tokens, QKV)
@@ -77,10 +76,6 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
     grad_wq, grad_wk, grad_wv = grad_wqkv[:Q_OUT], grad_wqkv[Q_OUT:QK], grad_wqkv[QK:]
     grad_q_norm_w, grad_k_norm_w = f32(HEAD_DIM), f32(HEAD_DIM)
 
-    ranges = ranges or RangeSlots()
-    pack_ranges, forward_ranges, attention_forward_ranges, attention_backward_ranges = (
-        r.reserve(ranges) for r in p.ranges)
-    ranges.allocate(host.device)
     # cap tanh(z / cap) depends on |cap| only; the kernels take cap > 0.
     cap = abs(float(cap))
     # cuBLAS products: operand views made before the first launch, so they add no gaps. The forward
@@ -93,27 +88,27 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
         pack = PACK.prepare(
             (p.pack.programs,),
             go, x, wq, wk, wv, wo,
-            go16, x16, wqkv16, wo_t16, ranges.block(pack_ranges), grad_x, grad_wqkv, grad_wo, arrivals,
+            go16, x16, wqkv16, wo_t16, call.ranges_of(0), grad_x, grad_wqkv, grad_wo, arrivals,
             tokens, p.arrivals, *p.pack.ends[:-1],
             TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps)
         launches = [
             FORWARD_PRODUCTS.prepare(
                 (p.forward_programs,),
                 x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
-                qk32, v16, rot16, d_attn16, ranges.block(forward_ranges),
+                qk32, v16, rot16, d_attn16, call.ranges_of(1),
                 tokens, float(eps), float(scaling) / cap,
                 BM=fw.bm, BK=fw.bk, PRODUCTS=p.products == "triton", PDL=pdl, num_warps=fw.warps,
                 num_stages=fw.stages, launch_pdl=pdl),
             ATTENTION_FORWARD.prepare(
                 (p.attention_forward_programs,),
-                rot16, v16, d_attn16, attn16, lse, delta, ranges.block(attention_forward_ranges),
+                rot16, v16, d_attn16, attn16, lse, delta, call.ranges_of(2),
                 seq, cap,
                 BM=at.fwd_bm, BN=p.attention_forward_keys, APPROX_TANH=at.approx_tanh, PDL=pdl,
                 num_warps=at.fwd_warps, num_stages=at.fwd_stages, launch_pdl=pdl),
             ATTENTION_BACKWARD.prepare(
                 (p.kv_programs + p.q_programs,),
                 rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-                g16, q_norm_parts, k_norm_parts, ranges.block(attention_backward_ranges), kv_parts, arrivals,
+                g16, q_norm_parts, k_norm_parts, call.ranges_of(3), kv_parts, arrivals,
                 seq, p.kv_programs, float(scaling), cap, float(eps),
                 KV_BN=p.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=p.head_split,
                 APPROX_TANH=at.approx_tanh, PDL=pdl, num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),

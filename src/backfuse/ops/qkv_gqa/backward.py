@@ -6,9 +6,8 @@ from __future__ import annotations
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...fp16_guard import RangeSlots
 from ...kernels import buffers
-from ...kernels.host import Host, cublas_products, fits_int32
+from ...kernels.host import begin, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
 from . import gluon_kernels
 from .config import CONFIG, INTERPRETER_CONFIG, plan
@@ -41,13 +40,13 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
     td, te = batch * sd, batch * se
-    host = Host(gq.device, sms)
-    cfg = host.config(config, CONFIG, INTERPRETER_CONFIG)
-    p = plan(cfg, dict(batch_size=batch, seq_len_dec=sd, seq_len_enc=se), host.sms, gpu=host.gpu,
-             gluon=host.gluon, products=products, needs=needs, deterministic=deterministic)
-    ranges = ranges or RangeSlots()
+    call = begin(gq.device, sms, config, (CONFIG, INTERPRETER_CONFIG), ranges,
+                 lambda cfg, host: plan(cfg, dict(batch_size=batch, seq_len_dec=sd, seq_len_enc=se), host.sms,
+                                        gpu=host.gpu, gluon=host.gluon, products=products, needs=needs,
+                                        deterministic=deterministic))
+    host, cfg, p = call.host, call.cfg, call.plan
     if p.products == "gluon":
-        return _one_launch(inputs, p, cfg.gluon, host, ranges)
+        return _one_launch(inputs, call)
     f16, f32 = host.f16, host.f32
     gq16, gkv16, dec16, enc16 = f16(td, Q_OUT), f16(te, 2 * KV_OUT), f16(td, HIDDEN), f16(te, CROSS_HIDDEN)
     wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)
@@ -56,8 +55,6 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
     grad_wq, grad_wkv = f32(Q_OUT, HIDDEN), f32(2 * KV_OUT, CROSS_HIDDEN)
     grad_wk, grad_wv = grad_wkv[:KV_OUT], grad_wkv[KV_OUT:]
 
-    (pack_ranges,) = (r.reserve(ranges) for r in p.ranges)
-    ranges.allocate(host.device)
     if p.products == "cublas":  # operand views made before the first launch, so they add no gaps
         cublas = [(gq16, wq16, grad_dec.view(td, HIDDEN)), (gkv16, wkv16, grad_enc.view(te, CROSS_HIDDEN)),
                   (gq16.T, dec16, grad_wq), (gkv16.T, enc16, grad_wkv)]
@@ -67,7 +64,7 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
         pack_launch = PACK.prepare(
             (p.pack.programs,),
             gq, gk, gv, dec, enc, wq, wk, wv,
-            gq16, gkv16, dec16, enc16, wq16, wkv16, ranges.block(pack_ranges),
+            gq16, gkv16, dec16, enc16, wq16, wkv16, call.ranges_of(0),
             grad_dec, grad_enc, grad_wq, grad_wkv,
             batch, sd, se, *p.pack.ends[:-1],
             ROWS=pk.rows, BLOCK=pk.block, ITERS=pk.iters, PDL=p.pdl, num_warps=pk.warps)
@@ -91,8 +88,10 @@ def _descriptor(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
 
 
-def _one_launch(inputs, p, g, host, ranges):
-    """The Gluon path: one launch packs the fp16 operands and runs the four products on every SM."""
+def _one_launch(inputs, call):
+    """The Gluon path: one launch packs the fp16 operands and runs the four products on every SM
+    (its range regions are the plan's one launch's: `p.ranges == (p.gluon.regions,)`)."""
+    p, g, host = call.plan, call.cfg.gluon, call.host
     gq, gk, gv, dec, enc, wq, wk, wv = inputs
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
@@ -102,8 +101,6 @@ def _one_launch(inputs, p, g, host, ranges):
     wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)
     grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
     grad_wq, grad_wk, grad_wv = f32(Q_OUT, HIDDEN), f32(KV_OUT, CROSS_HIDDEN), f32(KV_OUT, CROSS_HIDDEN)
-    offset = p.gluon.regions.reserve(ranges)
-    ranges.allocate(host.device)
     bases, at = [], 0
     for _, slots in p.gluon.regions.counts:
         bases.append(at)
@@ -116,7 +113,7 @@ def _one_launch(inputs, p, g, host, ranges):
         launch = ONE_LAUNCH.prepare(
             (host.sms,),
             *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
-            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, ranges.block(offset),
+            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, call.ranges_of(0),
             td, te, sd, se, p.gluon.dec_chunks, p.gluon.enc_chunks, *p.splits, *p.gluon.starts, p.gluon.tiles,
             *bases, STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.maxnreg, num_warps=4, maxnreg=g.maxnreg)
         launch()

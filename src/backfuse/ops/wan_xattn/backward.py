@@ -3,9 +3,8 @@ gradient products by cuBLAS from `cublas_min_flop` on, as `config.plan` lays the
 
 from __future__ import annotations
 
-from ...fp16_guard import RangeSlots
 from ...kernels import buffers
-from ...kernels.host import Host, cublas_products, fits_int32
+from ...kernels.host import begin, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HEADS, HIDDEN, PROBLEM
@@ -40,10 +39,11 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
     batch, nv, _ = video.shape
     nt = text.shape[1]
     tv, tt = batch * nv, batch * nt
-    host = Host(video.device, sms)
-    cfg = host.config(config, CONFIG, INTERPRETER_CONFIG)
-    p = plan(cfg, dict(batch_size=batch, num_video_tokens=nv, num_text_tokens=nt), host.sms, gpu=host.gpu,
-             products=products, needs=needs, deterministic=deterministic)
+    axes = dict(batch_size=batch, num_video_tokens=nv, num_text_tokens=nt)
+    call = begin(video.device, sms, config, (CONFIG, INTERPRETER_CONFIG), ranges,
+                 lambda cfg, host: plan(cfg, axes, host.sms, gpu=host.gpu, products=products, needs=needs,
+                                        deterministic=deterministic))
+    host, cfg, p = call.host, call.cfg, call.plan
     f16, f32 = host.f16, host.f32
     # The forward products' operands, stacked so that one TMA descriptor each covers them.
     act16, w16 = f16(2 * tv + tt, HIDDEN), f16(4 * HIDDEN, HIDDEN)
@@ -62,29 +62,26 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
     grad_wk, grad_wv = grad_wkv[:HIDDEN], grad_wkv[HIDDEN:]
     grad_bq, grad_bk, grad_bv, grad_bo = (f32(HIDDEN) for _ in range(4))
 
-    ranges = ranges or RangeSlots()
-    pack_ranges, forward_ranges, attention_ranges = (r.reserve(ranges) for r in p.ranges)
-    ranges.allocate(host.device)
     pk, fw, at, gr, sums, pdl = cfg.pack, p.forward, cfg.attention, cfg.gradients, cfg.sums, p.pdl
     with buffers.on_device(host.device):
         launches = [
             PACK.prepare(
                 (p.pack.programs,),
                 go, video, text, wq, wk, wv, wo,
-                go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts, ranges.block(pack_ranges),
+                go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts, call.ranges_of(0),
                 dkv32, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
                 tv, tt, batch * HEADS, *p.pack.ends[:-1],
                 ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps),
             FORWARD_PRODUCTS.prepare(
                 (p.forward_programs + HIDDEN // sums.cols,),
                 act16, w16, bq, bk, bv,
-                q16, kv16, dc16, colsum_parts, grad_bo, ranges.block(forward_ranges),
+                q16, kv16, dc16, colsum_parts, grad_bo, call.ranges_of(1),
                 tv, tt, go_tiles, p.forward_programs,
                 BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=fw.warps,
                 num_stages=fw.stages, launch_pdl=pdl),
             ATTENTION.prepare(
                 (p.attention_programs,),
-                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges.block(attention_ranges),
+                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, call.ranges_of(2),
                 nv, nt, tt, p.per_program, float(scale),
                 BM=p.block_rows, BN=p.text_tile, BN_TAIL=p.text_tail, ONE_TILE=p.one_tile, ALONE=p.runs == 1,
                 DETERMINISTIC=deterministic, PDL=pdl, num_warps=p.block_warps, num_stages=at.stages, launch_pdl=pdl),
