@@ -29,6 +29,7 @@ from backfuse.kernels.triton.gemm import mma_tile, store_tile, tma_tile
 from backfuse.kernels.triton.queue import ARG0, FIELDS, KIND, RANGE0, clock, field, leave, my_items, profile_item, signal, wait_for
 from backfuse.ops.wan_xattn.spec import HIDDEN
 from backfuse.ops.wan_xattn.triton_attention import attention_item
+from backfuse.ops.wan_xattn.triton_kernels import _grad_output_tile
 
 from .plan import Gradient, Product, Tensor, Work, Zeroed
 
@@ -117,23 +118,6 @@ class Outputs:
         self.grad_video, self.grad_text, self.grad_wq, self.grad_wo = grad_video, grad_text, grad_wq, grad_wo
         self.grad_wk, self.grad_wv, self.grad_bq, self.grad_bk, self.grad_bv, self.grad_bo = \
             grad_wk, grad_wv, grad_bq, grad_bk, grad_bv, grad_bo
-
-
-@triton.jit
-def _grad_output_tile(go, go16, colsum_parts, tile, TV, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """go16 = fp16(grad_output) on ROWS tokens; colsum_parts[tile] = their fp32 column sums (for grad_bo).
-    Returns their largest |value|."""
-    r = tile * ROWS + tl.arange(0, ROWS)
-    ok = r[:, None] < TV
-    largest = 0.0
-    for c0 in tl.static_range(0, _HIDDEN, COLS):
-        c = c0 + tl.arange(0, COLS)
-        offs = r[:, None].to(tl.int64) * _HIDDEN + c[None, :]
-        x = tl.load(go + offs, mask=ok, other=0.0)
-        tl.store(go16 + offs, x.to(tl.float16), mask=ok)
-        tl.store(colsum_parts + tile * _HIDDEN + c, tl.sum(x, 0))
-        largest = tl.maximum(largest, max_abs(x))
-    return largest
 
 
 @triton.jit

@@ -17,19 +17,9 @@ KERNEL = FastKernel(backward_kernel)
 
 def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=None, deterministic=False, ranges=None,
              config=None, sms=None, profile=None):
-    """The 021 outputs from the official inputs (validated by the caller; the output bias is unused).
-
-    needs: one bool per output (None: all); without input gradients (grad_video, grad_text) or
-    without weight gradients (the four grad_W) their products are skipped; the bias gradients are
-    column sums taken along the way.
-
-    deterministic: the same outputs bit for bit on every call (no K splits; the attention's partial
-    dK/dV are stored per run and added in order instead of by atomics). ranges: a RangeSlots that
-    receives the largest |value| of every tensor rounded to fp16. config: a `config.Config` (None:
-    CONFIG on a GPU, INTERPRETER_CONFIG on the CPU); sms: programs of the launch, which the plan
-    balances over (the GPU's processor count; on the CPU interpreter, 1). profile (GPU diagnostics):
-    an int64 tensor of at least 4 * items that receives each item's timestamps (`queue.profile_item`).
-    """
+    """As `backfuse.ops.wan_xattn.backward.backward` (needs, deterministic, ranges, sms), in one launch;
+    config: a `plan.Config`. profile (GPU diagnostics): an int64 tensor of at least 4 * items that
+    receives each item's timestamps (`queue.profile_item`)."""
     inputs = (go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale)
     if not fits_int32(go.numel(), 2 * text.numel()):
         return PROBLEM.fp32_backward(*inputs)

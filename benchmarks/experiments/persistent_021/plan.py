@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from backfuse.kernels.config import PackConfig, SumConfig, TileConfig
 from backfuse.kernels.queue import Queue, QueueBuilder
-from backfuse.kernels.schedule import Holds, Region, Regions, cdiv, choose_splits, chunks, next_power_of_2
+from backfuse.kernels.schedule import Holds, Region, Regions, cdiv, choose_splits, chunks
+from backfuse.ops.wan_xattn.config import text_tiles
 from backfuse.ops.wan_xattn.spec import HEADS, HIDDEN
 
 W = HIDDEN * HIDDEN  # elements of one weight
@@ -123,17 +124,6 @@ INTERPRETER_CONFIG = Config(
     forward_small=TileConfig(bm=128, bn=256, bk=256, stages=1),
     attention=AttentionConfig(bm=64, bn=64, stages=1, one_tile=128, programs_per_sm=2),
     gradients=TileConfig(bm=512, bn=512, bk=256, stages=1))
-
-
-def text_tiles(nt: int, split: bool = True) -> tuple:
-    """Widths (head, tail; tail 0: none) of the tiles that hold nt text tokens at once: powers of two
-    of at least 16 (what the tensor-core products take), split in two when that pads less."""
-    whole = max(16, next_power_of_2(nt))
-    if split and whole >= 32:
-        tail = max(16, next_power_of_2(nt - whole // 2))
-        if whole // 2 + tail < whole:
-            return whole // 2, tail
-    return whole, 0
 
 
 def blocks_per_run(at: AttentionConfig, m_blocks: int, heads: int, programs: int, one_tile: bool) -> int:
