@@ -393,9 +393,20 @@ def test_sol_prints_both_means(capsys):
 
 # ---- the H200 results still load, report and plot; tables and plots by official index ------
 
+def _before_launches(doc: dict) -> dict:
+    """doc as results files were before "gmean_ms" and "launches" existed."""
+    for entry in doc["problems"].values():
+        for impl in entry["impls"].values():
+            impl.pop("gmean_ms", None)
+            for case in impl["cases"]:
+                case.pop("launches", None)
+    return doc
+
+
 def test_h200_results_are_read_as_before():
-    """The GPU file predates "gmean_ms" and "launches": both means come from its per-case latencies, launches show as ?."""
-    doc = _h200()
+    """A GPU file from before "gmean_ms" and "launches": both means come from its per-case latencies,
+    launches show as ?."""
+    doc = _before_launches(_h200())
     assert report.shapes_of(doc) == "official" and report.is_timed(doc)
     readme = report.readme_table(doc)
     assert readme.startswith("Measured on NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0, 2026-12-01), "
@@ -408,6 +419,15 @@ def test_h200_results_are_read_as_before():
     assert "median of CUPTI spans" in table[0] and [r.split()[0] for r in table[2:18]] == [str(i) for i in range(16)]
     assert all(row.count("[?]") == 4 for row in table[2:18])
     assert table[19].split()[0] == "geomean" and f"{gmean:.4f}" in table[19].split()
+
+
+def test_h200_results_show_launches():
+    """The GPU file as benched since session 18: each case's kernel launches per call, in the report."""
+    doc = _h200()
+    launches = [c["launches"] for c in doc["problems"]["021"]["impls"]["backfuse"]["cases"]]
+    assert all(isinstance(n, int) and n >= 1 for n in launches)
+    rows = report.case_table("021", doc["problems"]["021"]).splitlines()[2:18]
+    assert all(f"[{n}]" in row for row, n in zip(rows, launches))
 
 
 def test_subset_tables_and_plots_use_official_indices():
