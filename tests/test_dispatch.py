@@ -135,3 +135,27 @@ def test_fused_after_triton_was_imported_without_the_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env).stdout
     assert out.startswith(f"{backfuse.problem('021').name}.fused: triton was imported before TRITON_INTERPRET=1 was set")
+
+
+def test_named_launch_arguments():
+    """prepare_named: runtime arguments by the kernel's parameter names; unknown or missing ones, or
+    runtime parameters after constexprs, are refused with the names."""
+    import triton
+    import triton.language as tl
+
+    from backfuse.kernels.launch import FastKernel
+
+    @triton.jit
+    def add_one(x, out, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(out + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
+
+    kernel = FastKernel(add_one)
+    x = torch.arange(5, dtype=torch.float32, device=DEVICE)
+    out = torch.zeros_like(x)
+    kernel.prepare_named((1,), dict(out=out, n=5, x=x), BLOCK=8)()
+    assert out.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    with pytest.raises(TypeError, match=r"unknown arguments \['y'\], missing \['n'\]"):
+        kernel.prepare_named((1,), dict(x=x, out=out, y=1), BLOCK=8)
+    with pytest.raises(TypeError, match="missing \\['BLOCK'\\]"):
+        kernel.prepare_named((1,), dict(x=x, out=out, n=5))
