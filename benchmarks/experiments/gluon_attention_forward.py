@@ -19,10 +19,15 @@ products; the `tl` forward reads ≈ 135 TFLOP/s at case 5 (issue 24); FA3-class
 this first form (no ping-pong between the warpgroups, no intra-warpgroup overlap of softmax with the
 next QK^T) should reach ≥ 300 TFLOP/s, ≥ 1.4× the `tl` forward, or the gate fails.
 
-    PYTHONPATH=src python3 benchmarks/experiments/gluon_attention_forward.py [--cases 13,5,1]
+Variants (VARIANTS, constexprs): OVERLAP (QK^T of block j+1 and P V of block j in flight together,
+the softmax of j+1 beside P V of j), PINGPONG (the two warpgroups take turns to issue products),
+EXP16 (ex2.approx.f16x2), ring slots, keys per step, and a diagnostic without the tanh.
 
-Not yet run on a GPU: written and compiled for sm_90 on the CPU (session 18, `--compile-only`:
-shared memory, registers, stack, HGMMA count), so that the first device call can run it.
+    PYTHONPATH=src python3 benchmarks/experiments/gluon_attention_forward.py [--cases 13,5,1] [--variants ...]
+    ... --compile-only      # on any machine: each variant's shared memory, registers, stack, HGMMA
+
+Measured in session 19 (benchmarks/notes/037.md, "Issue 24's gate"): the best variant (ping-pong,
+3 slots) 1.13x the `tl` forward at case 13, 0.78x at case 5: the gate failed.
 """
 
 from __future__ import annotations
