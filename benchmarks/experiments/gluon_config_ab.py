@@ -21,7 +21,7 @@ from backfuse.ops.qkv_gqa.backward import backward
 
 VARIANTS = {
     "128x128, 4 stages, 4-warp pack (default)": config.CONFIG.gluon,
-    "128x256, 3 stages, 2-warp pack": config.GluonConfig(bn=256, stages=3, pack_warps=2, maxnreg=168),
+    "128x256, 3 stages, 2-warp pack": config.GluonConfig(bn=256, stages=3, pack_warps=2, maxnreg=168, regs=168),
 }
 
 

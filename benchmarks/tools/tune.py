@@ -22,6 +22,7 @@ from backfuse.kernels.config import PackConfig, TileConfig
 from backfuse.ops.gemma3_core.config import AttentionConfig as A37
 from backfuse.ops.gemma3_core.config import Config as C37
 from backfuse.ops.qkv_gqa.config import Config as C72
+from backfuse.ops.qkv_gqa.config import GluonConfig as G72
 from backfuse.ops.wan_xattn.config import AttentionConfig as A21
 from backfuse.ops.wan_xattn.config import Config as C21
 
@@ -36,6 +37,10 @@ VARIANTS = {
         "triton_default": dict(products="triton"),
         "cublas": dict(products="cublas"),
         "gluon": dict(products="gluon"),
+        # Registers of the second consumer and the pack (the first consumer gets 488 - 2 regs): 128 gives
+        # 232 / 128 / 128 and a 128-byte stack frame, 160 gives 168 / 160 / 160 and 72 bytes.
+        "gluon_regs144": dict(products="gluon", config=C72(gluon=G72(regs=144))),
+        "gluon_regs160": dict(products="gluon", config=C72(gluon=G72(regs=160))),
         "pack_r32_b4096_i16_w8": dict(config=C72(pack=PackConfig(rows=32, block=4096, iters=16, warps=8))),
         # Smaller product tiles for the small (Triton-product) cases: more tiles than SMs, 2 per SM.
         "triton_128x128_w8": dict(products="triton", config=C72(tiles=T(128, 128, 64, 8, 4))),

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Registers (setmaxnreg) of a Gluon kernel's TMA loader partition: one warp issuing copies.
+GLUON_LOADER_REGS = 24
+
 
 @dataclass(frozen=True, kw_only=True)
 class TileConfig:

@@ -119,6 +119,16 @@ class Regions:
         """((name, slots), ...) in slot order."""
         return tuple((r.name, r.slots) for r in self.regions)
 
+    @property
+    def bases(self) -> tuple:
+        """Each region's first slot in the block, in slot order: what a kernel that writes several
+        regions adds to a slot index (passed as arguments, so no kernel repeats the layout)."""
+        starts, at = [], 0
+        for r in self.regions:
+            starts.append(at)
+            at += r.slots
+        return tuple(starts)
+
     def reserve(self, ranges) -> int:
         """Reserve the block in a RangeSlots; returns its offset."""
         return ranges.reserve(self.regions)

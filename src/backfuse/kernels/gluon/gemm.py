@@ -24,8 +24,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from ..config import GLUON_LOADER_REGS
+
 CONSUMER_REGS = gl.constexpr(240)  # registers per thread of the second consumer warpgroup (the first gets the rest)
-LOADER_REGS = gl.constexpr(24)
+LOADER_REGS = gl.constexpr(GLUON_LOADER_REGS)
 
 
 @gluon.constexpr_function

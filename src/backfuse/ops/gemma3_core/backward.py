@@ -109,7 +109,7 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
                 (p.kv_programs + p.q_programs,),
                 rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
                 g16, q_norm_parts, k_norm_parts, call.ranges_of(3), kv_parts, arrivals,
-                seq, p.kv_programs, float(scaling), cap, float(eps),
+                seq, p.kv_programs, *p.ranges[3].bases, float(scaling), cap, float(eps),
                 KV_BN=p.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=p.head_split,
                 APPROX_TANH=at.approx_tanh, PDL=pdl, num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(

@@ -278,14 +278,14 @@ def _group_sum(kv_parts, arrivals, slot, g, dk, dv, key_tok, col_ok, kv, tokens,
 
 @triton.jit
 def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
-                     kv_parts, arrivals, S, kv_programs, scaling, cap, eps, KV_BN: tl.constexpr,
+                     kv_parts, arrivals, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN: tl.constexpr,
                      KV_BM: tl.constexpr, HEAD_SPLIT: tl.constexpr, APPROX_TANH: tl.constexpr):
     """dK, dV of one (batch, KV head, block of KV_BN keys), summed over the group's query heads and
     the causal query blocks (KV_BM at a time); RoPE and RMSNorm backward of dK into G. HEAD_SPLIT >
     1: each of that many programs takes GROUP / HEAD_SPLIT of the query heads and the last to finish
     sums them (_group_sum) — for small grids, whose first key blocks' programs (all later queries
     of three heads) would otherwise be the launch's critical path. Outputs of a key block go to
-    slot pid // HEAD_SPLIT of k_norm_parts and ranges."""
+    slot pid // HEAD_SPLIT of k_norm_parts and of the range regions at r_v, r_dk, r_dv."""
     n_kv = kv_programs // ((S + KV_BN - 1) // KV_BN)
     block = pid // n_kv
     g0 = (pid % n_kv) % HEAD_SPLIT * (_GROUP // HEAD_SPLIT)
@@ -315,7 +315,6 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
             ds = p * (dp - row_delta[None, :]) * (1.0 - t * t)  # dS / scaling
             dk = tl.dot(ds.to(tl.float16), q, dk)
     slot = pid // HEAD_SPLIT
-    slots = kv_programs // HEAD_SPLIT
     last = True
     if HEAD_SPLIT > 1:
         dk, dv, last = _group_sum(kv_parts, arrivals, slot, g0 // (_GROUP // HEAD_SPLIT), dk, dv, key_tok, col_ok,
@@ -328,14 +327,14 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
         d = tl.arange(0, _HEAD_DIM)
         tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
                  mask=col_ok)
-        tl.store(ranges + slot, max_abs(v.to(tl.float32)))
-        tl.store(ranges + slots + slot, dk_largest)
-        tl.store(ranges + 2 * slots + slot, max_abs(dv))
+        tl.store(ranges + r_v + slot, max_abs(v.to(tl.float32)))
+        tl.store(ranges + r_dk + slot, dk_largest)
+        tl.store(ranges + r_dv + slot, max_abs(dv))
 
 
 @triton.jit
 def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, g16, q_norm_parts,
-                       ranges, S, kv_slots, scaling, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
+                       ranges, S, r_dq, scaling, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
                        APPROX_TANH: tl.constexpr):
     """dQ of one (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time), heaviest
     blocks first; RoPE and RMSNorm backward into G."""
@@ -362,14 +361,14 @@ def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta
     part, dq_largest = _rope_norm_backward(dq * scaling, qk32, cos, sin, q_norm_w, g16, tok, row_ok[:, None],
                                            h * _HEAD_DIM, eps)
     tl.store(q_norm_parts + local * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
-    tl.store(ranges + 3 * kv_slots + local, dq_largest)
+    tl.store(ranges + r_dq + local, dq_largest)
 
 
-@triton.jit(do_not_specialize=["S", "kv_programs"])
+@triton.jit(do_not_specialize=["S", "kv_programs", "r_v", "r_dk", "r_dv", "r_dq"])
 def attention_backward_kernel(
     rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
     g16, q_norm_parts, k_norm_parts, ranges, kv_parts, arrivals,
-    S, kv_programs, scaling, cap, eps,
+    S, kv_programs, r_v, r_dk, r_dv, r_dq, scaling, cap, eps,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, HEAD_SPLIT: tl.constexpr,
     APPROX_TANH: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -378,17 +377,18 @@ def attention_backward_kernel(
     forward's log-sum-exp; dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included
     (the factor scaling is applied to dK and dQ once, after the sums; rot q arrives scaled by
     scaling / cap, so dK's factor is cap).
-    The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to
-    ranges, in that order of regions (kv_programs / HEAD_SPLIT slots each for the first three)."""
+    The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to its
+    slot in ranges past the region's first slot r_v, r_dk, r_dv, r_dq (the plan's layout)."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     if pid < kv_programs:
         _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
-                         kv_parts, arrivals, S, kv_programs, scaling, cap, eps, KV_BN, KV_BM, HEAD_SPLIT, APPROX_TANH)
+                         kv_parts, arrivals, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN, KV_BM,
+                         HEAD_SPLIT, APPROX_TANH)
     else:
         _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, qk32, v16, d_attn16, lse,
-                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, kv_programs // HEAD_SPLIT, scaling,
-                           cap, eps, Q_BM, Q_BN, APPROX_TANH)
+                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, r_dq, scaling, cap, eps, Q_BM,
+                           Q_BN, APPROX_TANH)
 
 
 @triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])

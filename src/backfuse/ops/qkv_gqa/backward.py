@@ -101,20 +101,18 @@ def _one_launch(inputs, call):
     wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)
     grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
     grad_wq, grad_wk, grad_wv = f32(Q_OUT, HIDDEN), f32(KV_OUT, CROSS_HIDDEN), f32(KV_OUT, CROSS_HIDDEN)
-    bases, at = [], 0
-    for _, slots in p.gluon.regions.counts:
-        bases.append(at)
-        at += slots
     operands = dict(gq16=gq16, gkv16=gkv16, dec16=dec16, enc16=enc16, wq16=wq16, wkv16=wkv16)
     descriptors = [_descriptor(operands[buffer], block)
                    for _, buffer, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)]
-    counters = buffers.zeroed_counters(host.device, p.gluon.counters)
+    c = p.gluon.counters
+    counters = buffers.zeroed_counters(host.device, c.total)
     with buffers.on_device(host.device):
         launch = ONE_LAUNCH.prepare(
             (host.sms,),
             *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, call.ranges_of(0),
             td, te, sd, se, p.gluon.dec_chunks, p.gluon.enc_chunks, *p.splits, *p.gluon.starts, p.gluon.tiles,
-            *bases, STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.maxnreg, num_warps=4, maxnreg=g.maxnreg)
+            c.gq, c.dec, c.gkv, c.enc, c.total, *p.gluon.regions.bases,
+            STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.regs, num_warps=4, maxnreg=g.maxnreg)
         launch()
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv

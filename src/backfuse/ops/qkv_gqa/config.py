@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.config import PackConfig, TileConfig
+from ...kernels.config import GLUON_LOADER_REGS, PackConfig, TileConfig
 from ...kernels.schedule import (
     Holds,
     Layout,
@@ -30,10 +30,11 @@ from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
 class GluonConfig:
     """The one-launch Gluon kernel (sm_90): bm x bn x bk product tiles over a ring of `stages` slots,
     beside a pack partition of `pack_warps` warps. Its warps (2 x 4 consumers, 1 loader, the pack;
-    rounded up to whole warpgroups) share the SM's 64K registers, and `maxnreg` (what the launch
-    gives each thread) caps every partition's code: 16 warps leave 128, so tiles are 128 x 128 (a
-    64 x 256 fp32 accumulator per warpgroup needs more than 154); 12 warps (a 2-warp pack) leave
-    168, enough for 128 x 256. It runs for product work in [min_flop, max_flop). Measured
+    rounded up to whole warpgroups) share the SM's 64K registers: the launch gives each thread
+    `maxnreg` (16 warps: 128), then the partitions re-divide that pool (setmaxnreg, which in triton
+    3.6 lifts a partition's code above the launch's cap: benchmarks/notes/072.md, issue 25): the
+    second consumer and the pack get `regs` each, the loader 24, the first consumer the rest
+    (`first_consumer_regs`). It runs for product work in [min_flop, max_flop). Measured
     (benchmarks/notes/gluon.md, official clock, which since its counters need no memset is the
     kernel's own time): against pack + our Triton products 7-14% faster at 34-43 GFLOP; against
     pack + cuBLAS equal at 135-137 and 3% faster at 172; slower below 30 GFLOP (up to 8%) and from
@@ -45,8 +46,27 @@ class GluonConfig:
     stages: int = 4
     pack_warps: int = 4
     maxnreg: int = 128
+    regs: int = 128
     min_flop: float = 30e9
     max_flop: float = 200e9
+
+    @property
+    def first_consumer_regs(self) -> int:
+        """What the pool leaves the first consumer: with a 4-warp pack the launch has 4 warpgroups
+        (the loader's padded), each 128 threads at maxnreg, and the PTX gives the first consumer
+        4 maxnreg - 2 regs - 24 (232 at 128, 168 at 160: read in its setmaxnreg instructions)."""
+        if self.pack_warps != 4:
+            raise ValueError("GluonConfig.first_consumer_regs: known for a 4-warp pack only")
+        return 4 * self.maxnreg - 2 * self.regs - GLUON_LOADER_REGS
+
+    def __post_init__(self):
+        for name in ("maxnreg", "regs"):
+            value = getattr(self, name)
+            if value % 8 or not 24 <= value <= 256:
+                raise ValueError(f"GluonConfig.{name}: a multiple of 8 in [24, 256] (setmaxnreg), got {value}")
+        if self.pack_warps == 4 and not 24 <= self.first_consumer_regs <= 256:
+            raise ValueError(f"GluonConfig: regs={self.regs} leaves the first consumer {self.first_consumer_regs} "
+                             f"registers of the pool ({self.maxnreg} per thread); expected 24..256")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +103,28 @@ class TilesLaunch:
 # The Gluon kernel's pack items (ops/qkv_gqa/gluon_pack.py): 64 rows x 256 columns, or, for the
 # head-group sums, 16 tokens of the 4 query heads of one KV head; counted per 128-token block.
 GLUON_TOKEN_BLOCK, GLUON_ITEM_ROWS, GLUON_SUM_ROWS = 128, 64, 16
+# The Gluon kernel's completion counters (int32; the launch's last partition leaves them zero): these
+# fixed slots, then one slot per GLUON_TOKEN_BLOCK tokens of GQ, dec16, [GK | GV] and enc16 in that
+# order (`GluonCounters`). The kernel names the fixed slots by their index here.
+GLUON_FIXED_COUNTERS = ("Wq16", "[Wk; Wv]16", "zeroed grad_Wq", "zeroed grad_[Wk; Wv]", "zeroed grad_dec",
+                        "zeroed grad_enc", "partitions left")
+
+
+@dataclass(frozen=True)
+class GluonCounters:
+    """The first slot of each per-token-block run of counters, and the slot count."""
+
+    gq: int
+    dec: int
+    gkv: int
+    enc: int
+    total: int
+
+    @staticmethod
+    def of(td: int, te: int) -> "GluonCounters":
+        nb_d, nb_e = cdiv(td, GLUON_TOKEN_BLOCK), cdiv(te, GLUON_TOKEN_BLOCK)
+        gq = len(GLUON_FIXED_COUNTERS)
+        return GluonCounters(gq, gq + nb_d, gq + 2 * nb_d, gq + 2 * nb_d + nb_e, gq + 2 * nb_d + 2 * nb_e)
 
 
 @dataclass(frozen=True)
@@ -97,7 +139,7 @@ class GluonLaunch:
     tiles: int
     dec_chunks: int
     enc_chunks: int
-    counters: int
+    counters: GluonCounters
     regions: Regions
 
 
@@ -157,7 +199,6 @@ def gluon_launch(cfg: GluonConfig, axes, splits, needs) -> GluonLaunch:
     t_dec = cdiv(td, cfg.bm) * cdiv(HIDDEN, cfg.bn) * split_dec * input_grads
     t_wkv = cdiv(2 * KV_OUT, cfg.bm) * cdiv(CROSS_HIDDEN, cfg.bn) * split_wkv * weight_grads
     t_enc = cdiv(te, cfg.bm) * cdiv(CROSS_HIDDEN, cfg.bn) * split_enc * input_grads
-    nb_d, nb_e = cdiv(td, GLUON_TOKEN_BLOCK), cdiv(te, GLUON_TOKEN_BLOCK)
 
     def items(t, rows):  # items of `rows` rows over t tokens, counted block by block
         per = GLUON_TOKEN_BLOCK // rows
@@ -177,7 +218,7 @@ def gluon_launch(cfg: GluonConfig, axes, splits, needs) -> GluonLaunch:
         Region("v_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
     ))
     starts = (t_wq, t_wq + t_dec, t_wq + t_dec + t_wkv)
-    return GluonLaunch(starts, starts[-1] + t_enc, dec_chunks, enc_chunks, 2 * nb_d + 2 * nb_e + 7, regions)
+    return GluonLaunch(starts, starts[-1] + t_enc, dec_chunks, enc_chunks, GluonCounters.of(td, te), regions)
 
 
 def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, products: str | None = None,

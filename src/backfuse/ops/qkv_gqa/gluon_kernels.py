@@ -27,6 +27,12 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from ...kernels.gluon.gemm import LOADER_REGS, consume_tile, issue_step, store_tile, tile_coords, wait_count
 from .gluon_pack import (
+    C_WKV16,
+    C_WQ16,
+    C_ZERO_DEC,
+    C_ZERO_ENC,
+    C_ZERO_WKV,
+    C_ZERO_WQ,
     CROSS,
     HEAD_DIM,
     HIDDEN,
@@ -38,8 +44,8 @@ from .gluon_pack import (
     UNIT,
     UNITS,
     W_ITEMS,
+    Counters,
     _chunks,
-    _counters,
     _gkv_items,
     _gq_items,
     _leave,
@@ -58,7 +64,7 @@ def _loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bu
             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """Tiles in order [grad_Wq | grad_dec | grad_Wkv | grad_enc] (starts 0, s1, s2, s3); each waits for
     the pack tiles it reads: per K step (weight gradients: K is tokens) or once (input gradients)."""
-    c_gq, c_dec, c_gkv, c_enc, c_w = _counters(counters, TD, TE)
+    c = counters.slots
     it = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         p = _product_of(tile, s1, s2, s3)
@@ -67,14 +73,14 @@ def _loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bu
             for k in range(k_lo, k_hi, BK):
                 block = k // TOKEN_BLOCK
                 if (k == k_lo) | (k % TOKEN_BLOCK == 0):
-                    wait_count(c_gq + block, _gq_items(block, TD))
-                    wait_count(c_dec + block, dec_chunks * _chunks(block, TD, ITEM_ROWS))
+                    wait_count(c + counters.gq + block, _gq_items(block, TD))
+                    wait_count(c + counters.dec + block, dec_chunks * _chunks(block, TD, ITEM_ROWS))
                 issue_step(a_wq, b_wq, a_m, b_bufs, ready, empty, it, k, off_m, k, off_n, STAGES)
                 it += 1
         elif p == 1:  # grad_dec = GQ Wq16
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, split_dec, BM, BN, BK)
-            wait_count(c_w, W_ITEMS)
-            wait_count(c_gq + off_m // TOKEN_BLOCK, _gq_items(off_m // TOKEN_BLOCK, TD))
+            wait_count(c + C_WQ16, W_ITEMS)
+            wait_count(c + counters.gq + off_m // TOKEN_BLOCK, _gq_items(off_m // TOKEN_BLOCK, TD))
             for k in range(k_lo, k_hi, BK):
                 issue_step(a_dec, b_dec, a_k, b_bufs, ready, empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
@@ -83,19 +89,19 @@ def _loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bu
             for k in range(k_lo, k_hi, BK):
                 block = k // TOKEN_BLOCK
                 if (k == k_lo) | (k % TOKEN_BLOCK == 0):
-                    wait_count(c_gkv + block, _gkv_items(block, TE))
-                    wait_count(c_enc + block, enc_chunks * _chunks(block, TE, ITEM_ROWS))
+                    wait_count(c + counters.gkv + block, _gkv_items(block, TE))
+                    wait_count(c + counters.enc + block, enc_chunks * _chunks(block, TE, ITEM_ROWS))
                 issue_step(a_wkv, b_wkv, a_m, b_bufs, ready, empty, it, k, off_m, k, off_n, STAGES)
                 it += 1
         else:  # grad_enc = [GK | GV] [Wk; Wv]16
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s3, gl.cdiv(TE, BM), CROSS // BN, 2 * KV_OUT, split_enc, BM, BN,
                                                    BK)
-            wait_count(c_w + 1, 2 * KV_ITEMS)
-            wait_count(c_gkv + off_m // TOKEN_BLOCK, _gkv_items(off_m // TOKEN_BLOCK, TE))
+            wait_count(c + C_WKV16, 2 * KV_ITEMS)
+            wait_count(c + counters.gkv + off_m // TOKEN_BLOCK, _gkv_items(off_m // TOKEN_BLOCK, TE))
             for k in range(k_lo, k_hi, BK):
                 issue_step(a_enc, b_enc, a_k, b_bufs, ready, empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
-    _leave(counters, TD, TE)
+    _leave(counters)
 
 
 @gluon.jit
@@ -106,7 +112,7 @@ def _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_
     the pack zeroed (waited for before the first atomic)."""
     ROWS: gl.constexpr = BM // 2
     ROW0: gl.constexpr = PART * ROWS
-    c_w = _counters(counters, TD, TE)[4]
+    c = counters.slots
     it = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         p = _product_of(tile, s1, s2, s3)
@@ -115,21 +121,21 @@ def _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_
             acc, it = consume_tile(a_m, b_bufs, ready, empty, it, gl.cdiv(k_hi - k_lo, BK), False, False, False,
                                    ROW0, ROWS, BN, STAGES, 4)
             if split_wq > 1:
-                wait_count(c_w + 2, W_ITEMS)
+                wait_count(c + C_ZERO_WQ, W_ITEMS)
             store_tile(grad_wq, HIDDEN, acc, off_m + ROW0, off_n, Q_OUT, HIDDEN, split_wq > 1)
         elif p == 1:
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, split_dec, BM, BN, BK)
             acc, it = consume_tile(a_k, b_bufs, ready, empty, it, gl.cdiv(k_hi - k_lo, BK), True, False, False,
                                    ROW0, ROWS, BN, STAGES, 4)
             if split_dec > 1:
-                wait_count(c_w + 4, gl.cdiv(TD, ITEM_ROWS) * (HIDDEN // HEAD_DIM))
+                wait_count(c + C_ZERO_DEC, gl.cdiv(TD, ITEM_ROWS) * (HIDDEN // HEAD_DIM))
             store_tile(grad_dec, HIDDEN, acc, off_m + ROW0, off_n, TD, HIDDEN, split_dec > 1)
         elif p == 2:
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s2, 2 * KV_OUT // BM, CROSS // BN, TE, split_wkv, BM, BN, BK)
             acc, it = consume_tile(a_m, b_bufs, ready, empty, it, gl.cdiv(k_hi - k_lo, BK), False, False, False,
                                    ROW0, ROWS, BN, STAGES, 4)
             if split_wkv > 1:
-                wait_count(c_w + 3, 2 * KV_ITEMS)
+                wait_count(c + C_ZERO_WKV, 2 * KV_ITEMS)
             # rows below KV_OUT are grad_Wk's, the rest grad_Wv's: one output tensor each
             on_v = off_m >= KV_OUT
             store_tile(gl.where(on_v, grad_wv, grad_wk), CROSS, acc, off_m + ROW0 - on_v.to(gl.int32) * KV_OUT, off_n,
@@ -140,9 +146,9 @@ def _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_
             acc, it = consume_tile(a_k, b_bufs, ready, empty, it, gl.cdiv(k_hi - k_lo, BK), True, False, False,
                                    ROW0, ROWS, BN, STAGES, 4)
             if split_enc > 1:
-                wait_count(c_w + 5, gl.cdiv(TE, ITEM_ROWS) * (CROSS // HEAD_DIM))
+                wait_count(c + C_ZERO_ENC, gl.cdiv(TE, ITEM_ROWS) * (CROSS // HEAD_DIM))
             store_tile(grad_enc, CROSS, acc, off_m + ROW0, off_n, TE, CROSS, split_enc > 1)
-    _leave(counters, TD, TE)
+    _leave(counters)
 
 
 @gluon.jit
@@ -154,13 +160,13 @@ def _second_consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
-                               "split_enc", "s1", "s2", "s3", "total", "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq",
-                               "r_wk", "r_wv"])
+                               "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "n_counters",
+                               "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv"])
 def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
-                 grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, ranges,
+                 grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
                  TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                 r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
+                 c_gq, c_dec, c_gkv, c_enc, n_counters, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
                  STAGES: gl.constexpr, PACK_WARPS: gl.constexpr, REGS: gl.constexpr):
     """The five 072 outputs from the official inputs, one persistent launch (counters zero at the
     start; it leaves them zero).
@@ -169,9 +175,12 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     tiles (A M-major), a_dec/a_enc the same buffers in [BM, BK] tiles, b_* the B operands in
     [BK, BN] tiles. dec_chunks / enc_chunks: 256-column pack tiles per row of dec / enc (0 when
     no weight gradient is wanted). Tiles: grad_Wq [0, s1), grad_dec [s1, s2), grad_Wkv [s2, s3),
-    grad_enc [s3, total). Launched with num_warps=4 (the first consumer warpgroup) and maxnreg=REGS,
-    which caps every partition's code (config.GluonConfig: the warps share 64K registers).
+    grad_enc [s3, total). slots: the completion counters, laid out as config.GluonCounters says
+    (its runs start at c_gq, c_dec, c_gkv, c_enc; n_counters slots). r_*: the first range slot of
+    each region (the plan's Regions.bases). Launched with num_warps=4 (the first consumer warpgroup) and the pool's maxnreg;
+    the second consumer and the pack partition get REGS registers each (config.GluonConfig).
     """
+    counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, n_counters)
     BK: gl.constexpr = a_dec.block_type.shape[1]
     BM: gl.constexpr = a_dec.block_type.shape[0]
     BN: gl.constexpr = b_dec.block_type.shape[1]

@@ -11,11 +11,11 @@ counted per 128-token block (release) in the order the products need them: zero 
 outputs that split-K products add into, the decoder side, Wq16, the encoder side, [Wk; Wv]16.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the `Counters` aggregate's field annotations must be types.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.language.core import _aggregate as aggregate
 
 from . import config, spec
 
@@ -33,6 +33,28 @@ ITEM_ROWS = gl.constexpr(config.GLUON_ITEM_ROWS)  # rows of a plain item (UNITS 
 W_ITEMS = gl.constexpr((spec.Q_OUT // ITEM_ROWS) * (spec.HIDDEN // HEAD_DIM))  # of Wq16 (and of zeroing grad_Wq)
 KV_ITEMS = gl.constexpr((spec.KV_OUT // ITEM_ROWS) * (spec.CROSS_HIDDEN // HEAD_DIM))  # per weight (Wk16, Wv16)
 PARTITIONS = gl.constexpr(4)  # per program: two consumers, the loader, the pack
+# the fixed counter slots, by their index in config.GLUON_FIXED_COUNTERS
+C_WQ16, C_WKV16, C_ZERO_WQ, C_ZERO_WKV, C_ZERO_DEC, C_ZERO_ENC, C_LEFT = (
+    gl.constexpr(config.GLUON_FIXED_COUNTERS.index(name)) for name in (
+        "Wq16", "[Wk; Wv]16", "zeroed grad_Wq", "zeroed grad_[Wk; Wv]", "zeroed grad_dec", "zeroed grad_enc",
+        "partitions left"))
+
+
+@aggregate
+class Counters:
+    """The completion counters (config.GluonCounters, host side): `slots`, the first slot of the
+    per-token-block runs of GQ, dec16, [GK | GV], enc16, and how many slots there are."""
+
+    slots: gl.tensor
+    gq: gl.tensor
+    dec: gl.tensor
+    gkv: gl.tensor
+    enc: gl.tensor
+    total: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, slots, gq, dec, gkv, enc, total):
+        self.slots, self.gq, self.dec, self.gkv, self.enc, self.total = slots, gq, dec, gkv, enc, total
 
 
 
@@ -59,27 +81,17 @@ def _gkv_items(block, TE):
 
 
 @gluon.jit
-def _counters(counters, TD, TE):
-    """The counter slots: GQ and dec16 per decoder token block, [GK | GV] and enc16 per encoder token
-    block, then (c_w + i) Wq16, [Wk; Wv]16 and the zeroed grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc."""
-    nb_d = gl.cdiv(TD, TOKEN_BLOCK)
-    nb_e = gl.cdiv(TE, TOKEN_BLOCK)
-    return counters, counters + nb_d, counters + 2 * nb_d, counters + 2 * nb_d + nb_e, counters + 2 * nb_d + 2 * nb_e
-
-
-@gluon.jit
-def _leave(counters, TD, TE):
+def _leave(counters):
     """Count this partition out of the launch; the launch's last partition to leave
     zeroes every counter slot, so the next call on this stream finds them zero (no memset launch)."""
     gl.thread_barrier()  # the partition's warps are past their last use of the counters
-    n_slots = 2 * gl.cdiv(TD, TOKEN_BLOCK) + 2 * gl.cdiv(TE, TOKEN_BLOCK) + 7
-    left = gl.atomic_add(counters + n_slots - 1, 1, sem="acq_rel", scope="gpu")
+    left = gl.atomic_add(counters.slots + C_LEFT, 1, sem="acq_rel", scope="gpu")
     if left == PARTITIONS * gl.num_programs(0) - 1:
         layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
         BLOCK: gl.constexpr = 128 * gl.num_warps()
-        for start in range(0, n_slots, BLOCK):
+        for start in range(0, counters.total, BLOCK):
             slots = start + gl.arange(0, BLOCK, layout=layout)
-            gl.store(counters + slots, gl.zeros([BLOCK], gl.int32, layout), mask=slots < n_slots)
+            gl.store(counters.slots + slots, gl.zeros([BLOCK], gl.int32, layout), mask=slots < counters.total)
 
 
 @gluon.jit
@@ -169,7 +181,6 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
     src_stride, dst_stride, S, head, range slot, counter); items past the list have n_rows 0."""
     nb_d = gl.cdiv(TD, TOKEN_BLOCK)
     nb_e = gl.cdiv(TE, TOKEN_BLOCK)
-    c_gq, c_dec, c_gkv, c_enc, c_w = _counters(counters, TD, TE)
     ROWS: gl.constexpr = ITEM_ROWS
     PER_BLOCK: gl.constexpr = TOKEN_BLOCK // ROWS
     SUM_PER_BLOCK: gl.constexpr = TOKEN_BLOCK // UNIT
@@ -198,7 +209,7 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
     S = SD
     head = 0
     slot = ranges
-    counter = c_w + 2
+    counter = counters.slots + C_ZERO_WQ
     if item >= total:
         n_rows = 0
     elif item < n_zq:
@@ -209,20 +220,20 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
         row0 = local % (KV_OUT // ROWS) * ROWS
         n_rows = KV_OUT - row0
         dst_stride = CROSS
-        counter = c_w + 3
+        counter = counters.slots + C_ZERO_WKV
     elif item < n_zq + n_zkv + n_zdec:  # zero grad_dec [TD, 1536]
         local = item - n_zq - n_zkv
         zero_dst = grad_dec + local // gl.cdiv(TD, ROWS) * HEAD_DIM
         row0 = local % gl.cdiv(TD, ROWS) * ROWS
         n_rows = TD - row0
-        counter = c_w + 4
+        counter = counters.slots + C_ZERO_DEC
     elif item < e_zero:  # zero grad_enc [TE, 1024]
         local = item - n_zq - n_zkv - n_zdec
         zero_dst = grad_enc + local // gl.cdiv(TE, ROWS) * HEAD_DIM
         row0 = local % gl.cdiv(TE, ROWS) * ROWS
         n_rows = TE - row0
         dst_stride = CROSS
-        counter = c_w + 5
+        counter = counters.slots + C_ZERO_ENC
     elif item < e_d:  # decoder side, block by block
         local = item - e_zero
         block = local // per_d
@@ -236,7 +247,7 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
             dst = gq16 + head * HEAD_DIM
             dst_stride = Q_OUT
             slot = ranges + r_gq + block * PER_BLOCK * HEADS + sub
-            counter = c_gq + block
+            counter = counters.slots + counters.gq + block
         else:  # dec16: 64 tokens x 256 columns
             mode = 1
             col = (sub - HEADS * chunks) // chunks * HEAD_DIM
@@ -244,7 +255,7 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
             dst = dec16 + col
             src_stride = HIDDEN
             slot = ranges + r_dec + block * PER_BLOCK * dec_chunks + sub - HEADS * chunks
-            counter = c_dec + block
+            counter = counters.slots + counters.dec + block
     elif item < e_wq:  # Wq16
         local = item - e_d
         mode = 1
@@ -255,7 +266,7 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
         n_rows = ROWS
         src_stride = HIDDEN
         slot = ranges + r_wq + local
-        counter = c_w
+        counter = counters.slots + C_WQ16
     elif item < e_e:  # encoder side, block by block
         local = item - e_wq
         block = local // per_e
@@ -273,7 +284,7 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
             dst_stride = 2 * KV_OUT
             slot = ranges + gl.where(part < GROUP, r_gk, r_gv) + block * SUM_PER_BLOCK * GROUP \
                 + part % GROUP * sum_chunks + sub % sum_chunks
-            counter = c_gkv + block
+            counter = counters.slots + counters.gkv + block
         else:  # enc16: 64 tokens x 256 columns
             mode = 1
             sub = sub - 2 * GROUP * sum_chunks
@@ -286,7 +297,7 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
             src_stride = CROSS
             dst_stride = CROSS
             slot = ranges + r_enc + block * PER_BLOCK * enc_chunks + sub
-            counter = c_enc + block
+            counter = counters.slots + counters.enc + block
     else:  # [Wk; Wv]16
         local = item - e_e
         on_v = local >= KV_ITEMS
@@ -300,7 +311,7 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
         src_stride = CROSS
         dst_stride = CROSS
         slot = ranges + gl.where(on_v, r_wv, r_wk) + local
-        counter = c_w + 1
+        counter = counters.slots + C_WKV16
     return mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter
 
 
@@ -339,4 +350,4 @@ def _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
             n_mode, n_src, n_dst, n_zero_dst, n_row0, n_n_rows, n_src_stride, n_dst_stride, n_S, n_head, n_slot, \
             n_counter
     async_copy.wait_group(0)
-    _leave(counters, TD, TE)
+    _leave(counters)

@@ -82,7 +82,7 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
             ATTENTION.prepare(
                 (p.attention_programs,),
                 q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, call.ranges_of(2),
-                nv, nt, tt, p.per_program, float(scale),
+                nv, nt, tt, p.per_program, *p.ranges[2].bases, float(scale),
                 BM=p.block_rows, BN=p.text_tile, BN_TAIL=p.text_tail, ONE_TILE=p.one_tile, ALONE=p.runs == 1,
                 DETERMINISTIC=deterministic, PDL=pdl, num_warps=p.block_warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(

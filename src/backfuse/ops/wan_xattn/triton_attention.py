@@ -293,17 +293,17 @@ def attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arriv
             tl.store(ranges + slot_dv, dv_largest)
 
 
-@triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "scale"])
+@triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "r_dq", "r_dk", "r_dv", "scale"])
 def attention_kernel(
     q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
-    NV, NT, TT, per_program, scale,
+    NV, NT, TT, per_program, r_dq, r_dk, r_dv, scale,
     BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr, ALONE: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """attention_item for program (batch, head, run of `per_program` blocks of BM video tokens),
     batch-major then head then run; the head's arrival counter is arrivals[batch * 16 + head], its
-    range slots ranges[pid + i * programs], i = 0..2 for dQ, dK, dV."""
+    range slots ranges[r + pid] past the first slots r_dq, r_dk, r_dv of the dQ, dK, dV regions."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     m_blocks = (NV + BM - 1) // BM
@@ -311,7 +311,6 @@ def attention_kernel(
     bh = pid // runs
     run = pid % runs
     first = run * per_program
-    programs = tl.num_programs(0)
     attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals + bh, ranges, bh // _HEADS,
-                   bh % _HEADS, run, first, tl.minimum(first + per_program, m_blocks), pid, pid + programs,
-                   pid + 2 * programs, NV, NT, TT, runs, scale, BM, BN, BN_TAIL, ONE_TILE, ALONE, DETERMINISTIC)
+                   bh % _HEADS, run, first, tl.minimum(first + per_program, m_blocks), pid + r_dq, pid + r_dk,
+                   pid + r_dv, NV, NT, TT, runs, scale, BM, BN, BN_TAIL, ONE_TILE, ALONE, DETERMINISTIC)
