@@ -30,8 +30,11 @@ or the gate fails.
 
 Measured in session 19 (benchmarks/notes/037.md, "Issue 24: the Gluon backward, first form"):
 correct on the first run (dq, dk, dv within 2.2e-4 of fp32), but 0.36-0.57x the `tl` backward: the
-fp32 dQ atomics cost 0.8-1.1 ms; without dQ (diagnostic DQ=False) the dK/dV part takes 335 us at
-case 5 (154 TFLOP/s for its 4 products) and 325 at case 13 (317).
+fp32 dQ atomics cost 0.8-1.1 ms; without dQ (diagnostic DQ=0) the dK/dV part takes 335 us at
+case 5 (154 TFLOP/s for its 4 products) and 325 at case 13 (317). Then written, compiled, not run:
+DQ=2, the two warpgroups' partials summed in shared memory (an mbarrier pair between them) and
+added 4 columns per vector reduction (REDG.E.ADD.F32x4 in the SASS): 8x fewer reduction
+instructions than DQ=1.
 """
 
 from __future__ import annotations
@@ -111,7 +114,19 @@ def _tanh(x):
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, lse, delta, dq32, dk32, dv32,
+def _red_add_v4(ptrs, values, ok):
+    """*ptrs += values where ok, four consecutive fp32 per vector reduction (red.global.add.v4.f32,
+    sm_90): each thread's elements come in runs of 4 consecutive columns, 16-byte aligned."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $12, 0; @p red.global.add.v4.f32 [$4], {$8, $9, $10, $11}; "
+        "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
+        "=r,=r,=r,=r,l,l,l,l,f,f,f,f,r,r,r,r", [ptrs.to(gl.int64, bitcast=True), values, ok], dtype=gl.int32,
+        is_pure=False, pack=4)
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, dq_full, dq_empty,
+              lse, delta, dq32, dk32, dv32,
               S, n_blocks, cap, scaling, STAGES: gl.constexpr, PART: gl.constexpr, DQ: gl.constexpr):
     BN: gl.constexpr = k_smem.type.shape[0]
     BM: gl.constexpr = q_bufs.type.shape[1]
@@ -164,18 +179,34 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, 
                             is_async=True)
         dv, dk, dqt = warpgroup_mma_wait(0, deps=(dv, dk, dqt))
         mbarrier.arrive(empty.index(s))
-        # dQ's partial through shared memory, then added DQ_ROWS queries at a time in a row-major
-        # layout (the wgmma layout would hold every address at once)
-        if DQ:
+        # dQ's partial through shared memory, then added DQ_ROWS queries at a time in a row-major layout
+        # (the wgmma layout would hold every address at once). DQ: 0 skips dQ (diagnostic), 1 adds
+        # each warpgroup's partial by scalar atomics, 2 sums the two partials first (each warpgroup
+        # adds half the rows) and adds 4 columns per vector reduction.
+        if DQ == 2:
+            mbarrier.wait(dq_empty, (it & 1) ^ 1)  # both warpgroups have read the previous partials
+        if DQ > 0:
             dq_part.store(dqt * scaling)
         gl.thread_barrier()  # this warpgroup's stores are visible to its loads
-        for r in gl.static_range(0, BM * DQ, DQ_ROWS):
-            rows = m0 + r + gl.arange(0, DQ_ROWS, layout=gl.SliceLayout(1, dq_layout))
-            cols = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
-            ptrs = dq32 + (b * S + rows)[:, None].to(gl.int64) * _Q_OUT + cols[None, :]
-            gl.atomic_add(ptrs, dq_part.permute((1, 0)).slice(r, DQ_ROWS, dim=0).load(dq_layout),
-                          mask=(rows < S)[:, None], sem="relaxed")
-        gl.thread_barrier()  # every load is done before the next step's store
+        if DQ == 1:
+            for r in gl.static_range(0, BM, DQ_ROWS):
+                rows = m0 + r + gl.arange(0, DQ_ROWS, layout=gl.SliceLayout(1, dq_layout))
+                cols = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+                ptrs = dq32 + (b * S + rows)[:, None].to(gl.int64) * _Q_OUT + cols[None, :]
+                gl.atomic_add(ptrs, dq_part.permute((1, 0)).slice(r, DQ_ROWS, dim=0).load(dq_layout),
+                              mask=(rows < S)[:, None], sem="relaxed")
+            gl.thread_barrier()  # every load is done before the next step's store
+        if DQ == 2:
+            mbarrier.arrive(dq_full)
+            mbarrier.wait(dq_full, it & 1)
+            for r0 in gl.static_range(PART * (BM // 2), PART * (BM // 2) + BM // 2, DQ_ROWS):
+                rows = m0 + r0 + gl.arange(0, DQ_ROWS, layout=gl.SliceLayout(1, dq_layout))
+                cols = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, dq_layout))
+                ptrs = dq32 + (b * S + rows)[:, None].to(gl.int64) * _Q_OUT + cols[None, :]
+                both = dq_smem.index(0).permute((1, 0)).slice(r0, DQ_ROWS, dim=0).load(dq_layout) + \
+                    dq_smem.index(1).permute((1, 0)).slice(r0, DQ_ROWS, dim=0).load(dq_layout)
+                _red_add_v4(ptrs, both, ((rows < S)[:, None] & (cols >= 0)[None, :]).to(gl.int32))
+            mbarrier.arrive(dq_empty)
     rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kd_layout))
     cols = kv * D + gl.arange(0, D, layout=gl.SliceLayout(0, kd_layout))
     offs = (b * S + rows)[:, None].to(gl.int64) * _KV_OUT + cols[None, :]
@@ -185,9 +216,11 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, 
 
 
 @gluon.jit
-def _second_consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, lse, delta, dq32, dk32, dv32,
+def _second_consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, dq_full, dq_empty,
+                     lse, delta, dq32, dk32, dv32,
                      S, n_blocks, cap, scaling, STAGES: gl.constexpr, DQ: gl.constexpr):
-    _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, lse, delta, dq32, dk32, dv32,
+    _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, dq_full, dq_empty,
+              lse, delta, dq32, dk32, dv32,
               S, n_blocks, cap, scaling, STAGES, 1, DQ)
 
 
@@ -210,14 +243,20 @@ def attention_backward_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dq32,
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(dq_full, count=2)  # both consumer warpgroups
+    mbarrier.init(dq_empty, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups
     gl.warp_specialize([
-        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, lse, delta, dq32, dk32, dv32,
+        (_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, dq_full, dq_empty,
+                     lse, delta, dq32, dk32, dv32,
                      S, n_blocks, cap, scaling, STAGES, 0, DQ)),
-        (_second_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, lse, delta, dq32, dk32,
+        (_second_consumer, (k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, dq_full,
+                            dq_empty, lse, delta, dq32, dk32,
                             dv32, S, n_blocks, cap, scaling, STAGES, DQ)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, S,
                    n_blocks, STAGES)),
@@ -225,6 +264,7 @@ def attention_backward_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dq32,
 
 
 STAGES_ = 4
+DQ_MODES = {2: "two partials summed, vector adds", 1: "per warpgroup, scalar atomics", 0: "skipped (diagnostic)"}
 
 
 def _descriptor(t, block):
@@ -233,8 +273,9 @@ def _descriptor(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
 
 
-def gluon_backward(rot16, v16, d_attn16, lse, delta, batch, seq, cap, scaling, dq=True):
-    """A function that launches the Gluon kernel (dq32 zeroed first), and its outputs (dq32, dk32, dv32)."""
+def gluon_backward(rot16, v16, d_attn16, lse, delta, batch, seq, cap, scaling, dq=2):
+    """A function that launches the Gluon kernel (dq32 zeroed first; dq: a key of DQ_MODES), and its
+    outputs (dq32, dk32, dv32)."""
     tokens = batch * seq
     dq32 = torch.empty(tokens, Q_OUT, dtype=torch.float32, device=rot16.device)
     dk32 = torch.empty(tokens, KV_OUT, dtype=torch.float32, device=rot16.device)
@@ -302,8 +343,9 @@ def main():
                "k_desc": descriptor_type(gl.float16, [BN_, HEAD_DIM]), "v_desc": descriptor_type(gl.float16, [BN_, HEAD_DIM]),
                "lse": "*fp32", "delta": "*fp32", "dq32": "*fp32", "dk32": "*fp32", "dv32": "*fp32", "S": "i32",
                "n_blocks": "i32", "cap": "fp32", "scaling": "fp32"}
-        print("gluon attention backward", usage(compile_sm90(attention_backward_kernel, sig, {"STAGES": STAGES_, "DQ": True},
-                                                             num_warps=4)))
+        for mode, name in DQ_MODES.items():
+            kernel = compile_sm90(attention_backward_kernel, sig, {"STAGES": STAGES_, "DQ": mode}, num_warps=4)
+            print(f"gluon attention backward, dQ {name:34s}", usage(kernel), flush=True)
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gluon_attention_forward as fwd
@@ -318,19 +360,17 @@ def main():
         rot16, v16, d_attn16 = fwd._inputs(batch, seq, cap)
         forward, (_, lse, delta) = fwd.tl_forward(rot16, v16, d_attn16, batch, seq, cap)
         forward()
-        launch, got = gluon_backward(rot16, v16, d_attn16, lse, delta, batch, seq, cap, scaling)
-        launch()
         ref = reference(rot16, v16, d_attn16, batch, seq, cap, scaling)
-        errs = "/".join(f"{fwd._rel(a, r):.1e}" for a, r in zip(got, ref))
         flop = 2 * 5 * batch * HEADS * seq * seq * HEAD_DIM / 2
-        t = fwd._us(launch)
-        t_no_dq = fwd._us(gluon_backward(rot16, v16, d_attn16, lse, delta, batch, seq, cap, scaling, dq=False)[0])
         t_tl = tl_backward_us(batch, seq)
-        print(f"case {index} B={batch} S={seq}: gluon {t:.1f} us ({flop / t / 1e6:.0f} TFLOP/s, dQ zeroing included), "
-              f"without dQ (its product and atomics: diagnostic) {t_no_dq:.1f} us, tl (with the norm/RoPE epilogue) {t_tl:.1f} us; "
-              f"tl / gluon {t_tl / t:.2f}x; "
-              f"rel. err. dq/dk/dv vs fp32 {errs}", flush=True)
-
+        print(f"case {index} B={batch} S={seq}: tl backward (with its norm/RoPE epilogue) {t_tl:.1f} us", flush=True)
+        for mode, name in DQ_MODES.items():
+            launch, got = gluon_backward(rot16, v16, d_attn16, lse, delta, batch, seq, cap, scaling, dq=mode)
+            launch()
+            errs = "/".join(f"{fwd._rel(a, r):.1e}" for a, r in zip(got, ref))
+            t = fwd._us(launch)
+            print(f"  dQ {name:34s} {t:7.1f} us ({flop / t / 1e6:4.0f} TFLOP/s, dQ zeroing included) "
+                  f"{t_tl / t:.2f}x tl; rel. err. dq/dk/dv vs fp32 {errs}", flush=True)
 
 if __name__ == "__main__":
     main()
