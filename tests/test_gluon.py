@@ -23,10 +23,15 @@ ENGINE_CASES = {  # name: (A fp32, A K-major, B K-major, (bm, bn, bk), stages)
 }
 CASES = [*ENGINE_CASES, "072 one launch"]
 # Stack bytes per thread (ptxas's register spills) each case may use: the engine's kernels none; the
-# 072 kernel 168 today (its pack partition's item fields beside 64 fp32 values under the 128-register
-# cap of 16 warps), with a little room; more means a change made it spill (benchmarks/notes/gluon.md:
-# the streamed pack partition that spilled more was 1.9x slower).
+# 072 kernel 72 today (128 before session 19 gave its second consumer and pack 144 registers, 168
+# before its counter aggregate), with room to 128; more means a change made it spill
+# (benchmarks/notes/gluon.md: the streamed pack partition that spilled more was 1.9x slower).
 STACK_BUDGET = {name: 0 for name in ENGINE_CASES} | {"072 one launch": 128}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The attention studies of issue 24 (benchmarks/experiments), compiled so that an API change shows
+# before their next device call: each variant's line of `--compile-only`, which must show no stack.
+ATTENTION_STUDIES = {"gluon_attention_forward.py": ["--variants", "base,pingpong+3slots"],
+                     "gluon_attention_backward.py": []}
 
 
 def _compile(case: str):
@@ -71,6 +76,20 @@ def test_compiles_for_sm90(case):
     assert result["stack"] <= STACK_BUDGET[case], f"spills beyond the budget: {result}"
     assert result["wgmma"] > 0, result
     assert result["registers"] <= result["maxnreg"], result
+
+
+@pytest.mark.parametrize("study", ATTENTION_STUDIES)
+def test_attention_studies_compile_for_sm90_without_spills(study):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src")] + [p for p in sys.path if p])
+    script = os.path.join(ROOT, "benchmarks", "experiments", study)
+    done = subprocess.run([sys.executable, script, "--compile-only", *ATTENTION_STUDIES[study]], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if "HGMMA" in line]
+    assert lines, done.stdout
+    for line in lines:
+        assert " stack    0 B" in line and " local    0 B" in line, line
 
 
 if __name__ == "__main__":

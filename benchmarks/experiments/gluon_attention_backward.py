@@ -41,10 +41,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 
 import torch
+from gluon_attention_forward import _descriptor, _inputs, _rel, _tanh, _us, tl_forward  # a sibling study
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -55,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from backfuse.kernels.gluon.gemm import acc_layout
 from backfuse.ops.gemma3_core.spec import GROUP, HEAD_DIM, HEADS, KV_HEADS, KV_OUT, Q_OUT
 
 D = gl.constexpr(HEAD_DIM)
@@ -66,12 +66,6 @@ _KV_OUT = gl.constexpr(KV_OUT)
 LOG2E = gl.constexpr(1.4426950408889634)
 BN_ = 128  # keys per program (64 per consumer warpgroup)
 BM_ = 32  # queries per step
-
-
-@gluon.constexpr_function
-def mma_layout(n):
-    """The wgmma accumulator layout of one warpgroup for [64, n] outputs."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
@@ -109,11 +103,6 @@ def _loader(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv
 
 
 @gluon.jit
-def _tanh(x):
-    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
 def _red_add_v4(ptrs, values, ok):
     """*ptrs += values where ok, four consecutive fp32 per vector reduction (red.global.add.v4.f32,
     sm_90): each thread's elements come in runs of 4 consecutive columns, 16-byte aligned."""
@@ -131,8 +120,8 @@ def _consumer(k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, 
     BN: gl.constexpr = k_smem.type.shape[0]
     BM: gl.constexpr = q_bufs.type.shape[1]
     KEYS: gl.constexpr = BN // 2
-    st_layout: gl.constexpr = mma_layout(BM)  # [keys, queries]
-    kd_layout: gl.constexpr = mma_layout(D)  # [keys, head dim] and [queries, head dim]
+    st_layout: gl.constexpr = acc_layout(BM, 4)  # [keys, queries]
+    kd_layout: gl.constexpr = acc_layout(D, 4)  # [keys, head dim] and [queries, head dim]
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
     b, kv, block = _block_of(S, n_blocks)
     key0 = block * BN + PART * KEYS
@@ -267,12 +256,6 @@ STAGES_ = 4
 DQ_MODES = {2: "two partials summed, vector adds", 1: "per warpgroup, scalar atomics", 0: "skipped (diagnostic)"}
 
 
-def _descriptor(t, block):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
-
-
 def gluon_backward(rot16, v16, d_attn16, lse, delta, batch, seq, cap, scaling, dq=2):
     """A function that launches the Gluon kernel (dq32 zeroed first; dq: a key of DQ_MODES), and its
     outputs (dq32, dk32, dv32)."""
@@ -347,9 +330,6 @@ def main():
             kernel = compile_sm90(attention_backward_kernel, sig, {"STAGES": STAGES_, "DQ": mode}, num_warps=4)
             print(f"gluon attention backward, dQ {name:34s}", usage(kernel), flush=True)
         return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import gluon_attention_forward as fwd
-
     import backfuse
 
     prob = backfuse.problem("037")
@@ -357,8 +337,8 @@ def main():
     for index in (int(c) for c in args.cases.split(",")):
         w = prob.workloads[index]
         batch, seq = w.axes["batch_size"], w.axes["seq_len"]
-        rot16, v16, d_attn16 = fwd._inputs(batch, seq, cap)
-        forward, (_, lse, delta) = fwd.tl_forward(rot16, v16, d_attn16, batch, seq, cap)
+        rot16, v16, d_attn16 = _inputs(batch, seq, cap)
+        forward, (_, lse, delta) = tl_forward(rot16, v16, d_attn16, batch, seq, cap)
         forward()
         ref = reference(rot16, v16, d_attn16, batch, seq, cap, scaling)
         flop = 2 * 5 * batch * HEADS * seq * seq * HEAD_DIM / 2
@@ -367,8 +347,8 @@ def main():
         for mode, name in DQ_MODES.items():
             launch, got = gluon_backward(rot16, v16, d_attn16, lse, delta, batch, seq, cap, scaling, dq=mode)
             launch()
-            errs = "/".join(f"{fwd._rel(a, r):.1e}" for a, r in zip(got, ref))
-            t = fwd._us(launch)
+            errs = "/".join(f"{_rel(a, r):.1e}" for a, r in zip(got, ref))
+            t = _us(launch)
             print(f"  dQ {name:34s} {t:7.1f} us ({flop / t / 1e6:4.0f} TFLOP/s, dQ zeroing included) "
                   f"{t_tl / t:.2f}x tl; rel. err. dq/dk/dv vs fp32 {errs}", flush=True)
 

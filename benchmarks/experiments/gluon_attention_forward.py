@@ -40,6 +40,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from backfuse.kernels.gluon.gemm import acc_layout
 from backfuse.ops.gemma3_core.spec import GROUP, HEAD_DIM, HEADS, Q_OUT, QK
 
 D = gl.constexpr(HEAD_DIM)
@@ -47,12 +48,6 @@ _HEADS = gl.constexpr(HEADS)
 _GROUP = gl.constexpr(GROUP)
 _Q_OUT = gl.constexpr(Q_OUT)
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@gluon.constexpr_function
-def mma_layout(n):
-    """The wgmma accumulator layout of one warpgroup for [64, n] outputs."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
@@ -137,8 +132,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty, turn, attn
               S, n_blocks, n_heads, cap, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr,
               OVERLAP: gl.constexpr, TANH: gl.constexpr, EXP16: gl.constexpr, PINGPONG: gl.constexpr):
     ROWS: gl.constexpr = BM // 2
-    s_layout: gl.constexpr = mma_layout(BN)
-    o_layout: gl.constexpr = mma_layout(D)
+    s_layout: gl.constexpr = acc_layout(BN, 4)
+    o_layout: gl.constexpr = acc_layout(D, 4)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     b, h, bh, block = _block_of(S, n_blocks, n_heads)
     first_row = block * BM + PART * ROWS
