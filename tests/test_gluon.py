@@ -28,10 +28,12 @@ CASES = [*ENGINE_CASES, "072 one launch"]
 # (benchmarks/notes/gluon.md: the streamed pack partition that spilled more was 1.9x slower).
 STACK_BUDGET = {name: 0 for name in ENGINE_CASES} | {"072 one launch": 128}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The attention studies of issue 24 (benchmarks/experiments), compiled so that an API change shows
-# before their next device call: each variant's line of `--compile-only`, which must show no stack.
-ATTENTION_STUDIES = {"gluon_attention_forward.py": ["--variants", "base,pingpong+3slots"],
-                     "gluon_attention_backward.py": []}
+# The Gluon studies prepared for a device call (benchmarks/experiments: issues 24 and 25), compiled so
+# that an API change shows before it: each kernel's line of `--compile-only`; those marked must show
+# no stack (the SM-roles study's 128 x 256 product kernel spills 168 bytes today: it is measured as it is).
+STUDIES = {"gluon_attention_forward.py": (["--variants", "base,pingpong+3slots"], True),
+           "gluon_attention_backward.py": ([], True),
+           "sm_roles_072.py": ([], False)}
 
 
 def _compile(case: str):
@@ -78,18 +80,19 @@ def test_compiles_for_sm90(case):
     assert result["registers"] <= result["maxnreg"], result
 
 
-@pytest.mark.parametrize("study", ATTENTION_STUDIES)
-def test_attention_studies_compile_for_sm90_without_spills(study):
+@pytest.mark.parametrize("study", STUDIES)
+def test_studies_compile_for_sm90(study):
+    args, no_stack = STUDIES[study]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src")] + [p for p in sys.path if p])
     script = os.path.join(ROOT, "benchmarks", "experiments", study)
-    done = subprocess.run([sys.executable, script, "--compile-only", *ATTENTION_STUDIES[study]], env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, script, "--compile-only", *args], env=env, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [line for line in done.stdout.splitlines() if "HGMMA" in line]
     assert lines, done.stdout
     for line in lines:
-        assert " stack    0 B" in line and " local    0 B" in line, line
+        assert " local    0 B" in line and (" stack    0 B" in line or not no_stack), line
 
 
 if __name__ == "__main__":

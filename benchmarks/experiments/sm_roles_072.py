@@ -1,0 +1,201 @@
+"""Issue 25's "SM roles instead of warp roles": 072's large cases as two concurrent launches that share
+the one-launch kernel's completion counters: a pack kernel on `pack_programs` SMs (the one-launch
+kernel's pack partition as a kernel of its own, all its shared memory for copies in flight) and a
+product kernel on the other SMs (the one-launch kernel's consumers and loader, without the pack
+partition, so its two consumer warpgroups get 240 registers each and 128 x 256 tiles fit). Each
+product waits for the pack items it reads through the counters, as in the one-launch kernel.
+
+Against pack + cuBLAS (the plan's path on these cases) and the one-launch kernel, in one call: every
+output checked with the official rule (poisoned buffers), then the official-clock time of each.
+
+Why it might win (benchmarks/notes/072.md, "Issue 25, step 1"): the one-launch kernel's products
+idle 47 % of its time (tensor pipe 53 % active against cuBLAS's 84-95 %) and read 2.3x cuBLAS's L2
+bytes with 128 x 128 tiles; its 16 warps cap the partitions' register pool. Why it might not: the
+products already run at the power-limited clock (1.5 GHz), and the pack's DRAM traffic beside them
+draws on the same budget. Prediction (written before any run): case 0 (pack + cuBLAS 740 µs) ≈ 650
+with 40 pack SMs and 128 x 256 tiles, or the design does not pay.
+
+Deadlock freedom: the product kernel's programs wait on the pack kernel's; the grids together never
+exceed the SMs (one program per SM each at most: the product kernel's shared memory admits one per
+SM), so every program of both is resident whichever launch the GPU starts first.
+
+    PYTHONPATH=src python3 benchmarks/experiments/sm_roles_072.py [--cases 0,6,7,9] [--pack-programs 24,40,56]
+    ... --compile-only      # on any machine: both kernels' shared memory, registers, stack, HGMMA
+
+Written and compiled for sm_90 on the CPU in session 19; not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from backfuse.kernels.gluon.gemm import LOADER_REGS
+from backfuse.ops.qkv_gqa import config, gluon_kernels
+from backfuse.ops.qkv_gqa.gluon_pack import HEAD_DIM, UNIT, UNITS, Counters, _pack
+from backfuse.ops.qkv_gqa.spec import CROSS_HIDDEN, HIDDEN, KV_OUT, Q_OUT
+
+
+@gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
+                               "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc",
+                               "no_slots", "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv"])
+def pack_only_kernel(gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
+                     grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
+                     TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+                     c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv):
+    """The one-launch kernel's pack partition over this grid's programs. Its counters' slot count is
+    given as no_slots = 0, so that its partitions counting out (`_leave`) zero nothing: the product
+    kernel's programs may still be waiting on them; the caller zeroes the counters before each call."""
+    bufs = gl.allocate_shared_memory(gl.float32, [UNITS * UNIT, HEAD_DIM],
+                                     gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
+    _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk, grad_wv,
+          grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks,
+          (split_wq > 1).to(gl.int32), (split_wkv > 1).to(gl.int32), (split_dec > 1).to(gl.int32),
+          (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32),
+          r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
+
+
+@gluon.jit(do_not_specialize=["TD", "TE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec", "split_enc",
+                               "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "no_slots"])
+def products_only_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
+                         grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots,
+                         TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+                         c_gq, c_dec, c_gkv, c_enc, no_slots, STAGES: gl.constexpr):
+    """The one-launch kernel's two consumers and loader over this grid's programs (no pack
+    partition); counters as for pack_only_kernel (no_slots = 0: nothing is zeroed at the end)."""
+    BK: gl.constexpr = a_dec.block_type.shape[1]
+    BM: gl.constexpr = a_dec.block_type.shape[0]
+    BN: gl.constexpr = b_dec.block_type.shape[1]
+    counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
+    a_k = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], a_dec.layout)
+    a_m = a_k._reinterpret(gl.float16, [STAGES, BK, BM], a_wq.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BK, BN], b_dec.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (gluon_kernels._consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv,
+                                   grad_enc, TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+                                   BM, BN, BK, STAGES, 0)),
+        (gluon_kernels._second_consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk,
+                                          grad_wv, grad_enc, TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2,
+                                          s3, total, BM, BN, BK, STAGES)),
+        (gluon_kernels._loader, (a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty,
+                                 counters, TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc,
+                                 s1, s2, s3, total, BM, BN, BK, STAGES)),
+    ], [4, 1], [240, LOADER_REGS])
+
+
+TILES = {"128x128": config.GluonConfig(bn=128, stages=4), "128x256": config.GluonConfig(bn=256, stages=4)}
+
+
+def _descriptor(t, block):
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
+
+
+def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int):
+    """A function that runs one 072 call as the two launches (counters zeroed first), and its outputs."""
+    gq, gk, gv, dec, enc, wq, wk, wv = inputs
+    batch, _, sd, _ = gq.shape
+    se = gk.shape[2]
+    td, te = batch * sd, batch * se
+    axes = dict(batch_size=batch, seq_len_dec=sd, seq_len_enc=se)
+    splits = config.choose_splits(config.product_shapes(axes), g.bm, g.bn, g.bk, sms - pack_programs)
+    launch = config.gluon_launch(g, axes, splits, (True,) * 5)
+    f16 = lambda *shape: torch.empty(*shape, dtype=torch.float16, device="cuda")  # noqa: E731
+    f32 = lambda *shape: torch.empty(*shape, dtype=torch.float32, device="cuda")  # noqa: E731
+    gq16, gkv16, dec16, enc16 = f16(td, Q_OUT), f16(te, 2 * KV_OUT), f16(td, HIDDEN), f16(te, CROSS_HIDDEN)
+    wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)
+    grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
+    grad_wq, grad_wk, grad_wv = f32(Q_OUT, HIDDEN), f32(KV_OUT, CROSS_HIDDEN), f32(KV_OUT, CROSS_HIDDEN)
+    c = launch.counters
+    slots = torch.zeros(c.total, dtype=torch.int32, device="cuda")
+    ranges = f32(sum(n for _, n in launch.regions.counts))
+    operands = dict(gq16=gq16, gkv16=gkv16, dec16=dec16, enc16=enc16, wq16=wq16, wkv16=wkv16)
+    descriptors = [_descriptor(operands[buffer], block)
+                   for _, buffer, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)]
+    ints = (td, te, launch.dec_chunks, launch.enc_chunks, *splits, *launch.starts, launch.tiles)
+    pack_stream, product_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def run():
+        slots.zero_()
+        start = torch.cuda.Event()
+        start.record()
+        for stream in (pack_stream, product_stream):
+            stream.wait_event(start)
+        with torch.cuda.stream(pack_stream):
+            pack_only_kernel[(pack_programs,)](
+                gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
+                grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
+                c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, num_warps=4)
+        with torch.cuda.stream(product_stream):
+            products_only_kernel[(sms - pack_programs,)](
+                *descriptors, grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, *ints, c.gq, c.dec, c.gkv, c.enc,
+                0, STAGES=g.stages, num_warps=4)
+        for stream in (pack_stream, product_stream):
+            torch.cuda.current_stream().wait_stream(stream)
+
+    return run, (grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
+
+
+def _compile_only():
+    from backfuse.kernels.gluon.sm90 import compile_sm90, descriptor_type, usage
+
+    def ints_and_pointers(fn, sig):
+        for p in fn.params:
+            if p.name not in sig and not p.is_constexpr:
+                sig[p.name] = "i32" if p.do_not_specialize else \
+                    "*fp16" if p.name.endswith("16") else "*i32" if p.name == "slots" else "*fp32"
+        return sig
+
+    print("pack only", usage(compile_sm90(pack_only_kernel, ints_and_pointers(pack_only_kernel, {}), {}, num_warps=4)))
+    for name, g in TILES.items():
+        sig = {n: descriptor_type(gl.float16, block) for n, _, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)}
+        kernel = compile_sm90(products_only_kernel, ints_and_pointers(products_only_kernel, sig), {"STAGES": g.stages},
+                              num_warps=4)
+        print(f"products only {name}", usage(kernel), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="0,6,7,9")
+    ap.add_argument("--pack-programs", default="24,40,56")
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    if args.compile_only:
+        return _compile_only()
+    import backfuse
+    from backfuse.bench.check import check_outputs
+    from backfuse.bench.timing import time_calls
+
+    op = backfuse.problem("072")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for index in (int(c) for c in args.cases.split(",")):
+        w = op.workloads[index]
+        inputs = op.make_inputs(w.axes, seed=index, device="cuda")
+        ref = op.reference(*inputs)
+        cublas = time_calls(lambda *x: op.fused(*x, products="cublas"), inputs).median_ms * 1e3
+        one = time_calls(lambda *x: op.fused(*x, products="gluon"), inputs).median_ms * 1e3
+        print(f"case {index} {w.axes}: pack + cuBLAS {cublas:.1f} us, one launch {one:.1f} us", flush=True)
+        for name, g in TILES.items():
+            for pack_programs in (int(p) for p in args.pack_programs.split(",")):
+                run, outs = sm_roles(inputs, dataclasses.replace(g), pack_programs, sms)
+                run()
+                torch.cuda.synchronize()
+                v = check_outputs(outs, ref, w.tolerance, op.output_names)
+                t = time_calls(lambda *x, run=run: run(), inputs).median_ms * 1e3
+                print(f"  SM roles {name}, {pack_programs:3d} pack SMs: {t:7.1f} us ({cublas / t:.2f}x pack + cuBLAS) "
+                      f"{'passed' if v.passed else 'FAILED ' + v.reason}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
