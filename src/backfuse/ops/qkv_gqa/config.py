@@ -31,10 +31,12 @@ class GluonConfig:
     """The one-launch Gluon kernel (sm_90): bm x bn x bk product tiles over a ring of `stages` slots,
     beside a pack partition of `pack_warps` warps. Its warps (2 x 4 consumers, 1 loader, the pack;
     rounded up to whole warpgroups) share the SM's 64K registers: the launch gives each thread
-    `maxnreg` (16 warps: 128), then the partitions re-divide that pool (setmaxnreg, which in triton
-    3.6 lifts a partition's code above the launch's cap: benchmarks/notes/072.md, issue 25): the
-    second consumer and the pack get `regs` each, the loader 24, the first consumer the rest
-    (`first_consumer_regs`). It runs for product work in [min_flop, max_flop). Measured
+    `maxnreg` (16 warps: 128), then the partitions re-divide that pool (setmaxnreg): the second
+    consumer and the pack get `regs` each, the loader 24, the first consumer the rest
+    (`first_consumer_regs`). A partition's code may then use more than maxnreg, but ptxas still
+    refuses a wgmma accumulator that needs more than it, so tiles stay 128 x 128 (a 64 x 256 fp32
+    accumulator per warpgroup needs 154: benchmarks/notes/072.md, issue 25). It runs for product
+    work in [min_flop, max_flop). Measured
     (benchmarks/notes/gluon.md, official clock, which since its counters need no memset is the
     kernel's own time): against pack + our Triton products 7-14% faster at 34-43 GFLOP; against
     pack + cuBLAS equal at 135-137 and 3% faster at 172; slower below 30 GFLOP (up to 8%) and from
