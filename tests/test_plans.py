@@ -2,6 +2,7 @@
 132 processors, plans as the notes describe; pack layouts consistent; the shared schedule helpers."""
 
 import dataclasses
+import inspect
 
 import pytest
 
@@ -32,6 +33,38 @@ def test_pack_layouts_are_consistent(pid):
         ranged = [s for s in p.pack.segments if s.ranged]
         assert dict(p.pack.regions.counts) == {s.name: s.programs for s in ranged}
         assert p.ranges[0] == p.pack.regions
+
+
+@pytest.mark.parametrize("pid", ["072", "037", "021"])
+def test_pack_kernel_takes_the_segment_ends_in_the_plans_order(pid):
+    """The launcher passes `ends[:-1]` in order; each pack kernel's parameters from the first end on
+    must be the plan's `end_parameters`, so that reordering segments in one and not the other fails
+    here, not silently on a GPU. (The kernels' segment chains test `pid < e_*` in that order.)"""
+    from backfuse.ops.gemma3_core.triton_kernels import pack_kernel as pack_037
+    from backfuse.ops.qkv_gqa.triton_kernels import pack_kernel as pack_072
+    from backfuse.ops.wan_xattn.triton_kernels import pack_kernel as pack_021
+
+    kernel = {"072": pack_072, "037": pack_037, "021": pack_021}[pid]
+    names = list(kernel.arg_names)
+    signature = inspect.signature(getattr(kernel, "fn", kernel))  # the Python function (JIT or interpreter)
+    for p in _plans(pid) + _plans(pid, deterministic=True):
+        if p.pack is None:  # 072 on its Gluon path packs inside the product launch
+            continue
+        ends = p.pack.end_parameters
+        first = names.index(ends[0])
+        assert tuple(names[first:first + len(ends)]) == ends
+        after = signature.parameters[names[first + len(ends)]].annotation
+        assert "constexpr" in str(after), "the kernel has an end parameter the plan does not fill"
+
+
+def test_layout_refuses_unnamed_or_repeated_ends():
+    with pytest.raises(ValueError, match="distinct end"):
+        Layout((Segment("a", 1, end="e_a"), Segment("b", 1), Segment("c", 1)))
+    with pytest.raises(ValueError, match="distinct end"):
+        Layout((Segment("a", 1, end="e_a"), Segment("b", 1, end="e_a"), Segment("c", 1)))
+    with pytest.raises(ValueError, match="distinct end"):
+        Layout((Segment("a", 1, end="e_a"), Segment("b", 1, end="e_b")))
+    assert Layout((Segment("a", 1, end="e_a"), Segment("b", 2))).end_parameters == ("e_a",)
 
 
 # The fp16-range regions whose tensors are linear in the upstream gradients, and what each holds: when

@@ -138,12 +138,14 @@ class Regions:
 class Segment:
     """A run of consecutive programs of a pack launch doing one job. ranged: its programs convert a
     tensor to fp16 and each stores the largest |value| it converted (one range slot per program);
-    holds: what that tensor is (`fp16_guard.Holds`)."""
+    holds: what that tensor is (`fp16_guard.Holds`); end: the kernel parameter that receives the
+    segment's end (every segment but the last names one; the last one's end is the grid)."""
 
     name: str
     programs: int
     ranged: bool = True
     holds: Holds = Holds.INPUT
+    end: str = ""
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,15 @@ class Layout:
         ranged = [s.ranged for s in self.segments]
         if ranged != sorted(ranged, reverse=True):
             raise ValueError("the converting (ranged) segments must come first")
+        ends = [s.end for s in self.segments]
+        if any(ends) and (not all(ends[:-1]) or ends[-1] or len(set(ends[:-1])) != len(ends) - 1):
+            raise ValueError(f"every segment but the last must name a distinct end parameter, the last none: {ends}")
+
+    @property
+    def end_parameters(self) -> tuple:
+        """The kernel parameters that take `ends[:-1]`, in that order (the kernel's own order of its
+        segment chain; tests/test_plans.py holds each pack kernel's signature against it)."""
+        return tuple(s.end for s in self.segments[:-1])
 
     @property
     def ends(self) -> tuple:

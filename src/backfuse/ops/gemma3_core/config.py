@@ -147,15 +147,15 @@ def pack_layout(cfg: Config, tokens: int, splits, arrivals: int) -> Layout:
 
     split_gx, split_wqkv, split_wo = (s > 1 for s in splits)
     return Layout((
-        Segment("grad_output", flat(tokens * HIDDEN), holds=Holds.UPSTREAM),
-        Segment("hidden_states", flat(tokens * HIDDEN)),
-        Segment("q_weight", flat(Q_OUT * HIDDEN)),
-        Segment("k_weight", flat(KV_OUT * HIDDEN)),
-        Segment("v_weight", flat(KV_OUT * HIDDEN)),
-        Segment("o_weight", (HIDDEN // pk.tile) * (Q_OUT // pk.tile)),
-        Segment("zero grad_hidden_states", split_gx * flat(tokens * HIDDEN), ranged=False),
-        Segment("zero grad_[q; k; v]_weight", split_wqkv * flat(QKV * HIDDEN), ranged=False),
-        Segment("zero grad_o_weight", split_wo * flat(Q_OUT * HIDDEN), ranged=False),
+        Segment("grad_output", flat(tokens * HIDDEN), holds=Holds.UPSTREAM, end="e_go"),
+        Segment("hidden_states", flat(tokens * HIDDEN), end="e_x"),
+        Segment("q_weight", flat(Q_OUT * HIDDEN), end="e_wq"),
+        Segment("k_weight", flat(KV_OUT * HIDDEN), end="e_wk"),
+        Segment("v_weight", flat(KV_OUT * HIDDEN), end="e_wv"),
+        Segment("o_weight", (HIDDEN // pk.tile) * (Q_OUT // pk.tile), end="e_wo"),
+        Segment("zero grad_hidden_states", split_gx * flat(tokens * HIDDEN), ranged=False, end="e_gx"),
+        Segment("zero grad_[q; k; v]_weight", split_wqkv * flat(QKV * HIDDEN), ranged=False, end="e_zwqkv"),
+        Segment("zero grad_o_weight", split_wo * flat(Q_OUT * HIDDEN), ranged=False, end="e_zwo"),
         Segment("zero arrival counters", flat(arrivals), ranged=False),
     ))
 

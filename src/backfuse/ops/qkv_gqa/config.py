@@ -177,17 +177,18 @@ def pack_layout(cfg: Config, axes, splits) -> Layout:
     split_wq, split_wkv, split_dec, split_enc = (s > 1 for s in splits)
     n_gk = batch * KV_HEADS * cdiv(se, rows)
     return Layout((
-        Segment("grad_query_states", batch * HEADS * cdiv(sd, rows), holds=Holds.UPSTREAM),
-        Segment("grad_key_states (head-group sums)", n_gk, holds=Holds.UPSTREAM),
-        Segment("grad_value_states (head-group sums)", n_gk, holds=Holds.UPSTREAM),
-        Segment("decoder_hidden_states", flat(batch * sd * HIDDEN)),
-        Segment("encoder_hidden_states", flat(batch * se * CROSS_HIDDEN)),
-        Segment("q_weight", flat(Q_OUT * HIDDEN)),
-        Segment("k_weight", flat(KV_OUT * CROSS_HIDDEN)),
-        Segment("v_weight", flat(KV_OUT * CROSS_HIDDEN)),
-        Segment("zero grad_decoder_hidden_states", split_dec * flat(batch * sd * HIDDEN), ranged=False),
-        Segment("zero grad_encoder_hidden_states", split_enc * flat(batch * se * CROSS_HIDDEN), ranged=False),
-        Segment("zero grad_q_weight", split_wq * flat(Q_OUT * HIDDEN), ranged=False),
+        Segment("grad_query_states", batch * HEADS * cdiv(sd, rows), holds=Holds.UPSTREAM, end="e_gq"),
+        Segment("grad_key_states (head-group sums)", n_gk, holds=Holds.UPSTREAM, end="e_gk"),
+        Segment("grad_value_states (head-group sums)", n_gk, holds=Holds.UPSTREAM, end="e_gv"),
+        Segment("decoder_hidden_states", flat(batch * sd * HIDDEN), end="e_dec"),
+        Segment("encoder_hidden_states", flat(batch * se * CROSS_HIDDEN), end="e_enc"),
+        Segment("q_weight", flat(Q_OUT * HIDDEN), end="e_wq"),
+        Segment("k_weight", flat(KV_OUT * CROSS_HIDDEN), end="e_wk"),
+        Segment("v_weight", flat(KV_OUT * CROSS_HIDDEN), end="e_wv"),
+        Segment("zero grad_decoder_hidden_states", split_dec * flat(batch * sd * HIDDEN), ranged=False, end="e_zdec"),
+        Segment("zero grad_encoder_hidden_states", split_enc * flat(batch * se * CROSS_HIDDEN), ranged=False,
+                end="e_zenc"),
+        Segment("zero grad_q_weight", split_wq * flat(Q_OUT * HIDDEN), ranged=False, end="e_zwq"),
         Segment("zero grad_[k; v]_weight", split_wkv * flat(2 * KV_OUT * CROSS_HIDDEN), ranged=False),
     ))
 
