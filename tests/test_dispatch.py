@@ -159,3 +159,18 @@ def test_named_launch_arguments():
         kernel.prepare_named((1,), dict(x=x, out=out, y=1), BLOCK=8)
     with pytest.raises(TypeError, match="missing \\['BLOCK'\\]"):
         kernel.prepare_named((1,), dict(x=x, out=out, n=5))
+
+
+def test_programs_per_sm():
+    """CUDA's occupancy limits on an H200's SM (2048 threads, 64 K registers, 228 KB of shared
+    memory): registers allocated per warp in units of 256, 1 KB of shared memory reserved per block."""
+    from backfuse.kernels.launch import SMLimits
+
+    sm = SMLimits(threads=2048, registers=65536, shared_bytes=233472)
+    assert sm.programs_per_sm(warps=4, registers=255, shared_bytes=0) == 2  # 255 -> 256 a thread
+    assert sm.programs_per_sm(warps=4, registers=32, shared_bytes=0) == 16  # by threads
+    assert sm.programs_per_sm(warps=1, registers=16, shared_bytes=0) == 32  # the block limit
+    assert sm.programs_per_sm(warps=8, registers=128, shared_bytes=110 * 1024) == 2  # registers and shared memory
+    assert sm.programs_per_sm(warps=8, registers=128, shared_bytes=113 * 1024) == 2  # 2 x (113 + 1) KB = 228 KB
+    assert sm.programs_per_sm(warps=8, registers=128, shared_bytes=114 * 1024) == 1
+    assert sm.programs_per_sm(warps=16, registers=144, shared_bytes=0) == 0  # 16 x 144 x 32 > 64 K

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import FP16_REL_ERR, check_deterministic, check_fused, check_needs, fused_with, rel_err
+from helpers import FP16_REL_ERR, assert_official_pass, check_deterministic, check_fused, check_needs, fused_with, rel_err
 
 import backfuse
 from backfuse.ops.qkv_gqa import config
@@ -87,3 +87,35 @@ def test_gluon_repeated_calls_are_stable():
             check_fused(prob, axes, seed=i, fn=fused_with("072", products="gluon"))
         torch.cuda.synchronize()
         assert buffers.zeroed_counters(torch.device(DEVICE), 4096).count_nonzero().item() == 0
+
+
+@hopper_only
+def test_gluon_grid_is_resident_and_survives_a_busy_stream():
+    """The one-launch kernel's programs wait on each other: a grid the device cannot hold at once is
+    refused before launch (here by claiming twice the SMs), and a call made while another stream
+    keeps the SMs busy still completes, with the right outputs."""
+    import time
+
+    prob = backfuse.problem("072")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    axes = dict(batch_size=2, seq_len_dec=700, seq_len_enc=900)
+    inputs = prob.make_inputs(axes, seed=8, device=DEVICE)
+    with pytest.raises(RuntimeError, match="could deadlock"):
+        prob.fused(*inputs, products="gluon", sms=2 * sms)
+    refs = prob.reference(*inputs)
+    busy = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device=DEVICE)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        with torch.cuda.stream(busy):  # ≈ 40 matrix products of 137 GFLOP each, queued before the call
+            for _ in range(40):
+                a = torch.tanh(a @ a * 1e-2)
+        outs = prob.fused(*inputs, products="gluon")
+        done = torch.cuda.Event()
+        done.record()
+        limit = time.monotonic() + 60
+        while not done.query():
+            assert time.monotonic() < limit, "the one-launch kernel did not finish beside a busy stream"
+            time.sleep(0.01)
+        assert_official_pass(prob, outs, refs)
+    torch.cuda.synchronize()

@@ -126,6 +126,17 @@ def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int):
     ints = (td, te, launch.dec_chunks, launch.enc_chunks, *splits, *launch.starts, launch.tiles)
     pack_stream, product_stream = torch.cuda.Stream(), torch.cuda.Stream()
 
+    def pack(programs=pack_programs):
+        pack_only_kernel[(programs,)](
+            gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
+            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
+            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, num_warps=4)
+
+    def products(programs=sms - pack_programs):
+        products_only_kernel[(programs,)](
+            *descriptors, grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, *ints, c.gq, c.dec, c.gkv, c.enc,
+            0, STAGES=g.stages, num_warps=4)
+
     def run():
         slots.zero_()
         start = torch.cuda.Event()
@@ -133,18 +144,29 @@ def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int):
         for stream in (pack_stream, product_stream):
             stream.wait_event(start)
         with torch.cuda.stream(pack_stream):
-            pack_only_kernel[(pack_programs,)](
-                gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
-                grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
-                c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, num_warps=4)
+            pack()
         with torch.cuda.stream(product_stream):
-            products_only_kernel[(sms - pack_programs,)](
-                *descriptors, grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, *ints, c.gq, c.dec, c.gkv, c.enc,
-                0, STAGES=g.stages, num_warps=4)
+            products()
         for stream in (pack_stream, product_stream):
             torch.cuda.current_stream().wait_stream(stream)
 
-    return run, (grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
+    def phases(pack_grid, product_grid, reps=7):
+        """Median µs of the pack kernel alone on pack_grid programs, then of the product kernel alone
+        on product_grid programs (every counter already met), one after the other on one stream."""
+        times = []
+        for _ in range(reps):
+            slots.zero_()
+            e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            e[0].record()
+            pack(pack_grid)
+            e[1].record()
+            products(product_grid)
+            e[2].record()
+            torch.cuda.synchronize()
+            times.append((e[0].elapsed_time(e[1]) * 1e3, e[1].elapsed_time(e[2]) * 1e3))
+        return tuple(sorted(t[i] for t in times)[reps // 2] for i in range(2))
+
+    return run, phases, (grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
 
 
 def _compile_only():
@@ -170,6 +192,8 @@ def main():
     ap.add_argument("--cases", default="0,6,7,9")
     ap.add_argument("--pack-programs", default="24,40,56")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time each kernel alone: the pack on 1/3, 2/3 and all of the SMs, the products after it")
     args = ap.parse_args()
     if args.compile_only:
         return _compile_only()
@@ -188,13 +212,21 @@ def main():
         print(f"case {index} {w.axes}: pack + cuBLAS {cublas:.1f} us, one launch {one:.1f} us", flush=True)
         for name, g in TILES.items():
             for pack_programs in (int(p) for p in args.pack_programs.split(",")):
-                run, outs = sm_roles(inputs, dataclasses.replace(g), pack_programs, sms)
+                run, phases, outs = sm_roles(inputs, dataclasses.replace(g), pack_programs, sms)
                 run()
                 torch.cuda.synchronize()
                 v = check_outputs(outs, ref, w.tolerance, op.output_names)
                 t = time_calls(lambda *x, run=run: run(), inputs).median_ms * 1e3
                 print(f"  SM roles {name}, {pack_programs:3d} pack SMs: {t:7.1f} us ({cublas / t:.2f}x pack + cuBLAS) "
                       f"{'passed' if v.passed else 'FAILED ' + v.reason}", flush=True)
+                if args.phases:
+                    for grid in (pack_programs, sms):
+                        p_us, m_us = phases(grid, sms - pack_programs)
+                        print(f"    alone: pack on {grid:3d} programs {p_us:7.1f} us; then products on "
+                              f"{sms - pack_programs} {m_us:7.1f} us", flush=True)
+                    if pack_programs == int(args.pack_programs.split(",")[-1]):
+                        p_us, m_us = phases(sms, sms)
+                        print(f"    alone: products on all {sms} SMs {m_us:7.1f} us", flush=True)
 
 
 if __name__ == "__main__":

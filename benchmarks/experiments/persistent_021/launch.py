@@ -12,7 +12,7 @@ from backfuse.ops.wan_xattn.spec import HIDDEN, PROBLEM
 from .kernel import backward_kernel
 from .plan import CONFIG, INTERPRETER_CONFIG, plan
 
-KERNEL = FastKernel(backward_kernel)
+KERNEL = FastKernel(backward_kernel, waits_on_peers=True)
 
 
 def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=None, deterministic=False, ranges=None,

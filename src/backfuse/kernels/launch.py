@@ -17,8 +17,10 @@ launches through the JIT (`fn[grid](...)`) instead, and warns once at import.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import warnings
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -79,11 +81,42 @@ def specialization(args, meta) -> tuple:
     return tuple(meta.items()), tensors, descriptors
 
 
+@dataclass(frozen=True)
+class SMLimits:
+    """What one streaming multiprocessor holds at once (CUDA's occupancy limits)."""
+
+    threads: int
+    registers: int
+    shared_bytes: int
+    blocks: int = 32
+    register_unit: int = 256  # registers are allocated per warp, in units of this many
+    reserved_shared: int = 1024  # bytes of shared memory the driver reserves per block (sm_80 on)
+
+    @classmethod
+    def of(cls, device: torch.device) -> SMLimits:
+        p = torch.cuda.get_device_properties(device)
+        return cls(p.max_threads_per_multi_processor, p.regs_per_multiprocessor, p.shared_memory_per_multiprocessor)
+
+    def programs_per_sm(self, warps: int, registers: int, shared_bytes: int) -> int:
+        """How many programs of `warps` warps, `registers` registers a thread and `shared_bytes`
+        of shared memory one SM holds at once."""
+        per_warp = -(-registers * 32 // self.register_unit) * self.register_unit
+        return min(self.threads // (32 * warps), self.registers // per_warp // warps,
+                   self.shared_bytes // (shared_bytes + self.reserved_shared), self.blocks)
+
+
 class FastKernel:
-    def __init__(self, jit_fn):
+    """A kernel's prepared launches. waits_on_peers: its programs wait on each other (persistent
+    programs with device-side completion counters), so every program of a grid must be resident at
+    once, or the waiting ones could hold the SMs that the awaited ones need: each launch is checked
+    against the compiled kernel's occupancy (threads, registers, shared memory) before it is made."""
+
+    def __init__(self, jit_fn, *, waits_on_peers: bool = False):
         self.fn = jit_fn
         self.params = getattr(jit_fn, "params", None)  # absent under the Triton interpreter
         self.handles = {}
+        self.waits_on_peers = waits_on_peers
+        self.resident = {}  # specialization key: programs the device holds at once
 
     def __call__(self, grid: tuple, *args, **meta):
         """fn[grid](*args, **meta): positional runtime args, then constexprs and launch options by name."""
@@ -122,6 +155,8 @@ class FastKernel:
 
             return jit_launch
         key = specialization(args, meta), torch.cuda.current_device()
+        if self.waits_on_peers:
+            self._check_resident(key, grid, args, meta)
         handle = self.handles.get(key)
         if handle is None:  # first launch of this specialization: through the JIT, which compiles it
             self._check_unspecialized(args)
@@ -149,6 +184,26 @@ class FastKernel:
                 packed, None, None, None, *full)
 
         return launch
+
+    def _check_resident(self, key, grid: tuple, args, meta) -> None:
+        """Refuse a grid larger than what the device holds at once (compiling the kernel first if
+        this specialization has not been)."""
+        if key not in self.resident:
+            with scratch_allocator():
+                compiled = self.fn.warmup(*args, grid=grid, **meta)
+            compiled._init_handles()
+            limits = SMLimits.of(torch.cuda.current_device())
+            per_sm = limits.programs_per_sm(compiled.metadata.num_warps, compiled.n_regs, compiled.metadata.shared)
+            self.resident[key] = (per_sm * torch.cuda.get_device_properties(key[1]).multi_processor_count, per_sm,
+                                  compiled)
+        resident, per_sm, compiled = self.resident[key]
+        programs = math.prod(grid)
+        if programs > resident:
+            raise RuntimeError(
+                f"{self.fn.__name__}: a grid of {programs} programs, but the device holds {resident} at once "
+                f"({per_sm} per SM at {compiled.metadata.num_warps} warps, {compiled.n_regs} registers a thread, "
+                f"{compiled.metadata.shared} bytes of shared memory); its programs wait on each other, so a larger "
+                "grid could deadlock")
 
     def _check_unspecialized(self, args) -> None:
         for p, a in zip(self.params, args):

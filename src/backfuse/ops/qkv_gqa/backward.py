@@ -16,7 +16,7 @@ from .triton_kernels import pack_kernel, projection_grads_kernel
 
 PACK = FastKernel(pack_kernel)
 PRODUCTS = FastKernel(projection_grads_kernel)
-ONE_LAUNCH = FastKernel(gluon_kernels.fused_kernel)
+ONE_LAUNCH = FastKernel(gluon_kernels.fused_kernel, waits_on_peers=True)
 
 
 def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=False, ranges=None, config=None,
