@@ -145,7 +145,7 @@ def test_named_launch_arguments():
 
     from backfuse.kernels.launch import FastKernel
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def add_one(x, out, n, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
         tl.store(out + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)

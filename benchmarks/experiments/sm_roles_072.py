@@ -102,8 +102,13 @@ def _descriptor(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
 
 
-def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int):
-    """A function that runs one 072 call as the two launches (counters zeroed first), and its outputs."""
+def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, pack_per_sm: int = 0):
+    """A function that runs one 072 call as the two launches (counters zeroed first), and its outputs.
+    pack_per_sm = 0: the two kernels on two streams at once, pack_programs programs of the pack; else
+    the pack's stream first waits ≈ 10 µs on the GPU (`torch.cuda._sleep`), so that the product
+    kernel's programs take their sms - pack_programs SMs (one each: 192 KB of shared memory) and the
+    pack_per_sm * pack_programs pack programs land on the SMs left free, several per SM (more copies
+    in flight per SM). A timing arrangement for this study, not a guarantee."""
     gq, gk, gv, dec, enc, wq, wk, wv = inputs
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
@@ -143,10 +148,12 @@ def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int):
         start.record()
         for stream in (pack_stream, product_stream):
             stream.wait_event(start)
-        with torch.cuda.stream(pack_stream):
-            pack()
         with torch.cuda.stream(product_stream):
             products()
+        with torch.cuda.stream(pack_stream):
+            if pack_per_sm:
+                torch.cuda._sleep(20000)  # ≈ 10 µs at 1.98 GHz
+            pack(pack_per_sm * pack_programs if pack_per_sm else pack_programs)
         for stream in (pack_stream, product_stream):
             torch.cuda.current_stream().wait_stream(stream)
 
@@ -182,8 +189,8 @@ def _compile_only():
     print("pack only", usage(compile_sm90(pack_only_kernel, ints_and_pointers(pack_only_kernel, {}), {}, num_warps=4)))
     for name, g in TILES.items():
         sig = {n: descriptor_type(gl.float16, block) for n, _, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)}
-        kernel = compile_sm90(products_only_kernel, ints_and_pointers(products_only_kernel, sig), {"STAGES": g.stages},
-                              num_warps=4)
+        kernel = compile_sm90(products_only_kernel, ints_and_pointers(products_only_kernel, sig),
+                              {"STAGES": g.stages}, num_warps=4)
         print(f"products only {name}", usage(kernel), flush=True)
 
 
@@ -192,6 +199,8 @@ def main():
     ap.add_argument("--cases", default="0,6,7,9")
     ap.add_argument("--pack-programs", default="24,40,56")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--per-sm", default="", help="pack programs per SM, the pack started after the products "
+                    "(e.g. 2,3); then only 128 x 256 tiles (their 192 KB leave no room for a pack program on a product SM)")
     ap.add_argument("--phases", action="store_true",
                     help="also time each kernel alone: the pack on 1/3, 2/3 and all of the SMs, the products after it")
     args = ap.parse_args()
@@ -210,6 +219,18 @@ def main():
         cublas = time_calls(lambda *x: op.fused(*x, products="cublas"), inputs).median_ms * 1e3
         one = time_calls(lambda *x: op.fused(*x, products="gluon"), inputs).median_ms * 1e3
         print(f"case {index} {w.axes}: pack + cuBLAS {cublas:.1f} us, one launch {one:.1f} us", flush=True)
+        if args.per_sm:
+            for per_sm in (int(p) for p in args.per_sm.split(",")):
+                for pack_programs in (int(p) for p in args.pack_programs.split(",")):
+                    run, _, outs = sm_roles(inputs, TILES["128x256"], pack_programs, sms, per_sm)
+                    run()
+                    torch.cuda.synchronize()
+                    v = check_outputs(outs, ref, w.tolerance, op.output_names)
+                    t = time_calls(lambda *x, run=run: run(), inputs).median_ms * 1e3
+                    print(f"  SM roles, pack after products, 128x256, {pack_programs:3d} pack SMs x {per_sm}: {t:7.1f} us "
+                          f"({cublas / t:.2f}x pack + cuBLAS) {'passed' if v.passed else 'FAILED ' + v.reason}",
+                          flush=True)
+            continue
         for name, g in TILES.items():
             for pack_programs in (int(p) for p in args.pack_programs.split(",")):
                 run, phases, outs = sm_roles(inputs, dataclasses.replace(g), pack_programs, sms)
