@@ -19,10 +19,17 @@ Deadlock freedom: the product kernel's programs wait on the pack kernel's; the g
 exceed the SMs (one program per SM each at most: the product kernel's shared memory admits one per
 SM), so every program of both is resident whichever launch the GPU starts first.
 
-    PYTHONPATH=src python3 benchmarks/experiments/sm_roles_072.py [--cases 0,6,7,9] [--pack-programs 24,40,56]
-    ... --compile-only      # on any machine: both kernels' shared memory, registers, stack, HGMMA
+`roles_kernel` is the same split in one launch: its first pack_programs programs pack with both
+consumer warpgroups (two pack workers per SM, 128 KB of copies in flight, in the products' ring),
+the others multiply; one program per SM, every one resident.
 
-Written and compiled for sm_90 on the CPU in session 19; not yet run on a GPU.
+    PYTHONPATH=src python3 benchmarks/experiments/sm_roles_072.py [--cases 0,6,7,9] [--pack-programs 24,40,56]
+    ... --phases            # also each kernel alone
+    ... --one-launch        # roles_kernel instead of the two launches
+    ... --compile-only      # on any machine: every kernel's shared memory, registers, stack, HGMMA
+
+Measured in session 20 (benchmarks/notes/072.md, "Issue 25, step 2"): 0.45-0.86x pack + cuBLAS in
+every form.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from backfuse.kernels.gluon.gemm import LOADER_REGS
 from backfuse.ops.qkv_gqa import config, gluon_kernels
-from backfuse.ops.qkv_gqa.gluon_pack import HEAD_DIM, UNIT, UNITS, Counters, _pack
+from backfuse.ops.qkv_gqa.gluon_pack import HEAD_DIM, UNIT, UNITS, Counters, _leave, _pack
 from backfuse.ops.qkv_gqa.spec import CROSS_HIDDEN, HIDDEN, KV_OUT, Q_OUT
 
 
@@ -59,7 +66,7 @@ def pack_only_kernel(gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16
           grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks,
           (split_wq > 1).to(gl.int32), (split_wkv > 1).to(gl.int32), (split_dec > 1).to(gl.int32),
           (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32),
-          r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
+          r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, gl.program_id(0), gl.num_programs(0))
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec", "split_enc",
@@ -82,16 +89,111 @@ def products_only_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    pid, programs = gl.program_id(0), gl.num_programs(0)
     gl.warp_specialize([
         (gluon_kernels._consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv,
                                    grad_enc, TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                                   BM, BN, BK, STAGES, 0)),
+                                   pid, programs, BM, BN, BK, STAGES, 0)),
         (gluon_kernels._second_consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk,
                                           grad_wv, grad_enc, TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2,
-                                          s3, total, BM, BN, BK, STAGES)),
+                                          s3, total, pid, programs, BM, BN, BK, STAGES)),
         (gluon_kernels._loader, (a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty,
                                  counters, TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc,
-                                 s1, s2, s3, total, BM, BN, BK, STAGES)),
+                                 s1, s2, s3, total, pid, programs, BM, BN, BK, STAGES)),
+    ], [4, 1], [240, LOADER_REGS])
+
+
+PACK_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+
+
+@gluon.jit
+def _role_worker(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
+                 gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
+                 TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+                 r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms,
+                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr):
+    """A consumer warpgroup of roles_kernel: on the first pack_sms programs it packs (pack worker
+    2 * pid + PART of 2 * pack_sms, its 64 KB of copies in flight in the products' ring: A's slots for
+    PART 0, the first half of B's for PART 1), on the others it is the one-launch kernel's consumer."""
+    pid = gl.program_id(0)
+    if pid < pack_sms:
+        if PART == 0:
+            bufs = a_k._reinterpret(gl.float32, [UNITS * UNIT, HEAD_DIM], PACK_SMEM)
+        else:
+            bufs = b_bufs._reinterpret(gl.float32, [2 * UNITS * UNIT, HEAD_DIM], PACK_SMEM).slice(0, UNITS * UNIT)
+        _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
+              grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks,
+              (split_wq > 1).to(gl.int32), (split_wkv > 1).to(gl.int32), (split_dec > 1).to(gl.int32),
+              (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32),
+              r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, 2 * pid + PART, 2 * pack_sms)
+    else:
+        gluon_kernels._consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv,
+                                grad_enc, TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+                                pid - pack_sms, gl.num_programs(0) - pack_sms, BM, BN, BK, STAGES, PART)
+
+
+@gluon.jit
+def _role_second_worker(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
+                        gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
+                        TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3,
+                        total, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms,
+                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    _role_worker(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
+                 gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
+                 TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+                 r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms, BM, BN, BK, STAGES, 1)
+
+
+@gluon.jit
+def _role_loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty, counters,
+                 TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, pack_sms,
+                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    pid = gl.program_id(0)
+    if pid < pack_sms:
+        _leave(counters)
+    else:
+        gluon_kernels._loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty,
+                              counters, TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc,
+                              s1, s2, s3, total, pid - pack_sms, gl.num_programs(0) - pack_sms, BM, BN, BK, STAGES)
+
+
+@gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
+                               "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "no_slots",
+                               "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv", "pack_sms"])
+def roles_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
+                 gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
+                 grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
+                 TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+                 c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms,
+                 STAGES: gl.constexpr):
+    """SM roles in one launch (one program per SM): the first pack_sms programs pack with both
+    consumer warpgroups (two pack workers, 128 KB of copies in flight per SM), the others run the
+    products with 128 x 256 tiles; counters as for pack_only_kernel (the caller zeroes them)."""
+    BK: gl.constexpr = a_dec.block_type.shape[1]
+    BM: gl.constexpr = a_dec.block_type.shape[0]
+    BN: gl.constexpr = b_dec.block_type.shape[1]
+    counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
+    a_k = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], a_dec.layout)
+    a_m = a_k._reinterpret(gl.float16, [STAGES, BK, BM], a_wq.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BK, BN], b_dec.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_role_worker, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
+                        gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
+                        TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3,
+                        total, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms, BM, BN, BK, STAGES, 0)),
+        (_role_second_worker, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv,
+                               grad_enc, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
+                               ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec,
+                               split_enc, s1, s2, s3, total, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
+                               pack_sms, BM, BN, BK, STAGES)),
+        (_role_loader, (a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty,
+                        counters, TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc,
+                        s1, s2, s3, total, pack_sms, BM, BN, BK, STAGES)),
     ], [4, 1], [240, LOADER_REGS])
 
 
@@ -102,13 +204,10 @@ def _descriptor(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
 
 
-def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, pack_per_sm: int = 0):
-    """A function that runs one 072 call as the two launches (counters zeroed first), and its outputs.
-    pack_per_sm = 0: the two kernels on two streams at once, pack_programs programs of the pack; else
-    the pack's stream first waits ≈ 10 µs on the GPU (`torch.cuda._sleep`), so that the product
-    kernel's programs take their sms - pack_programs SMs (one each: 192 KB of shared memory) and the
-    pack_per_sm * pack_programs pack programs land on the SMs left free, several per SM (more copies
-    in flight per SM). A timing arrangement for this study, not a guarantee."""
+def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, one_launch: bool = False):
+    """A function that runs one 072 call (counters zeroed first), and its outputs: the two kernels on
+    two streams at once, pack_programs programs of the pack; or (one_launch) roles_kernel, whose first
+    pack_programs programs pack."""
     gq, gk, gv, dec, enc, wq, wk, wv = inputs
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
@@ -142,7 +241,16 @@ def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, pack_p
             *descriptors, grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, *ints, c.gq, c.dec, c.gkv, c.enc,
             0, STAGES=g.stages, num_warps=4)
 
+    def roles():
+        slots.zero_()
+        roles_kernel[(sms,)](
+            *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
+            grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
+            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, pack_programs, STAGES=g.stages, num_warps=4)
+
     def run():
+        if one_launch:
+            return roles()
         slots.zero_()
         start = torch.cuda.Event()
         start.record()
@@ -151,9 +259,7 @@ def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, pack_p
         with torch.cuda.stream(product_stream):
             products()
         with torch.cuda.stream(pack_stream):
-            if pack_per_sm:
-                torch.cuda._sleep(20000)  # ≈ 10 µs at 1.98 GHz
-            pack(pack_per_sm * pack_programs if pack_per_sm else pack_programs)
+            pack()
         for stream in (pack_stream, product_stream):
             torch.cuda.current_stream().wait_stream(stream)
 
@@ -192,6 +298,10 @@ def _compile_only():
         kernel = compile_sm90(products_only_kernel, ints_and_pointers(products_only_kernel, sig),
                               {"STAGES": g.stages}, num_warps=4)
         print(f"products only {name}", usage(kernel), flush=True)
+    g = TILES["128x256"]
+    sig = {n: descriptor_type(gl.float16, block) for n, _, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)}
+    kernel = compile_sm90(roles_kernel, ints_and_pointers(roles_kernel, sig), {"STAGES": g.stages}, num_warps=4)
+    print("roles in one launch 128x256", usage(kernel), flush=True)
 
 
 def main():
@@ -199,8 +309,8 @@ def main():
     ap.add_argument("--cases", default="0,6,7,9")
     ap.add_argument("--pack-programs", default="24,40,56")
     ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--per-sm", default="", help="pack programs per SM, the pack started after the products "
-                    "(e.g. 2,3); then only 128 x 256 tiles (their 192 KB leave no room for a pack program on a product SM)")
+    ap.add_argument("--one-launch", action="store_true",
+                    help="roles_kernel instead: SM roles in one launch, 128 x 256 tiles, the pack on --pack-programs SMs")
     ap.add_argument("--phases", action="store_true",
                     help="also time each kernel alone: the pack on 1/3, 2/3 and all of the SMs, the products after it")
     args = ap.parse_args()
@@ -219,17 +329,15 @@ def main():
         cublas = time_calls(lambda *x: op.fused(*x, products="cublas"), inputs).median_ms * 1e3
         one = time_calls(lambda *x: op.fused(*x, products="gluon"), inputs).median_ms * 1e3
         print(f"case {index} {w.axes}: pack + cuBLAS {cublas:.1f} us, one launch {one:.1f} us", flush=True)
-        if args.per_sm:
-            for per_sm in (int(p) for p in args.per_sm.split(",")):
-                for pack_programs in (int(p) for p in args.pack_programs.split(",")):
-                    run, _, outs = sm_roles(inputs, TILES["128x256"], pack_programs, sms, per_sm)
-                    run()
-                    torch.cuda.synchronize()
-                    v = check_outputs(outs, ref, w.tolerance, op.output_names)
-                    t = time_calls(lambda *x, run=run: run(), inputs).median_ms * 1e3
-                    print(f"  SM roles, pack after products, 128x256, {pack_programs:3d} pack SMs x {per_sm}: {t:7.1f} us "
-                          f"({cublas / t:.2f}x pack + cuBLAS) {'passed' if v.passed else 'FAILED ' + v.reason}",
-                          flush=True)
+        if args.one_launch:
+            for pack_programs in (int(p) for p in args.pack_programs.split(",")):
+                run, _, outs = sm_roles(inputs, TILES["128x256"], pack_programs, sms, one_launch=True)
+                run()
+                torch.cuda.synchronize()
+                v = check_outputs(outs, ref, w.tolerance, op.output_names)
+                t = time_calls(lambda *x, run=run: run(), inputs).median_ms * 1e3
+                print(f"  SM roles in one launch 128x256, {pack_programs:3d} pack SMs: {t:7.1f} us "
+                      f"({cublas / t:.2f}x pack + cuBLAS) {'passed' if v.passed else 'FAILED ' + v.reason}", flush=True)
             continue
         for name, g in TILES.items():
             for pack_programs in (int(p) for p in args.pack_programs.split(",")):

@@ -60,13 +60,14 @@ def _product_of(tile, s1, s2, s3):
 
 @gluon.jit
 def _loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty, counters,
-            TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+            TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, first, stride,
             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    """Tiles in order [grad_Wq | grad_dec | grad_Wkv | grad_enc] (starts 0, s1, s2, s3); each waits for
-    the pack tiles it reads: per K step (weight gradients: K is tokens) or once (input gradients)."""
+    """Tiles first, first + stride, ... of the order [grad_Wq | grad_dec | grad_Wkv | grad_enc] (starts 0,
+    s1, s2, s3); each waits for the pack tiles it reads: per K step (weight gradients: K is tokens) or
+    once (input gradients)."""
     c = counters.slots
     it = 0
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+    for tile in range(first, total, stride):
         p = _product_of(tile, s1, s2, s3)
         if p == 0:  # grad_Wq = GQ^T dec16: A M-major [tokens, 4096], B [tokens, 1536]
             off_m, off_n, k_lo, k_hi = tile_coords(tile, Q_OUT // BM, HIDDEN // BN, TD, split_wq, BM, BN, BK)
@@ -106,15 +107,15 @@ def _loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bu
 
 @gluon.jit
 def _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-              TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+              TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, first, stride,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr):
-    """Rows [PART * BM/2, +BM/2) of every tile of this program; split-K tiles add into outputs that
-    the pack zeroed (waited for before the first atomic)."""
+    """Rows [PART * BM/2, +BM/2) of tiles first, first + stride, ... (the loader's); split-K tiles add
+    into outputs that the pack zeroed (waited for before the first atomic)."""
     ROWS: gl.constexpr = BM // 2
     ROW0: gl.constexpr = PART * ROWS
     c = counters.slots
     it = 0
-    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+    for tile in range(first, total, stride):
         p = _product_of(tile, s1, s2, s3)
         if p == 0:
             off_m, off_n, k_lo, k_hi = tile_coords(tile, Q_OUT // BM, HIDDEN // BN, TD, split_wq, BM, BN, BK)
@@ -153,10 +154,11 @@ def _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_
 
 @gluon.jit
 def _second_consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                     TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
+                     TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, first, stride,
                      BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-              TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, BM, BN, BK, STAGES, 1)
+              TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, first, stride, BM, BN, BK, STAGES,
+              1)
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
@@ -194,19 +196,22 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    pid, programs = gl.program_id(0), gl.num_programs(0)
     gl.warp_specialize([
         (_consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                     TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, BM, BN, BK, STAGES, 0)),
+                     TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, pid, programs, BM, BN, BK,
+                     STAGES, 0)),
         (_second_consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                            TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, BM, BN, BK, STAGES)),
+                            TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, pid, programs, BM, BN,
+                            BK, STAGES)),
         (_loader, (a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty, counters,
                    TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                   BM, BN, BK, STAGES)),
+                   pid, programs, BM, BN, BK, STAGES)),
         (_pack, (pack_bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
                  grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks,
                  (split_wq > 1).to(gl.int32), (split_wkv > 1).to(gl.int32), (split_dec > 1).to(gl.int32),
                  (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32),
-                 r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)),
+                 r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pid, programs)),
     ], [4, 1, PACK_WARPS], [REGS, LOADER_REGS, REGS])
 
 

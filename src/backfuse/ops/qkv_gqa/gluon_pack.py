@@ -318,22 +318,23 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
 @gluon.jit
 def _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk, grad_wv,
           grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec,
-          zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv):
-    """The pack partition: this program's share (every num_programs-th) of the pack items (`_item`),
+          zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, first, stride):
+    """The pack partition: items first, first + stride, ... of the pack (`_item`; in the one-launch
+    kernel a program's share, every num_programs-th),
     one at a time (64 KB of copies in flight), with the next item's decode done while an item's
     copies fly and its copies issued before the current item is counted (the release's fence then
     waits for the stores under them): the pack alone 8% faster than decode, copy, use, count in
     turn (benchmarks/notes/gluon.md). Measured slower: two items in flight with the products' ring
     one slot shorter (+8% on the large cases); the 16-row units streamed through the slots (the
     pack alone 1.9x slower, with spills)."""
-    item = gl.program_id(0)
+    item = first
     mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter = _item(
         item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk, grad_wv,
         grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec,
         zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
     _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head)
     while n_rows > 0:
-        item += gl.num_programs(0)
+        item += stride
         # the next item's decode (integer divisions) while this item's copies fly
         n_mode, n_src, n_dst, n_zero_dst, n_row0, n_n_rows, n_src_stride, n_dst_stride, n_S, n_head, n_slot, \
             n_counter = _item(
