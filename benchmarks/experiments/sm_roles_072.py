@@ -45,7 +45,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from backfuse.kernels.gluon.gemm import LOADER_REGS
 from backfuse.ops.qkv_gqa import config, gluon_kernels
-from backfuse.ops.qkv_gqa.gluon_pack import HEAD_DIM, UNIT, UNITS, Counters, _leave, _pack
+from backfuse.ops.qkv_gqa.gluon_kernels import Descriptors, Ring, Tiles
+from backfuse.ops.qkv_gqa.gluon_pack import HEAD_DIM, UNIT, UNITS, Counters, Inputs, Operands, Outputs, RangeBases, _leave, _pack
 from backfuse.ops.qkv_gqa.spec import CROSS_HIDDEN, HIDDEN, KV_OUT, Q_OUT
 
 
@@ -59,14 +60,30 @@ def pack_only_kernel(gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16
     """The one-launch kernel's pack partition over this grid's programs. Its counters' slot count is
     given as no_slots = 0, so that its partitions counting out (`_leave`) zero nothing: the product
     kernel's programs may still be waiting on them; the caller zeroes the counters before each call."""
-    bufs = gl.allocate_shared_memory(gl.float32, [UNITS * UNIT, HEAD_DIM],
-                                     gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    bufs = gl.allocate_shared_memory(gl.float32, [UNITS * UNIT, HEAD_DIM], PACK_SMEM)
     counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
-    _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk, grad_wv,
-          grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks,
-          (split_wq > 1).to(gl.int32), (split_wkv > 1).to(gl.int32), (split_dec > 1).to(gl.int32),
-          (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32),
-          r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, gl.program_id(0), gl.num_programs(0))
+    t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, gl.program_id(0), gl.num_programs(0))
+    _pack(bufs, Inputs(gq, gk, gv, dec, enc, wq, wk, wv), Operands(gq16, gkv16, dec16, enc16, wq16, wkv16),
+          Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv), counters,
+          gluon_kernels.pack_list(t, SD, SE, dec_chunks, enc_chunks),
+          RangeBases(ranges, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv), gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def _ring(a_dec, a_wq, b_dec, STAGES: gl.constexpr):
+    """The one-launch kernel's ring (gluon_kernels.Ring), allocated and its mbarriers initialised."""
+    BK: gl.constexpr = a_dec.block_type.shape[1]
+    BM: gl.constexpr = a_dec.block_type.shape[0]
+    BN: gl.constexpr = b_dec.block_type.shape[1]
+    a_k = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], a_dec.layout)
+    a_m = a_k._reinterpret(gl.float16, [STAGES, BK, BM], a_wq.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BK, BN], b_dec.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return Ring(a_k, a_m, b_bufs, ready, empty)
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec", "split_enc",
@@ -81,25 +98,15 @@ def products_only_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     BM: gl.constexpr = a_dec.block_type.shape[0]
     BN: gl.constexpr = b_dec.block_type.shape[1]
     counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
-    a_k = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], a_dec.layout)
-    a_m = a_k._reinterpret(gl.float16, [STAGES, BK, BM], a_wq.layout)
-    b_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BK, BN], b_dec.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    pid, programs = gl.program_id(0), gl.num_programs(0)
+    d = Descriptors(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc)
+    outs = Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
+    t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, gl.program_id(0),
+              gl.num_programs(0))
+    ring = _ring(a_dec, a_wq, b_dec, STAGES)
     gl.warp_specialize([
-        (gluon_kernels._consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv,
-                                   grad_enc, TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                                   pid, programs, BM, BN, BK, STAGES, 0)),
-        (gluon_kernels._second_consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk,
-                                          grad_wv, grad_enc, TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2,
-                                          s3, total, pid, programs, BM, BN, BK, STAGES)),
-        (gluon_kernels._loader, (a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty,
-                                 counters, TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc,
-                                 s1, s2, s3, total, pid, programs, BM, BN, BK, STAGES)),
+        (gluon_kernels._consumer, (ring, counters, outs, t, BM, BN, BK, STAGES, 0)),
+        (gluon_kernels._second_consumer, (ring, counters, outs, t, BM, BN, BK, STAGES)),
+        (gluon_kernels._loader, (d, ring, counters, t, dec_chunks, enc_chunks, BM, BN, BK, STAGES)),
     ], [4, 1], [240, LOADER_REGS])
 
 
@@ -107,54 +114,43 @@ PACK_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1
 
 
 @gluon.jit
-def _role_worker(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                 gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
-                 TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                 r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms,
-                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr):
+def _product_share(t, pack_sms):
+    """Tiles `t` as the product programs' share: program pid takes tiles pid - pack_sms, + stride..."""
+    return Tiles(t.TD, t.TE, t.split_wq, t.split_wkv, t.split_dec, t.split_enc, t.s1, t.s2, t.s3, t.total,
+                 gl.program_id(0) - pack_sms, gl.num_programs(0) - pack_sms)
+
+
+@gluon.jit
+def _role_worker(ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM: gl.constexpr, BN: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr):
     """A consumer warpgroup of roles_kernel: on the first pack_sms programs it packs (pack worker
     2 * pid + PART of 2 * pack_sms, its 64 KB of copies in flight in the products' ring: A's slots for
     PART 0, the first half of B's for PART 1), on the others it is the one-launch kernel's consumer."""
     pid = gl.program_id(0)
     if pid < pack_sms:
         if PART == 0:
-            bufs = a_k._reinterpret(gl.float32, [UNITS * UNIT, HEAD_DIM], PACK_SMEM)
+            bufs = ring.a_k._reinterpret(gl.float32, [UNITS * UNIT, HEAD_DIM], PACK_SMEM)
         else:
-            bufs = b_bufs._reinterpret(gl.float32, [2 * UNITS * UNIT, HEAD_DIM], PACK_SMEM).slice(0, UNITS * UNIT)
-        _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
-              grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks,
-              (split_wq > 1).to(gl.int32), (split_wkv > 1).to(gl.int32), (split_dec > 1).to(gl.int32),
-              (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32),
-              r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, 2 * pid + PART, 2 * pack_sms)
+            bufs = ring.b._reinterpret(gl.float32, [2 * UNITS * UNIT, HEAD_DIM], PACK_SMEM).slice(0, UNITS * UNIT)
+        _pack(bufs, inp, ops, outs, counters, lst, rb, 2 * pid + PART, 2 * pack_sms)
     else:
-        gluon_kernels._consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv,
-                                grad_enc, TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                                pid - pack_sms, gl.num_programs(0) - pack_sms, BM, BN, BK, STAGES, PART)
+        gluon_kernels._consumer(ring, counters, outs, _product_share(t, pack_sms), BM, BN, BK, STAGES, PART)
 
 
 @gluon.jit
-def _role_second_worker(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                        gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
-                        TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3,
-                        total, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms,
-                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    _role_worker(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                 gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
-                 TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                 r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms, BM, BN, BK, STAGES, 1)
+def _role_second_worker(ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM: gl.constexpr, BN: gl.constexpr,
+                        BK: gl.constexpr, STAGES: gl.constexpr):
+    _role_worker(ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES, 1)
 
 
 @gluon.jit
-def _role_loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty, counters,
-                 TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, pack_sms,
-                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    pid = gl.program_id(0)
-    if pid < pack_sms:
+def _role_loader(d, ring, counters, t, dec_chunks, enc_chunks, pack_sms, BM: gl.constexpr, BN: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr):
+    if gl.program_id(0) < pack_sms:
         _leave(counters)
     else:
-        gluon_kernels._loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty,
-                              counters, TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc,
-                              s1, s2, s3, total, pid - pack_sms, gl.num_programs(0) - pack_sms, BM, BN, BK, STAGES)
+        gluon_kernels._loader(d, ring, counters, _product_share(t, pack_sms), dec_chunks, enc_chunks, BM, BN, BK,
+                              STAGES)
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
@@ -173,27 +169,18 @@ def roles_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     BM: gl.constexpr = a_dec.block_type.shape[0]
     BN: gl.constexpr = b_dec.block_type.shape[1]
     counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
-    a_k = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], a_dec.layout)
-    a_m = a_k._reinterpret(gl.float16, [STAGES, BK, BM], a_wq.layout)
-    b_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BK, BN], b_dec.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    d = Descriptors(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc)
+    inp = Inputs(gq, gk, gv, dec, enc, wq, wk, wv)
+    ops = Operands(gq16, gkv16, dec16, enc16, wq16, wkv16)
+    outs = Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
+    rb = RangeBases(ranges, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
+    t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, gl.program_id(0), gl.num_programs(0))
+    lst = gluon_kernels.pack_list(t, SD, SE, dec_chunks, enc_chunks)
+    ring = _ring(a_dec, a_wq, b_dec, STAGES)
     gl.warp_specialize([
-        (_role_worker, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                        gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, ranges,
-                        TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3,
-                        total, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms, BM, BN, BK, STAGES, 0)),
-        (_role_second_worker, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv,
-                               grad_enc, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
-                               ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec,
-                               split_enc, s1, s2, s3, total, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
-                               pack_sms, BM, BN, BK, STAGES)),
-        (_role_loader, (a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty,
-                        counters, TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc,
-                        s1, s2, s3, total, pack_sms, BM, BN, BK, STAGES)),
+        (_role_worker, (ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES, 0)),
+        (_role_second_worker, (ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES)),
+        (_role_loader, (d, ring, counters, t, dec_chunks, enc_chunks, pack_sms, BM, BN, BK, STAGES)),
     ], [4, 1], [240, LOADER_REGS])
 
 

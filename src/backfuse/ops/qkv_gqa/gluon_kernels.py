@@ -19,11 +19,11 @@ Measured (benchmarks/notes/gluon.md): 7-9% faster than pack + our Triton product
 at parity with pack + cuBLAS at 86-172 GFLOP, slower below and above (config.GluonConfig).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the aggregates' field annotations must be types.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.language.core import _aggregate as aggregate
 
 from ...kernels.gluon.gemm import LOADER_REGS, consume_tile, issue_step, store_tile, tile_coords, wait_count
 from .gluon_pack import (
@@ -45,6 +45,11 @@ from .gluon_pack import (
     UNITS,
     W_ITEMS,
     Counters,
+    Inputs,
+    Operands,
+    Outputs,
+    PackList,
+    RangeBases,
     _chunks,
     _gkv_items,
     _gq_items,
@@ -53,112 +58,178 @@ from .gluon_pack import (
 )
 
 
+@aggregate
+class Tiles:
+    """The four products' tiles, in order [grad_Wq | grad_dec | grad_Wkv | grad_enc] (starts 0, s1,
+    s2, s3; `total` in all), their token counts and K splits (config.GluonLaunch); a partition takes
+    tiles first, first + stride, ..."""
+
+    TD: gl.tensor
+    TE: gl.tensor
+    split_wq: gl.tensor
+    split_wkv: gl.tensor
+    split_dec: gl.tensor
+    split_enc: gl.tensor
+    s1: gl.tensor
+    s2: gl.tensor
+    s3: gl.tensor
+    total: gl.tensor
+    first: gl.tensor
+    stride: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, first, stride):
+        self.TD, self.TE = TD, TE
+        self.split_wq, self.split_wkv, self.split_dec, self.split_enc = split_wq, split_wkv, split_dec, split_enc
+        self.s1, self.s2, self.s3, self.total, self.first, self.stride = s1, s2, s3, total, first, stride
+
+
+@aggregate
+class Ring:
+    """The products' shared-memory ring: A's slots K-major (a_k) and the same slots M-major (a_m),
+    B's slots, and each slot's `ready` (TMA landed) and `empty` (both consumers done) mbarriers."""
+
+    a_k: gl.shared_memory_descriptor
+    a_m: gl.shared_memory_descriptor
+    b: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, a_k, a_m, b, ready, empty):
+        self.a_k, self.a_m, self.b, self.ready, self.empty = a_k, a_m, b, ready, empty
+
+
+@aggregate
+class Descriptors:
+    """fused_kernel's eight TMA descriptors (`descriptor_blocks`): each product's A and B."""
+
+    a_wq: tma.tensor_descriptor
+    b_wq: tma.tensor_descriptor
+    a_dec: tma.tensor_descriptor
+    b_dec: tma.tensor_descriptor
+    a_wkv: tma.tensor_descriptor
+    b_wkv: tma.tensor_descriptor
+    a_enc: tma.tensor_descriptor
+    b_enc: tma.tensor_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc):
+        self.a_wq, self.b_wq, self.a_dec, self.b_dec = a_wq, b_wq, a_dec, b_dec
+        self.a_wkv, self.b_wkv, self.a_enc, self.b_enc = a_wkv, b_wkv, a_enc, b_enc
+
+
+@gluon.jit
+def pack_list(t, SD, SE, dec_chunks, enc_chunks):
+    """The pack's list for tiles `t`: zero first the outputs that split-K tiles add into; pack the
+    weights when an input gradient is computed."""
+    return PackList(t.TD, t.TE, SD, SE, dec_chunks, enc_chunks, (t.split_wq > 1).to(gl.int32),
+                    (t.split_wkv > 1).to(gl.int32), (t.split_dec > 1).to(gl.int32), (t.split_enc > 1).to(gl.int32),
+                    ((t.s3 < t.total) | (t.s1 < t.s2)).to(gl.int32))
+
+
 @gluon.jit
 def _product_of(tile, s1, s2, s3):
     return (tile >= s1).to(gl.int32) + (tile >= s2).to(gl.int32) + (tile >= s3).to(gl.int32)
 
 
 @gluon.jit
-def _loader(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty, counters,
-            TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, first, stride,
-            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    """Tiles first, first + stride, ... of the order [grad_Wq | grad_dec | grad_Wkv | grad_enc] (starts 0,
-    s1, s2, s3); each waits for the pack tiles it reads: per K step (weight gradients: K is tokens) or
-    once (input gradients)."""
+def _loader(d, ring, counters, t, dec_chunks, enc_chunks, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+            STAGES: gl.constexpr):
+    """The TMA copies of tiles `t` (this partition's share) into the ring; each tile waits for the
+    pack items it reads: per K step (weight gradients: K is tokens) or once (input gradients)."""
     c = counters.slots
+    TD, TE, s1, s2, s3 = t.TD, t.TE, t.s1, t.s2, t.s3
     it = 0
-    for tile in range(first, total, stride):
+    for tile in range(t.first, t.total, t.stride):
         p = _product_of(tile, s1, s2, s3)
         if p == 0:  # grad_Wq = GQ^T dec16: A M-major [tokens, 4096], B [tokens, 1536]
-            off_m, off_n, k_lo, k_hi = tile_coords(tile, Q_OUT // BM, HIDDEN // BN, TD, split_wq, BM, BN, BK)
+            off_m, off_n, k_lo, k_hi = tile_coords(tile, Q_OUT // BM, HIDDEN // BN, TD, t.split_wq, BM, BN, BK)
             for k in range(k_lo, k_hi, BK):
                 block = k // TOKEN_BLOCK
                 if (k == k_lo) | (k % TOKEN_BLOCK == 0):
                     wait_count(c + counters.gq + block, _gq_items(block, TD))
                     wait_count(c + counters.dec + block, dec_chunks * _chunks(block, TD, ITEM_ROWS))
-                issue_step(a_wq, b_wq, a_m, b_bufs, ready, empty, it, k, off_m, k, off_n, STAGES)
+                issue_step(d.a_wq, d.b_wq, ring.a_m, ring.b, ring.ready, ring.empty, it, k, off_m, k, off_n, STAGES)
                 it += 1
         elif p == 1:  # grad_dec = GQ Wq16
-            off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, split_dec, BM, BN, BK)
+            off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, t.split_dec, BM, BN, BK)
             wait_count(c + C_WQ16, W_ITEMS)
             wait_count(c + counters.gq + off_m // TOKEN_BLOCK, _gq_items(off_m // TOKEN_BLOCK, TD))
             for k in range(k_lo, k_hi, BK):
-                issue_step(a_dec, b_dec, a_k, b_bufs, ready, empty, it, off_m, k, k, off_n, STAGES)
+                issue_step(d.a_dec, d.b_dec, ring.a_k, ring.b, ring.ready, ring.empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
         elif p == 2:  # [grad_Wk; grad_Wv] = [GK | GV]^T enc16
-            off_m, off_n, k_lo, k_hi = tile_coords(tile - s2, 2 * KV_OUT // BM, CROSS // BN, TE, split_wkv, BM, BN, BK)
+            off_m, off_n, k_lo, k_hi = tile_coords(tile - s2, 2 * KV_OUT // BM, CROSS // BN, TE, t.split_wkv, BM, BN, BK)
             for k in range(k_lo, k_hi, BK):
                 block = k // TOKEN_BLOCK
                 if (k == k_lo) | (k % TOKEN_BLOCK == 0):
                     wait_count(c + counters.gkv + block, _gkv_items(block, TE))
                     wait_count(c + counters.enc + block, enc_chunks * _chunks(block, TE, ITEM_ROWS))
-                issue_step(a_wkv, b_wkv, a_m, b_bufs, ready, empty, it, k, off_m, k, off_n, STAGES)
+                issue_step(d.a_wkv, d.b_wkv, ring.a_m, ring.b, ring.ready, ring.empty, it, k, off_m, k, off_n, STAGES)
                 it += 1
         else:  # grad_enc = [GK | GV] [Wk; Wv]16
-            off_m, off_n, k_lo, k_hi = tile_coords(tile - s3, gl.cdiv(TE, BM), CROSS // BN, 2 * KV_OUT, split_enc, BM, BN,
+            off_m, off_n, k_lo, k_hi = tile_coords(tile - s3, gl.cdiv(TE, BM), CROSS // BN, 2 * KV_OUT, t.split_enc, BM, BN,
                                                    BK)
             wait_count(c + C_WKV16, 2 * KV_ITEMS)
             wait_count(c + counters.gkv + off_m // TOKEN_BLOCK, _gkv_items(off_m // TOKEN_BLOCK, TE))
             for k in range(k_lo, k_hi, BK):
-                issue_step(a_enc, b_enc, a_k, b_bufs, ready, empty, it, off_m, k, k, off_n, STAGES)
+                issue_step(d.a_enc, d.b_enc, ring.a_k, ring.b, ring.ready, ring.empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
     _leave(counters)
 
 
 @gluon.jit
-def _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-              TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, first, stride,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr):
-    """Rows [PART * BM/2, +BM/2) of tiles first, first + stride, ... (the loader's); split-K tiles add
-    into outputs that the pack zeroed (waited for before the first atomic)."""
+def _consumer(ring, counters, outs, t, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              PART: gl.constexpr):
+    """Rows [PART * BM/2, +BM/2) of tiles `t` (the loader's); split-K tiles add into outputs that
+    the pack zeroed (waited for before the first atomic)."""
     ROWS: gl.constexpr = BM // 2
     ROW0: gl.constexpr = PART * ROWS
     c = counters.slots
+    TD, TE, s1, s2, s3 = t.TD, t.TE, t.s1, t.s2, t.s3
     it = 0
-    for tile in range(first, total, stride):
+    for tile in range(t.first, t.total, t.stride):
         p = _product_of(tile, s1, s2, s3)
         if p == 0:
-            off_m, off_n, k_lo, k_hi = tile_coords(tile, Q_OUT // BM, HIDDEN // BN, TD, split_wq, BM, BN, BK)
-            acc, it = consume_tile(a_m, b_bufs, ready, empty, it, gl.cdiv(k_hi - k_lo, BK), False, False, False,
-                                   ROW0, ROWS, BN, STAGES, 4)
-            if split_wq > 1:
+            off_m, off_n, k_lo, k_hi = tile_coords(tile, Q_OUT // BM, HIDDEN // BN, TD, t.split_wq, BM, BN, BK)
+            acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, gl.cdiv(k_hi - k_lo, BK), False, False,
+                                   False, ROW0, ROWS, BN, STAGES, 4)
+            if t.split_wq > 1:
                 wait_count(c + C_ZERO_WQ, W_ITEMS)
-            store_tile(grad_wq, HIDDEN, acc, off_m + ROW0, off_n, Q_OUT, HIDDEN, split_wq > 1)
+            store_tile(outs.grad_wq, HIDDEN, acc, off_m + ROW0, off_n, Q_OUT, HIDDEN, t.split_wq > 1)
         elif p == 1:
-            off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, split_dec, BM, BN, BK)
-            acc, it = consume_tile(a_k, b_bufs, ready, empty, it, gl.cdiv(k_hi - k_lo, BK), True, False, False,
-                                   ROW0, ROWS, BN, STAGES, 4)
-            if split_dec > 1:
+            off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, t.split_dec, BM, BN, BK)
+            acc, it = consume_tile(ring.a_k, ring.b, ring.ready, ring.empty, it, gl.cdiv(k_hi - k_lo, BK), True, False,
+                                   False, ROW0, ROWS, BN, STAGES, 4)
+            if t.split_dec > 1:
                 wait_count(c + C_ZERO_DEC, gl.cdiv(TD, ITEM_ROWS) * (HIDDEN // HEAD_DIM))
-            store_tile(grad_dec, HIDDEN, acc, off_m + ROW0, off_n, TD, HIDDEN, split_dec > 1)
+            store_tile(outs.grad_dec, HIDDEN, acc, off_m + ROW0, off_n, TD, HIDDEN, t.split_dec > 1)
         elif p == 2:
-            off_m, off_n, k_lo, k_hi = tile_coords(tile - s2, 2 * KV_OUT // BM, CROSS // BN, TE, split_wkv, BM, BN, BK)
-            acc, it = consume_tile(a_m, b_bufs, ready, empty, it, gl.cdiv(k_hi - k_lo, BK), False, False, False,
-                                   ROW0, ROWS, BN, STAGES, 4)
-            if split_wkv > 1:
+            off_m, off_n, k_lo, k_hi = tile_coords(tile - s2, 2 * KV_OUT // BM, CROSS // BN, TE, t.split_wkv, BM, BN, BK)
+            acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, gl.cdiv(k_hi - k_lo, BK), False, False,
+                                   False, ROW0, ROWS, BN, STAGES, 4)
+            if t.split_wkv > 1:
                 wait_count(c + C_ZERO_WKV, 2 * KV_ITEMS)
             # rows below KV_OUT are grad_Wk's, the rest grad_Wv's: one output tensor each
             on_v = off_m >= KV_OUT
-            store_tile(gl.where(on_v, grad_wv, grad_wk), CROSS, acc, off_m + ROW0 - on_v.to(gl.int32) * KV_OUT, off_n,
-                       KV_OUT, CROSS, split_wkv > 1)
+            store_tile(gl.where(on_v, outs.grad_wv, outs.grad_wk), CROSS, acc, off_m + ROW0 - on_v.to(gl.int32) * KV_OUT,
+                       off_n, KV_OUT, CROSS, t.split_wkv > 1)
         else:
-            off_m, off_n, k_lo, k_hi = tile_coords(tile - s3, gl.cdiv(TE, BM), CROSS // BN, 2 * KV_OUT, split_enc, BM, BN,
+            off_m, off_n, k_lo, k_hi = tile_coords(tile - s3, gl.cdiv(TE, BM), CROSS // BN, 2 * KV_OUT, t.split_enc, BM, BN,
                                                    BK)
-            acc, it = consume_tile(a_k, b_bufs, ready, empty, it, gl.cdiv(k_hi - k_lo, BK), True, False, False,
-                                   ROW0, ROWS, BN, STAGES, 4)
-            if split_enc > 1:
+            acc, it = consume_tile(ring.a_k, ring.b, ring.ready, ring.empty, it, gl.cdiv(k_hi - k_lo, BK), True, False,
+                                   False, ROW0, ROWS, BN, STAGES, 4)
+            if t.split_enc > 1:
                 wait_count(c + C_ZERO_ENC, gl.cdiv(TE, ITEM_ROWS) * (CROSS // HEAD_DIM))
-            store_tile(grad_enc, CROSS, acc, off_m + ROW0, off_n, TE, CROSS, split_enc > 1)
+            store_tile(outs.grad_enc, CROSS, acc, off_m + ROW0, off_n, TE, CROSS, t.split_enc > 1)
     _leave(counters)
 
 
 @gluon.jit
-def _second_consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                     TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, first, stride,
-                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-              TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, first, stride, BM, BN, BK, STAGES,
-              1)
+def _second_consumer(ring, counters, outs, t, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr):
+    _consumer(ring, counters, outs, t, BM, BN, BK, STAGES, 1)
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
@@ -179,10 +250,19 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     no weight gradient is wanted). Tiles: grad_Wq [0, s1), grad_dec [s1, s2), grad_Wkv [s2, s3),
     grad_enc [s3, total). slots: the completion counters, laid out as config.GluonCounters says
     (its runs start at c_gq, c_dec, c_gkv, c_enc; n_counters slots). r_*: the first range slot of
-    each region (the plan's Regions.bases). Launched with num_warps=4 (the first consumer warpgroup) and the pool's maxnreg;
-    the second consumer and the pack partition get REGS registers each (config.GluonConfig).
+    each region (the plan's Regions.bases). Inside, they travel as argument packs (`Descriptors`,
+    `Inputs`, `Operands`, `Outputs`, `Tiles`, `RangeBases`, `Ring`). Launched with num_warps=4 (the
+    first consumer warpgroup) and the pool's maxnreg; the second consumer and the pack partition
+    get REGS registers each (config.GluonConfig).
     """
     counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, n_counters)
+    d = Descriptors(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc)
+    inp = Inputs(gq, gk, gv, dec, enc, wq, wk, wv)
+    ops = Operands(gq16, gkv16, dec16, enc16, wq16, wkv16)
+    outs = Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
+    rb = RangeBases(ranges, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
+    pid, programs = gl.program_id(0), gl.num_programs(0)
+    t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, pid, programs)
     BK: gl.constexpr = a_dec.block_type.shape[1]
     BM: gl.constexpr = a_dec.block_type.shape[0]
     BN: gl.constexpr = b_dec.block_type.shape[1]
@@ -196,22 +276,12 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    pid, programs = gl.program_id(0), gl.num_programs(0)
+    ring = Ring(a_k, a_m, b_bufs, ready, empty)
     gl.warp_specialize([
-        (_consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                     TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, pid, programs, BM, BN, BK,
-                     STAGES, 0)),
-        (_second_consumer, (a_k, a_m, b_bufs, ready, empty, counters, grad_wq, grad_dec, grad_wk, grad_wv, grad_enc,
-                            TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, pid, programs, BM, BN,
-                            BK, STAGES)),
-        (_loader, (a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc, a_k, a_m, b_bufs, ready, empty, counters,
-                   TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                   pid, programs, BM, BN, BK, STAGES)),
-        (_pack, (pack_bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
-                 grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks,
-                 (split_wq > 1).to(gl.int32), (split_wkv > 1).to(gl.int32), (split_dec > 1).to(gl.int32),
-                 (split_enc > 1).to(gl.int32), ((s3 < total) | (s1 < s2)).to(gl.int32),
-                 r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pid, programs)),
+        (_consumer, (ring, counters, outs, t, BM, BN, BK, STAGES, 0)),
+        (_second_consumer, (ring, counters, outs, t, BM, BN, BK, STAGES)),
+        (_loader, (d, ring, counters, t, dec_chunks, enc_chunks, BM, BN, BK, STAGES)),
+        (_pack, (pack_bufs, inp, ops, outs, counters, pack_list(t, SD, SE, dec_chunks, enc_chunks), rb, pid, programs)),
     ], [4, 1, PACK_WARPS], [REGS, LOADER_REGS, REGS])
 
 

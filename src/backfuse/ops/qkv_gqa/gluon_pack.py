@@ -11,7 +11,7 @@ counted per 128-token block (release) in the order the products need them: zero 
 outputs that split-K products add into, the decoder side, Wq16, the encoder side, [Wk; Wv]16.
 """
 
-# No `from __future__ import annotations`: the `Counters` aggregate's field annotations must be types.
+# No `from __future__ import annotations`: the aggregates' field annotations must be types.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -55,6 +55,105 @@ class Counters:
     @gluon.constexpr_function
     def __init__(self, slots, gq, dec, gkv, enc, total):
         self.slots, self.gq, self.dec, self.gkv, self.enc, self.total = slots, gq, dec, gkv, enc, total
+
+
+@aggregate
+class Inputs:
+    """The official fp32 inputs: grad_query/key/value_states, decoder and encoder hidden states,
+    Wq, Wk, Wv."""
+
+    gq: gl.tensor
+    gk: gl.tensor
+    gv: gl.tensor
+    dec: gl.tensor
+    enc: gl.tensor
+    wq: gl.tensor
+    wk: gl.tensor
+    wv: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, gq, gk, gv, dec, enc, wq, wk, wv):
+        self.gq, self.gk, self.gv, self.dec, self.enc, self.wq, self.wk, self.wv = gq, gk, gv, dec, enc, wq, wk, wv
+
+
+@aggregate
+class Operands:
+    """The fp16 operand buffers that the pack fills: GQ, [GK | GV], dec16, enc16, Wq16, [Wk; Wv]16."""
+
+    gq16: gl.tensor
+    gkv16: gl.tensor
+    dec16: gl.tensor
+    enc16: gl.tensor
+    wq16: gl.tensor
+    wkv16: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, gq16, gkv16, dec16, enc16, wq16, wkv16):
+        self.gq16, self.gkv16, self.dec16, self.enc16, self.wq16, self.wkv16 = gq16, gkv16, dec16, enc16, wq16, wkv16
+
+
+@aggregate
+class Outputs:
+    """The five fp32 outputs (the pack zero-fills those that split-K products add into)."""
+
+    grad_dec: gl.tensor
+    grad_enc: gl.tensor
+    grad_wq: gl.tensor
+    grad_wk: gl.tensor
+    grad_wv: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, grad_dec, grad_enc, grad_wq, grad_wk, grad_wv):
+        self.grad_dec, self.grad_enc, self.grad_wq, self.grad_wk, self.grad_wv = (grad_dec, grad_enc, grad_wq,
+                                                                                  grad_wk, grad_wv)
+
+
+@aggregate
+class PackList:
+    """What the pack's item list (`_item`) depends on: decoder and encoder tokens (TD, TE) and
+    sequence lengths (SD, SE), 256-column chunks per row of dec / enc (0 when no weight gradient is
+    wanted), which split-K outputs to zero first (0 / 1 each) and whether the weights are packed."""
+
+    TD: gl.tensor
+    TE: gl.tensor
+    SD: gl.tensor
+    SE: gl.tensor
+    dec_chunks: gl.tensor
+    enc_chunks: gl.tensor
+    zero_wq: gl.tensor
+    zero_wkv: gl.tensor
+    zero_dec: gl.tensor
+    zero_enc: gl.tensor
+    pack_w: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec, zero_enc, pack_w):
+        self.TD, self.TE, self.SD, self.SE = TD, TE, SD, SE
+        self.dec_chunks, self.enc_chunks = dec_chunks, enc_chunks
+        self.zero_wq, self.zero_wkv, self.zero_dec, self.zero_enc, self.pack_w = (zero_wq, zero_wkv, zero_dec,
+                                                                                  zero_enc, pack_w)
+
+
+@aggregate
+class RangeBases:
+    """The fp16 range guard's slots (`ranges`) and the first slot of each region (the plan's
+    Regions.bases): GQ, GK, GV, dec, enc, Wq, Wk, Wv."""
+
+    ranges: gl.tensor
+    gq: gl.tensor
+    gk: gl.tensor
+    gv: gl.tensor
+    dec: gl.tensor
+    enc: gl.tensor
+    wq: gl.tensor
+    wk: gl.tensor
+    wv: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, ranges, gq, gk, gv, dec, enc, wq, wk, wv):
+        self.ranges = ranges
+        self.gq, self.gk, self.gv, self.dec, self.enc, self.wq, self.wk, self.wv = gq, gk, gv, dec, enc, wq, wk, wv
+
 
 
 
@@ -172,43 +271,42 @@ def _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot):
 
 
 @gluon.jit
-def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
-          grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv,
-          zero_dec, zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv):
+def _item(item, inp, ops, outs, counters, lst, rb):
     """Pack item `item` of the call's list, in order: zero fills (split-K outputs), the decoder side
     per token block (GQ heads, dec16), Wq16, the encoder side per token block ([GK | GV] head sums,
     enc16), [Wk; Wv]16. Returns (mode, src, dst (fp16), zero_dst (fp32, zero fills), row0, n_rows,
     src_stride, dst_stride, S, head, range slot, counter); items past the list have n_rows 0."""
-    nb_d = gl.cdiv(TD, TOKEN_BLOCK)
-    nb_e = gl.cdiv(TE, TOKEN_BLOCK)
+    nb_d = gl.cdiv(lst.TD, TOKEN_BLOCK)
+    nb_e = gl.cdiv(lst.TE, TOKEN_BLOCK)
     ROWS: gl.constexpr = ITEM_ROWS
     PER_BLOCK: gl.constexpr = TOKEN_BLOCK // ROWS
     SUM_PER_BLOCK: gl.constexpr = TOKEN_BLOCK // UNIT
-    n_zq = zero_wq * W_ITEMS
-    n_zkv = zero_wkv * 2 * KV_ITEMS
-    n_zdec = zero_dec * gl.cdiv(TD, ROWS) * (HIDDEN // HEAD_DIM)
-    n_zenc = zero_enc * gl.cdiv(TE, ROWS) * (CROSS // HEAD_DIM)
-    per_d = PER_BLOCK * (HEADS + dec_chunks)
-    n_d = (nb_d - 1) * per_d + _chunks(nb_d - 1, TD, ROWS) * (HEADS + dec_chunks)
-    per_e = SUM_PER_BLOCK * 2 * GROUP + PER_BLOCK * enc_chunks
-    n_e = (nb_e - 1) * per_e + _chunks(nb_e - 1, TE, UNIT) * 2 * GROUP + _chunks(nb_e - 1, TE, ROWS) * enc_chunks
+    n_zq = lst.zero_wq * W_ITEMS
+    n_zkv = lst.zero_wkv * 2 * KV_ITEMS
+    n_zdec = lst.zero_dec * gl.cdiv(lst.TD, ROWS) * (HIDDEN // HEAD_DIM)
+    n_zenc = lst.zero_enc * gl.cdiv(lst.TE, ROWS) * (CROSS // HEAD_DIM)
+    per_d = PER_BLOCK * (HEADS + lst.dec_chunks)
+    n_d = (nb_d - 1) * per_d + _chunks(nb_d - 1, lst.TD, ROWS) * (HEADS + lst.dec_chunks)
+    per_e = SUM_PER_BLOCK * 2 * GROUP + PER_BLOCK * lst.enc_chunks
+    n_e = (nb_e - 1) * per_e + _chunks(nb_e - 1, lst.TE, UNIT) * 2 * GROUP \
+        + _chunks(nb_e - 1, lst.TE, ROWS) * lst.enc_chunks
     e_zero = n_zq + n_zkv + n_zdec + n_zenc
     e_d = e_zero + n_d
-    e_wq = e_d + pack_w * W_ITEMS
+    e_wq = e_d + lst.pack_w * W_ITEMS
     e_e = e_wq + n_e
-    total = e_e + pack_w * 2 * KV_ITEMS
+    total = e_e + lst.pack_w * 2 * KV_ITEMS
     # defaults: a zero fill of grad_Wq's row block (64 rows x 256 columns)
     mode = 0
-    src = gq
-    dst = gq16
-    zero_dst = grad_wq + item // (Q_OUT // ROWS) * HEAD_DIM
+    src = inp.gq
+    dst = ops.gq16
+    zero_dst = outs.grad_wq + item // (Q_OUT // ROWS) * HEAD_DIM
     row0 = item % (Q_OUT // ROWS) * ROWS
     n_rows = Q_OUT - row0
     src_stride = HEAD_DIM
     dst_stride = HIDDEN
-    S = SD
+    S = lst.SD
     head = 0
-    slot = ranges
+    slot = rb.ranges
     counter = counters.slots + C_ZERO_WQ
     if item >= total:
         n_rows = 0
@@ -216,87 +314,88 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
         pass
     elif item < n_zq + n_zkv:
         local = item - n_zq
-        zero_dst = gl.where(local < KV_ITEMS, grad_wk, grad_wv) + local % KV_ITEMS // (KV_OUT // ROWS) * HEAD_DIM
+        zero_dst = gl.where(local < KV_ITEMS, outs.grad_wk, outs.grad_wv) \
+            + local % KV_ITEMS // (KV_OUT // ROWS) * HEAD_DIM
         row0 = local % (KV_OUT // ROWS) * ROWS
         n_rows = KV_OUT - row0
         dst_stride = CROSS
         counter = counters.slots + C_ZERO_WKV
     elif item < n_zq + n_zkv + n_zdec:  # zero grad_dec [TD, 1536]
         local = item - n_zq - n_zkv
-        zero_dst = grad_dec + local // gl.cdiv(TD, ROWS) * HEAD_DIM
-        row0 = local % gl.cdiv(TD, ROWS) * ROWS
-        n_rows = TD - row0
+        zero_dst = outs.grad_dec + local // gl.cdiv(lst.TD, ROWS) * HEAD_DIM
+        row0 = local % gl.cdiv(lst.TD, ROWS) * ROWS
+        n_rows = lst.TD - row0
         counter = counters.slots + C_ZERO_DEC
     elif item < e_zero:  # zero grad_enc [TE, 1024]
         local = item - n_zq - n_zkv - n_zdec
-        zero_dst = grad_enc + local // gl.cdiv(TE, ROWS) * HEAD_DIM
-        row0 = local % gl.cdiv(TE, ROWS) * ROWS
-        n_rows = TE - row0
+        zero_dst = outs.grad_enc + local // gl.cdiv(lst.TE, ROWS) * HEAD_DIM
+        row0 = local % gl.cdiv(lst.TE, ROWS) * ROWS
+        n_rows = lst.TE - row0
         dst_stride = CROSS
         counter = counters.slots + C_ZERO_ENC
     elif item < e_d:  # decoder side, block by block
         local = item - e_zero
         block = local // per_d
         sub = local - block * per_d
-        chunks = _chunks(block, TD, ROWS)
+        chunks = _chunks(block, lst.TD, ROWS)
         row0 = block * TOKEN_BLOCK + sub % chunks * ROWS
-        n_rows = TD - row0
-        if sub < _gq_items(block, TD):  # GQ: 64 tokens of one head
+        n_rows = lst.TD - row0
+        if sub < _gq_items(block, lst.TD):  # GQ: 64 tokens of one head
             mode = 2
             head = sub // chunks
-            dst = gq16 + head * HEAD_DIM
+            dst = ops.gq16 + head * HEAD_DIM
             dst_stride = Q_OUT
-            slot = ranges + r_gq + block * PER_BLOCK * HEADS + sub
+            slot = rb.ranges + rb.gq + block * PER_BLOCK * HEADS + sub
             counter = counters.slots + counters.gq + block
         else:  # dec16: 64 tokens x 256 columns
             mode = 1
             col = (sub - HEADS * chunks) // chunks * HEAD_DIM
-            src = dec + col
-            dst = dec16 + col
+            src = inp.dec + col
+            dst = ops.dec16 + col
             src_stride = HIDDEN
-            slot = ranges + r_dec + block * PER_BLOCK * dec_chunks + sub - HEADS * chunks
+            slot = rb.ranges + rb.dec + block * PER_BLOCK * lst.dec_chunks + sub - HEADS * chunks
             counter = counters.slots + counters.dec + block
     elif item < e_wq:  # Wq16
         local = item - e_d
         mode = 1
         col = local // (Q_OUT // ROWS) * HEAD_DIM
-        src = wq + col
-        dst = wq16 + col
+        src = inp.wq + col
+        dst = ops.wq16 + col
         row0 = local % (Q_OUT // ROWS) * ROWS
         n_rows = ROWS
         src_stride = HIDDEN
-        slot = ranges + r_wq + local
+        slot = rb.ranges + rb.wq + local
         counter = counters.slots + C_WQ16
     elif item < e_e:  # encoder side, block by block
         local = item - e_wq
         block = local // per_e
         sub = local - block * per_e
-        sum_chunks = _chunks(block, TE, UNIT)
-        S = SE
-        if sub < _gkv_items(block, TE):  # one KV head of GK or GV for 16 tokens: the sum of its 4 query heads
+        sum_chunks = _chunks(block, lst.TE, UNIT)
+        S = lst.SE
+        if sub < _gkv_items(block, lst.TE):  # one KV head of GK or GV for 16 tokens: the sum of its 4 query heads
             mode = 3
             part = sub // sum_chunks  # 0..3: GK heads, 4..7: GV heads
             row0 = block * TOKEN_BLOCK + sub % sum_chunks * UNIT
-            n_rows = TE - row0
-            src = gl.where(part < GROUP, gk, gv)
+            n_rows = lst.TE - row0
+            src = gl.where(part < GROUP, inp.gk, inp.gv)
             head = part % GROUP * GROUP
-            dst = gkv16 + part // GROUP * KV_OUT + part % GROUP * HEAD_DIM
+            dst = ops.gkv16 + part // GROUP * KV_OUT + part % GROUP * HEAD_DIM
             dst_stride = 2 * KV_OUT
-            slot = ranges + gl.where(part < GROUP, r_gk, r_gv) + block * SUM_PER_BLOCK * GROUP \
+            slot = rb.ranges + gl.where(part < GROUP, rb.gk, rb.gv) + block * SUM_PER_BLOCK * GROUP \
                 + part % GROUP * sum_chunks + sub % sum_chunks
             counter = counters.slots + counters.gkv + block
         else:  # enc16: 64 tokens x 256 columns
             mode = 1
             sub = sub - 2 * GROUP * sum_chunks
-            chunks = _chunks(block, TE, ROWS)
+            chunks = _chunks(block, lst.TE, ROWS)
             row0 = block * TOKEN_BLOCK + sub % chunks * ROWS
-            n_rows = TE - row0
+            n_rows = lst.TE - row0
             col = sub // chunks * HEAD_DIM
-            src = enc + col
-            dst = enc16 + col
+            src = inp.enc + col
+            dst = ops.enc16 + col
             src_stride = CROSS
             dst_stride = CROSS
-            slot = ranges + r_enc + block * PER_BLOCK * enc_chunks + sub
+            slot = rb.ranges + rb.enc + block * PER_BLOCK * lst.enc_chunks + sub
             counter = counters.slots + counters.enc + block
     else:  # [Wk; Wv]16
         local = item - e_e
@@ -304,24 +403,22 @@ def _item(item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
         local = local % KV_ITEMS
         mode = 1
         col = local // (KV_OUT // ROWS) * HEAD_DIM
-        src = gl.where(on_v, wv, wk) + col
-        dst = wkv16 + on_v.to(gl.int32) * KV_OUT * CROSS + col
+        src = gl.where(on_v, inp.wv, inp.wk) + col
+        dst = ops.wkv16 + on_v.to(gl.int32) * KV_OUT * CROSS + col
         row0 = local % (KV_OUT // ROWS) * ROWS
         n_rows = ROWS
         src_stride = CROSS
         dst_stride = CROSS
-        slot = ranges + gl.where(on_v, r_wv, r_wk) + local
+        slot = rb.ranges + gl.where(on_v, rb.wv, rb.wk) + local
         counter = counters.slots + C_WKV16
     return mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter
 
 
 @gluon.jit
-def _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk, grad_wv,
-          grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec,
-          zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, first, stride):
-    """The pack partition: items first, first + stride, ... of the pack (`_item`; in the one-launch
-    kernel a program's share, every num_programs-th),
-    one at a time (64 KB of copies in flight), with the next item's decode done while an item's
+def _pack(bufs, inp, ops, outs, counters, lst, rb, first, stride):
+    """The pack partition: items first, first + stride, ... of the pack list `lst` (`_item`; in the
+    one-launch kernel a program's share, every num_programs-th), one at a time (64 KB of copies in
+    flight), with the next item's decode done while an item's
     copies fly and its copies issued before the current item is counted (the release's fence then
     waits for the stores under them): the pack alone 8% faster than decode, copy, use, count in
     turn (benchmarks/notes/gluon.md). Measured slower: two items in flight with the products' ring
@@ -329,18 +426,13 @@ def _pack(bufs, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq1
     pack alone 1.9x slower, with spills)."""
     item = first
     mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter = _item(
-        item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk, grad_wv,
-        grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec,
-        zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
+        item, inp, ops, outs, counters, lst, rb)
     _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head)
     while n_rows > 0:
         item += stride
         # the next item's decode (integer divisions) while this item's copies fly
         n_mode, n_src, n_dst, n_zero_dst, n_row0, n_n_rows, n_src_stride, n_dst_stride, n_S, n_head, n_slot, \
-            n_counter = _item(
-                item, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16, grad_wq, grad_wk,
-                grad_wv, grad_dec, grad_enc, counters, ranges, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq,
-                zero_wkv, zero_dec, zero_enc, pack_w, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
+            n_counter = _item(item, inp, ops, outs, counters, lst, rb)
         async_copy.wait_group(0)
         gl.thread_barrier()  # every thread's copies have landed
         _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot)
