@@ -147,6 +147,9 @@ class FastKernel:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if not tensors[0].is_cuda:  # the Triton interpreter
             return lambda: self.fn[grid](*args, **meta)
+        key = specialization(args, meta), torch.cuda.current_device()
+        if self.waits_on_peers:
+            self._check_resident(key, grid, args, meta)
         if not FAST_LAUNCH:  # a Triton whose launcher internals we do not know
 
             def jit_launch():
@@ -154,9 +157,6 @@ class FastKernel:
                     self.fn[grid](*args, **meta)
 
             return jit_launch
-        key = specialization(args, meta), torch.cuda.current_device()
-        if self.waits_on_peers:
-            self._check_resident(key, grid, args, meta)
         handle = self.handles.get(key)
         if handle is None:  # first launch of this specialization: through the JIT, which compiles it
             self._check_unspecialized(args)
