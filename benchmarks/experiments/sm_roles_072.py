@@ -26,6 +26,7 @@ the others multiply; one program per SM, every one resident.
     PYTHONPATH=src python3 benchmarks/experiments/sm_roles_072.py [--cases 0,6,7,9] [--pack-programs 24,40,56]
     ... --phases            # also each kernel alone
     ... --one-launch        # roles_kernel instead of the two launches
+    ... --two-items         # pack workers with two items in flight (`_pack_two`; prepared in session 20, not run)
     ... --compile-only      # on any machine: every kernel's shared memory, registers, stack, HGMMA
 
 Measured in session 20 (benchmarks/notes/072.md, "Issue 25, step 2"): 0.45-0.86x pack + cuBLAS in
@@ -40,14 +41,69 @@ import dataclasses
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from backfuse.kernels.gluon.gemm import LOADER_REGS
 from backfuse.ops.qkv_gqa import config, gluon_kernels
 from backfuse.ops.qkv_gqa.gluon_kernels import Descriptors, Ring, Tiles
-from backfuse.ops.qkv_gqa.gluon_pack import HEAD_DIM, UNIT, UNITS, Counters, Inputs, Operands, Outputs, RangeBases, _leave, _pack
+from backfuse.ops.qkv_gqa.gluon_pack import (
+    HEAD_DIM,
+    UNIT,
+    UNITS,
+    Counters,
+    Inputs,
+    Operands,
+    Outputs,
+    RangeBases,
+    _fetch_item,
+    _finish_item,
+    _item,
+    _leave,
+    _pack,
+    _release,
+)
 from backfuse.ops.qkv_gqa.spec import CROSS_HIDDEN, HIDDEN, KV_OUT, Q_OUT
+
+
+@gluon.jit
+def _pack_two(buf_a, buf_b, inp, ops, outs, counters, lst, rb, first, stride):
+    """`_pack` with two items in flight (128 KB of copies): item k + 1's copies fly while item k is
+    converted and stored, then item k + 2's are issued into k's slots. Items alternate between the
+    two buffers, two per loop step (the commit groups complete in issue order, so waiting until at
+    most one group is pending means the older item has landed)."""
+    item = first
+    m0, src0, dst0, z0, row0, n0, ss0, ds0, s0, h0, slot0, c0 = _item(item, inp, ops, outs, counters, lst, rb)
+    _fetch_item(buf_a, m0, src0, row0, n0, ss0, s0, h0)
+    m1, src1, dst1, z1, row1, n1, ss1, ds1, s1, h1, slot1, c1 = _item(item + stride, inp, ops, outs, counters, lst,
+                                                                         rb)
+    _fetch_item(buf_b, m1, src1, row1, n1, ss1, s1, h1)
+    while n0 > 0:
+        item += 2 * stride
+        async_copy.wait_group(1)
+        gl.thread_barrier()  # buf_a's item has landed for every thread
+        _finish_item(buf_a, m0, dst0, z0, row0, n0, ds0, slot0)
+        gl.thread_barrier()
+        m2, src2, dst2, z2, row2, n2, ss2, ds2, s2, h2, slot2, c2 = _item(item, inp, ops, outs, counters, lst, rb)
+        _fetch_item(buf_a, m2, src2, row2, n2, ss2, s2, h2)
+        _release(c0)
+        async_copy.wait_group(1)
+        gl.thread_barrier()  # buf_b's item has landed
+        if n1 > 0:  # an item past the list must not store its (default) range slot
+            _finish_item(buf_b, m1, dst1, z1, row1, n1, ds1, slot1)
+        gl.thread_barrier()
+        m3, src3, dst3, z3, row3, n3, ss3, ds3, s3, h3, slot3, c3 = _item(item + stride, inp, ops, outs, counters,
+                                                                             lst, rb)
+        _fetch_item(buf_b, m3, src3, row3, n3, ss3, s3, h3)
+        if n1 > 0:
+            _release(c1)
+        m0, src0, dst0, z0, row0, n0, ss0, ds0, s0, h0, slot0, c0 = m2, src2, dst2, z2, row2, n2, ss2, ds2, s2, h2, \
+            slot2, c2
+        m1, src1, dst1, z1, row1, n1, ss1, ds1, s1, h1, slot1, c1 = m3, src3, dst3, z3, row3, n3, ss3, ds3, s3, h3, \
+            slot3, c3
+    async_copy.wait_group(0)
+    _leave(counters)
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
@@ -56,17 +112,25 @@ from backfuse.ops.qkv_gqa.spec import CROSS_HIDDEN, HIDDEN, KV_OUT, Q_OUT
 def pack_only_kernel(gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
                      grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
                      TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                     c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv):
-    """The one-launch kernel's pack partition over this grid's programs. Its counters' slot count is
-    given as no_slots = 0, so that its partitions counting out (`_leave`) zero nothing: the product
-    kernel's programs may still be waiting on them; the caller zeroes the counters before each call."""
-    bufs = gl.allocate_shared_memory(gl.float32, [UNITS * UNIT, HEAD_DIM], PACK_SMEM)
+                     c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
+                     TWO: gl.constexpr):
+    """The one-launch kernel's pack partition over this grid's programs (TWO: `_pack_two`, two
+    items in flight). Its counters' slot count is given as no_slots = 0, so that its partitions
+    counting out (`_leave`) zero nothing: the product kernel's programs may still be waiting on them;
+    the caller zeroes the counters before each call."""
+    bufs = gl.allocate_shared_memory(gl.float32, [(1 + TWO) * UNITS * UNIT, HEAD_DIM], PACK_SMEM)
     counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
     t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, gl.program_id(0), gl.num_programs(0))
-    _pack(bufs, Inputs(gq, gk, gv, dec, enc, wq, wk, wv), Operands(gq16, gkv16, dec16, enc16, wq16, wkv16),
-          Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv), counters,
-          gluon_kernels.pack_list(t, SD, SE, dec_chunks, enc_chunks),
-          RangeBases(ranges, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv), gl.program_id(0), gl.num_programs(0))
+    inp = Inputs(gq, gk, gv, dec, enc, wq, wk, wv)
+    ops = Operands(gq16, gkv16, dec16, enc16, wq16, wkv16)
+    outs = Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
+    lst = gluon_kernels.pack_list(t, SD, SE, dec_chunks, enc_chunks)
+    rb = RangeBases(ranges, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
+    if TWO:
+        _pack_two(bufs.slice(0, UNITS * UNIT), bufs.slice(UNITS * UNIT, UNITS * UNIT), inp, ops, outs, counters, lst,
+                  rb, gl.program_id(0), gl.num_programs(0))
+    else:
+        _pack(bufs, inp, ops, outs, counters, lst, rb, gl.program_id(0), gl.num_programs(0))
 
 
 @gluon.jit
@@ -122,25 +186,36 @@ def _product_share(t, pack_sms):
 
 @gluon.jit
 def _role_worker(ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM: gl.constexpr, BN: gl.constexpr,
-                 BK: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr):
+                 BK: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr, TWO: gl.constexpr):
     """A consumer warpgroup of roles_kernel: on the first pack_sms programs it packs (pack worker
     2 * pid + PART of 2 * pack_sms, its 64 KB of copies in flight in the products' ring: A's slots for
-    PART 0, the first half of B's for PART 1), on the others it is the one-launch kernel's consumer."""
+    PART 0, the first half of B's for PART 1; TWO: PART 0 keeps two items in flight, in A's slots and
+    the first half of B's, PART 1 one in the second half), on the others it is the one-launch
+    kernel's consumer."""
     pid = gl.program_id(0)
     if pid < pack_sms:
-        if PART == 0:
-            bufs = ring.a_k._reinterpret(gl.float32, [UNITS * UNIT, HEAD_DIM], PACK_SMEM)
+        if TWO:
+            halves = ring.b._reinterpret(gl.float32, [2 * UNITS * UNIT, HEAD_DIM], PACK_SMEM)
+            if PART == 0:
+                _pack_two(ring.a_k._reinterpret(gl.float32, [UNITS * UNIT, HEAD_DIM], PACK_SMEM),
+                          halves.slice(0, UNITS * UNIT), inp, ops, outs, counters, lst, rb, 2 * pid, 2 * pack_sms)
+            else:
+                _pack(halves.slice(UNITS * UNIT, UNITS * UNIT), inp, ops, outs, counters, lst, rb, 2 * pid + 1,
+                      2 * pack_sms)
         else:
-            bufs = ring.b._reinterpret(gl.float32, [2 * UNITS * UNIT, HEAD_DIM], PACK_SMEM).slice(0, UNITS * UNIT)
-        _pack(bufs, inp, ops, outs, counters, lst, rb, 2 * pid + PART, 2 * pack_sms)
+            if PART == 0:
+                bufs = ring.a_k._reinterpret(gl.float32, [UNITS * UNIT, HEAD_DIM], PACK_SMEM)
+            else:
+                bufs = ring.b._reinterpret(gl.float32, [2 * UNITS * UNIT, HEAD_DIM], PACK_SMEM).slice(0, UNITS * UNIT)
+            _pack(bufs, inp, ops, outs, counters, lst, rb, 2 * pid + PART, 2 * pack_sms)
     else:
         gluon_kernels._consumer(ring, counters, outs, _product_share(t, pack_sms), BM, BN, BK, STAGES, PART)
 
 
 @gluon.jit
 def _role_second_worker(ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM: gl.constexpr, BN: gl.constexpr,
-                        BK: gl.constexpr, STAGES: gl.constexpr):
-    _role_worker(ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES, 1)
+                        BK: gl.constexpr, STAGES: gl.constexpr, TWO: gl.constexpr):
+    _role_worker(ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES, 1, TWO)
 
 
 @gluon.jit
@@ -161,7 +236,7 @@ def roles_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
                  TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
                  c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms,
-                 STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, TWO: gl.constexpr):
     """SM roles in one launch (one program per SM): the first pack_sms programs pack with both
     consumer warpgroups (two pack workers, 128 KB of copies in flight per SM), the others run the
     products with 128 x 256 tiles; counters as for pack_only_kernel (the caller zeroes them)."""
@@ -178,8 +253,8 @@ def roles_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     lst = gluon_kernels.pack_list(t, SD, SE, dec_chunks, enc_chunks)
     ring = _ring(a_dec, a_wq, b_dec, STAGES)
     gl.warp_specialize([
-        (_role_worker, (ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES, 0)),
-        (_role_second_worker, (ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES)),
+        (_role_worker, (ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES, 0, TWO)),
+        (_role_second_worker, (ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES, TWO)),
         (_role_loader, (d, ring, counters, t, dec_chunks, enc_chunks, pack_sms, BM, BN, BK, STAGES)),
     ], [4, 1], [240, LOADER_REGS])
 
@@ -191,10 +266,12 @@ def _descriptor(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
 
 
-def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, one_launch: bool = False):
+def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, one_launch: bool = False,
+             two_items: bool = False):
     """A function that runs one 072 call (counters zeroed first), and its outputs: the two kernels on
     two streams at once, pack_programs programs of the pack; or (one_launch) roles_kernel, whose first
-    pack_programs programs pack."""
+    pack_programs programs pack. two_items: pack workers keep two items in flight (`_pack_two`; in
+    roles_kernel the first consumer's worker)."""
     gq, gk, gv, dec, enc, wq, wk, wv = inputs
     batch, _, sd, _ = gq.shape
     se = gk.shape[2]
@@ -221,7 +298,7 @@ def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, one_la
         pack_only_kernel[(programs,)](
             gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
-            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, num_warps=4)
+            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, TWO=two_items, num_warps=4)
 
     def products(programs=sms - pack_programs):
         products_only_kernel[(programs,)](
@@ -233,7 +310,8 @@ def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, one_la
         roles_kernel[(sms,)](
             *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
-            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, pack_programs, STAGES=g.stages, num_warps=4)
+            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, pack_programs, STAGES=g.stages, TWO=two_items,
+            num_warps=4)
 
     def run():
         if one_launch:
@@ -279,7 +357,9 @@ def _compile_only():
                     "*fp16" if p.name.endswith("16") else "*i32" if p.name == "slots" else "*fp32"
         return sig
 
-    print("pack only", usage(compile_sm90(pack_only_kernel, ints_and_pointers(pack_only_kernel, {}), {}, num_warps=4)))
+    for two in (False, True):
+        kernel = compile_sm90(pack_only_kernel, ints_and_pointers(pack_only_kernel, {}), {"TWO": two}, num_warps=4)
+        print(f"pack only{', two items in flight' if two else ''}", usage(kernel), flush=True)
     for name, g in TILES.items():
         sig = {n: descriptor_type(gl.float16, block) for n, _, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)}
         kernel = compile_sm90(products_only_kernel, ints_and_pointers(products_only_kernel, sig),
@@ -287,8 +367,10 @@ def _compile_only():
         print(f"products only {name}", usage(kernel), flush=True)
     g = TILES["128x256"]
     sig = {n: descriptor_type(gl.float16, block) for n, _, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)}
-    kernel = compile_sm90(roles_kernel, ints_and_pointers(roles_kernel, sig), {"STAGES": g.stages}, num_warps=4)
-    print("roles in one launch 128x256", usage(kernel), flush=True)
+    for two in (False, True):
+        kernel = compile_sm90(roles_kernel, ints_and_pointers(roles_kernel, sig), {"STAGES": g.stages, "TWO": two},
+                              num_warps=4)
+        print(f"roles in one launch 128x256{', two items in flight' if two else ''}", usage(kernel), flush=True)
 
 
 def main():
@@ -298,6 +380,7 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--one-launch", action="store_true",
                     help="roles_kernel instead: SM roles in one launch, 128 x 256 tiles, the pack on --pack-programs SMs")
+    ap.add_argument("--two-items", action="store_true", help="pack workers keep two items in flight (_pack_two)")
     ap.add_argument("--phases", action="store_true",
                     help="also time each kernel alone: the pack on 1/3, 2/3 and all of the SMs, the products after it")
     args = ap.parse_args()
@@ -318,7 +401,8 @@ def main():
         print(f"case {index} {w.axes}: pack + cuBLAS {cublas:.1f} us, one launch {one:.1f} us", flush=True)
         if args.one_launch:
             for pack_programs in (int(p) for p in args.pack_programs.split(",")):
-                run, _, outs = sm_roles(inputs, TILES["128x256"], pack_programs, sms, one_launch=True)
+                run, _, outs = sm_roles(inputs, TILES["128x256"], pack_programs, sms, one_launch=True,
+                                        two_items=args.two_items)
                 run()
                 torch.cuda.synchronize()
                 v = check_outputs(outs, ref, w.tolerance, op.output_names)
@@ -328,7 +412,7 @@ def main():
             continue
         for name, g in TILES.items():
             for pack_programs in (int(p) for p in args.pack_programs.split(",")):
-                run, phases, outs = sm_roles(inputs, dataclasses.replace(g), pack_programs, sms)
+                run, phases, outs = sm_roles(inputs, dataclasses.replace(g), pack_programs, sms, two_items=args.two_items)
                 run()
                 torch.cuda.synchronize()
                 v = check_outputs(outs, ref, w.tolerance, op.output_names)
