@@ -11,7 +11,6 @@ from conftest import DEVICE
 from helpers import FP16_REL_ERR, assert_official_pass, check_deterministic, check_fused, check_needs, fused_with, rel_err
 
 import backfuse
-from backfuse.fp16_guard import RangeSlots
 from backfuse.ops.qkv_gqa import config
 
 AXES = dict(batch_size=3, seq_len_dec=5, seq_len_enc=13)
@@ -25,32 +24,12 @@ def test_odd_shapes(axes):
     check_fused(backfuse.problem("072"), axes, seed=11)
 
 
-@pytest.mark.parametrize("fp32_wq_max_row_tiles", [0, 5])
-def test_split_k_and_gpu_tiles(fp32_wq_max_row_tiles):
+def test_split_k_and_gpu_tiles():
     """Many processors force K splits (atomics into pre-zeroed outputs); the GPU's tile shape (on the
     CPU with the interpreter's pack: its one-program-per-megaelement passes would take a GPU's
-    compiler minutes); grad_dec reading Wq's fp16 copy (0) or Wq itself in fp32 (5)."""
+    compiler minutes)."""
     cfg = config.CONFIG if DEVICE == "cuda" else dataclasses.replace(config.INTERPRETER_CONFIG, tiles=config.CONFIG.tiles)
-    cfg = dataclasses.replace(cfg, fp32_wq_max_row_tiles=fp32_wq_max_row_tiles)
-    check_fused(backfuse.problem("072"), AXES, seed=5, fn=fused_with("072", config=cfg, sms=132, products="triton"))
-
-
-@pytest.mark.parametrize("fp32_wq_max_row_tiles", [0, 5])
-def test_wq_range_is_recorded_with_or_without_its_fp16_copy(fp32_wq_max_row_tiles):
-    """The fp16 range guard sees Wq's largest |value| whether the pack copies Wq to fp16 or grad_dec's
-    tiles round it as they read it (with K splits: one slot per split and column block)."""
-    prob = backfuse.problem("072")
-    cfg = dataclasses.replace(config.CONFIG if DEVICE == "cuda" else config.INTERPRETER_CONFIG,
-                              fp32_wq_max_row_tiles=fp32_wq_max_row_tiles)
-    inputs = prob.make_inputs(AXES, seed=3, device=DEVICE)
-    wq = inputs[prob.input_names.index("q_weight")]
-    wq[1000, 7] = -3.5  # the largest |value|, in one block of one split
-    p = config.plan(cfg, AXES, 132, gpu=DEVICE == "cuda", products="triton")
-    assert p.tiles.fp32_wq == (fp32_wq_max_row_tiles > 0) and p.splits[2] > 1
-    ranges = RangeSlots()
-    prob.fused(*inputs, config=cfg, sms=132, products="triton", ranges=ranges)
-    maxima = {name: m for name, m, _ in ranges.maxima()}
-    assert maxima["q_weight"] == 3.5 and maxima["k_weight"] == inputs[prob.input_names.index("k_weight")].abs().max()
+    check_fused(backfuse.problem("072"), AXES, seed=5, fn=fused_with("072", config=cfg, sms=132))
 
 
 @pytest.mark.parametrize("wanted", [("decoder_hidden_states", "encoder_hidden_states"), ("k_weight",)])

@@ -23,11 +23,10 @@ from triton.compiler import ASTSource
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_sm90(jit_fn, scalars: dict, constexprs: dict, num_warps: int, num_stages: int, int_pointers=(),
-                 fp16_pointers=()):
+def compile_sm90(jit_fn, scalars: dict, constexprs: dict, num_warps: int, num_stages: int, int_pointers=()):
     """scalars: name -> 'i32' or 'fp32' (arguments in the kernel's do_not_specialize default to 'i32');
     every other non-constexpr argument is a pointer: fp16 when its name ends in 16 (our fp16 operand
-    buffers) or is listed in fp16_pointers, int32 when listed in int_pointers, else fp32."""
+    buffers), int32 when listed in int_pointers, else fp32."""
     scalars = {**{p.name: "i32" for p in jit_fn.params if p.do_not_specialize}, **scalars}
     signature, attrs = {}, {}
     for i, name in enumerate(jit_fn.arg_names):
@@ -36,8 +35,7 @@ def compile_sm90(jit_fn, scalars: dict, constexprs: dict, num_warps: int, num_st
         elif name in scalars:
             signature[name] = scalars[name]
         else:
-            fp16 = name.endswith("16") or name in fp16_pointers
-            signature[name] = "*" + ("i32" if name in int_pointers else "fp16" if fp16 else "fp32")
+            signature[name] = "*" + ("i32" if name in int_pointers else "fp16" if name.endswith("16") else "fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(jit_fn, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -94,12 +92,9 @@ def qkv_gqa_072_kernels(cfg=None):
     yield "072 pack", compile_sm90(
         triton_kernels.pack_kernel, {},
         dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
-    for fp32_wq in (False, True):
-        yield f"072 products{' fp32 Wq' if fp32_wq else ''}", compile_sm90(
-            triton_kernels.projection_grads_kernel, {},
-            dict(WEIGHT_GRADS=True, INPUT_GRADS=True, FP32_WQ=fp32_wq, BM=g.bm, BN=g.bn, BK=g.bk,
-                 DEC_STAGES=cfg.fp32_wq_stages if fp32_wq else g.stages, PDL=pdl), g.warps, g.stages,
-            fp16_pointers=() if fp32_wq else ("wq",))
+    yield "072 products", compile_sm90(
+        triton_kernels.projection_grads_kernel, {},
+        dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk, PDL=pdl), g.warps, g.stages)
 
 
 def gemma3_037_kernels(cfg=None):

@@ -46,11 +46,6 @@ VARIANTS = {
         "triton_128x128_w8": dict(products="triton", config=C72(tiles=T(128, 128, 64, 8, 4))),
         "triton_128x128_w4": dict(products="triton", config=C72(tiles=T(128, 128, 64, 4, 4))),
         "triton_128x128_k32": dict(products="triton", config=C72(tiles=T(128, 128, 32, 4, 6))),
-        # grad_dec reading Wq's fp16 copy from the pack (never fp32), or Wq in fp32 up to 5 row tiles
-        # at 3 or 4 stages (072.md row 26).
-        "triton_wq16": dict(products="triton", config=C72(fp32_wq_max_row_tiles=0)),
-        "triton_wq32_s3": dict(products="triton", config=C72(fp32_wq_max_row_tiles=5, fp32_wq_stages=3)),
-        "triton_wq32_s4": dict(products="triton", config=C72(fp32_wq_max_row_tiles=5, fp32_wq_stages=4)),
     },
     "021": {
         "default": dict(config=C21()),

@@ -30,15 +30,12 @@ def mma_tile(
     BN: tl.constexpr,
     BK: tl.constexpr,
     STAGES: tl.constexpr = None,
-    b_largest=None,
 ):
     """A[off_m:+BM, k_lo:k_hi] @ B[k_lo:k_hi, off_n:+BN] with fp16 operands, as a [BM, BN] fp32 tile.
     A or B may also be fp32 in memory: rounded to fp16 on the way to the tensor cores.
 
     Any layout works through the strides; rows past M, columns past N and k past k_hi read zeros.
-    STAGES: the K loop's software-pipeline depth (None: the launch's num_stages). b_largest: where
-    to store the largest |value| of the B block read (the fp16 range guard's slot of an fp32 B
-    rounded here; every tile that reads the same block stores the same value), or None.
+    STAGES: the K loop's software-pipeline depth (None: the launch's num_stages).
     """
     rm = off_m + tl.arange(0, BM)
     rn = off_n + tl.arange(0, BN)
@@ -48,18 +45,13 @@ def mma_tile(
     m_ok = rm[:, None] < M
     n_ok = rn[None, :] < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    largest = tl.zeros((BK, BN), dtype=tl.float32)  # elementwise: one reduction after the loop
     for k in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         k_ok = (k + rk) < k_hi
         a = tl.load(a_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-        if b_largest is not None:
-            largest = tl.maximum(largest, tl.abs(b))
         acc = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)  # fp32 operands are rounded as they stream in
         a_ptrs += BK * stride_ak
         b_ptrs += BK * stride_bk
-    if b_largest is not None:
-        tl.store(b_largest, tl.max(largest))
     return acc
 
 
@@ -129,17 +121,10 @@ def gemm_tile(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    b_ranges=None,
-    STAGES: tl.constexpr = None,
 ):
     """Tile `local` (numbered as in tile_coords) of C[M, N] (+)= A[M, K] @ B[K, N], K split `splits`
-    ways (C pre-zeroed if splits > 1). b_ranges: for an fp32 B, the range-guard region of B's
-    blocks, one slot per (split, column block): slot split * cdiv(N, BN) + column block (None: no
-    record). STAGES: the K loop's pipeline depth (None: the launch's num_stages)."""
+    ways (C pre-zeroed if splits > 1)."""
     off_m, off_n, k_lo, k_hi = tile_coords(local, M, N, K, splits, BM, BN, BK)
-    b_largest = None
-    if b_ranges is not None:
-        b_largest = b_ranges + (local // ((M + BM - 1) // BM * ((N + BN - 1) // BN))) * ((N + BN - 1) // BN) + off_n // BN
     acc = mma_tile(a_ptr, b_ptr, off_m, off_n, M, N, k_lo, k_hi,
-                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, STAGES, b_largest)
+                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK)
     store_tile(c_ptr, acc, off_m, off_n, M, N, stride_cm, 1, splits > 1, BM, BN)

@@ -49,7 +49,7 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
         return _one_launch(inputs, call)
     f16, f32 = host.f16, host.f32
     gq16, gkv16, dec16, enc16 = f16(td, Q_OUT), f16(te, 2 * KV_OUT), f16(td, HIDDEN), f16(te, CROSS_HIDDEN)
-    wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)  # wq16 unwritten where grad_dec reads wq
+    wq16, wkv16 = f16(Q_OUT, HIDDEN), f16(2 * KV_OUT, CROSS_HIDDEN)
     grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
     # grad_Wk and grad_Wv are the row blocks of one tensor, which one product writes.
     grad_wq, grad_wkv = f32(Q_OUT, HIDDEN), f32(2 * KV_OUT, CROSS_HIDDEN)
@@ -71,12 +71,11 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
         product_launches = [] if p.tiles is None else [
             PRODUCTS.prepare(
                 (p.tiles.programs,),
-                gq16, gkv16, dec16, enc16, wq if p.tiles.fp32_wq else wq16, wkv16,
-                grad_dec, grad_enc, grad_wq, grad_wkv, call.ranges_of(1),
+                gq16, gkv16, dec16, enc16, wq16, wkv16,
+                grad_dec, grad_enc, grad_wq, grad_wkv,
                 td, te, *p.splits, *p.tiles.starts,
-                WEIGHT_GRADS=p.tiles.weight_grads, INPUT_GRADS=p.tiles.input_grads, FP32_WQ=p.tiles.fp32_wq,
-                BM=t.bm, BN=t.bn, BK=t.bk, DEC_STAGES=cfg.fp32_wq_stages if p.tiles.fp32_wq else t.stages,
-                PDL=p.pdl, num_warps=t.warps, num_stages=t.stages, launch_pdl=p.pdl)]
+                WEIGHT_GRADS=p.tiles.weight_grads, INPUT_GRADS=p.tiles.input_grads,
+                BM=t.bm, BN=t.bn, BK=t.bk, PDL=p.pdl, num_warps=t.warps, num_stages=t.stages, launch_pdl=p.pdl)]
         pack_launch()
         if p.products == "cublas":
             cublas_products((*product, needed) for product, needed in zip(cublas, p.cublas))

@@ -84,16 +84,6 @@ class Config:
     # benchmarks/notes/072.md). Below it, cuBLAS wins only when the host keeps up.
     cublas_min_flop: float = 100e9
     gluon: GluonConfig = GluonConfig()
-    # grad_dec's tiles read Wq in fp32 (rounded in their mainloop; the pack makes no fp16 copy) while
-    # each Wq element feeds at most this many of them (row blocks of decoder tokens): then the copy's
-    # write and read-back cost more than reading fp32 (benchmarks/notes/072.md row 26). 0: never.
-    fp32_wq_max_row_tiles: int = 5
-    fp32_wq_stages: int = 4  # grad_dec's pipeline depth then: an fp32 B block takes twice the shared memory
-
-    def __post_init__(self):
-        if self.fp32_wq_max_row_tiles < 0 or self.fp32_wq_stages < 1:
-            raise ValueError(f"Config: fp32_wq_max_row_tiles >= 0 and fp32_wq_stages >= 1, got "
-                             f"{self.fp32_wq_max_row_tiles} and {self.fp32_wq_stages}")
 
 
 CONFIG = Config()
@@ -104,20 +94,12 @@ INTERPRETER_CONFIG = Config(pack=PackConfig(rows=32, block=1 << 20, iters=1, war
 
 @dataclass(frozen=True)
 class TilesLaunch:
-    """The launch of our product tiles: which groups it runs, where each product's tiles start, and
-    whether grad_dec reads Wq in fp32 (then its range regions hold Wq's slots: `wq_regions`)."""
+    """The launch of our product tiles: which groups it runs and where each product's tiles start."""
 
     programs: int
     weight_grads: bool  # grad_Wq, grad_[Wk; Wv]
     input_grads: bool  # grad_dec, grad_enc
     starts: tuple  # first program of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc (deepest tiles first)
-    fp32_wq: bool = False
-
-
-def wq_regions(cfg: Config, fp32_wq: bool, split_dec: int) -> Regions:
-    """The product launch's range regions: with an fp32 Wq, one slot per (K split, column block) of
-    grad_dec, as `gemm_tile` numbers them; else none."""
-    return Regions((Region("q_weight", split_dec * cdiv(HIDDEN, cfg.tiles.bn)),) if fp32_wq else ())
 
 
 # The Gluon kernel's pack items (ops/qkv_gqa/gluon_pack.py): 64 rows x 256 columns, or, for the
@@ -183,10 +165,9 @@ def product_shapes(axes) -> list:
     return [(Q_OUT, HIDDEN, td), (2 * KV_OUT, CROSS_HIDDEN, te), (td, HIDDEN, Q_OUT), (te, CROSS_HIDDEN, 2 * KV_OUT)]
 
 
-def pack_layout(cfg: Config, axes, splits, fp32_wq: bool = False) -> Layout:
-    """The pack's programs: GQ head-tiles, the GK and GV group sums, the flat casts of dec, enc, Wq
-    (none when grad_dec reads it in fp32), Wk and Wv (those converting), then zero fills of the
-    outputs that split-K products accumulate into."""
+def pack_layout(cfg: Config, axes, splits) -> Layout:
+    """The pack's programs: GQ head-tiles, the GK and GV group sums, the flat casts of dec, enc, Wq,
+    Wk and Wv (those converting), then zero fills of the outputs that split-K products accumulate into."""
     batch, sd, se = axes["batch_size"], axes["seq_len_dec"], axes["seq_len_enc"]
     rows = cfg.pack.rows
 
@@ -201,7 +182,7 @@ def pack_layout(cfg: Config, axes, splits, fp32_wq: bool = False) -> Layout:
         Segment("grad_value_states (head-group sums)", n_gk, holds=Holds.UPSTREAM, end="e_gv"),
         Segment("decoder_hidden_states", flat(batch * sd * HIDDEN), end="e_dec"),
         Segment("encoder_hidden_states", flat(batch * se * CROSS_HIDDEN), end="e_enc"),
-        Segment("q_weight", (not fp32_wq) * flat(Q_OUT * HIDDEN), end="e_wq"),
+        Segment("q_weight", flat(Q_OUT * HIDDEN), end="e_wq"),
         Segment("k_weight", flat(KV_OUT * CROSS_HIDDEN), end="e_wk"),
         Segment("v_weight", flat(KV_OUT * CROSS_HIDDEN), end="e_wv"),
         Segment("zero grad_decoder_hidden_states", split_dec * flat(batch * sd * HIDDEN), ranged=False, end="e_zdec"),
@@ -267,14 +248,11 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
     splits = choose_splits(gemms, t.bm, t.bn, t.bk, sms) if backend == "triton" and not deterministic else [1] * 4
     input_grads, weight_grads = any(needs[:2]), any(needs[2:])
     launch = None
-    fp32_wq = False
     if backend == "triton" and (input_grads or weight_grads):
         tiles = [tile_count(m, n, s, t.bm, t.bn) * (weight_grads if i < 2 else input_grads)
                  for i, ((m, n, _), s) in enumerate(zip(gemms, splits))]
         starts = longest_first([(n, k, s) for n, (_, _, k), s in zip(tiles, gemms, splits)])
-        fp32_wq = input_grads and cdiv(gemms[2][0], t.bm) <= cfg.fp32_wq_max_row_tiles
-        launch = TilesLaunch(sum(tiles), weight_grads, input_grads, tuple(starts), fp32_wq)
-    pack = pack_layout(cfg, axes, splits, fp32_wq)
-    ranges = (pack.regions,) + ((wq_regions(cfg, fp32_wq, splits[2]),) if launch else ())
+        launch = TilesLaunch(sum(tiles), weight_grads, input_grads, tuple(starts))
+    pack = pack_layout(cfg, axes, splits)
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, splits=tuple(splits), tiles=launch,
-                cublas=(needs[0], needs[1], needs[2], needs[3] or needs[4]), ranges=ranges)
+                cublas=(needs[0], needs[1], needs[2], needs[3] or needs[4]), ranges=(pack.regions,))

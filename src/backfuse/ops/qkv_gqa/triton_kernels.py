@@ -116,18 +116,16 @@ def pack_kernel(
 @triton.jit(do_not_specialize=["TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc", "start_wq", "start_wkv",
                                 "start_dec", "start_enc"])
 def projection_grads_kernel(
-    gq16, gkv16, dec16, enc16, wq, wkv16,
-    grad_dec, grad_enc, grad_wq, grad_wkv, ranges,
+    gq16, gkv16, dec16, enc16, wq16, wkv16,
+    grad_dec, grad_enc, grad_wq, grad_wkv,
     TD, TE,
     split_wq, split_wkv, split_dec, split_enc,
     start_wq, start_wkv, start_dec, start_enc,
     WEIGHT_GRADS: tl.constexpr,
     INPUT_GRADS: tl.constexpr,
-    FP32_WQ: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    DEC_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Tiles of the four products: grad_Wq, grad_[Wk; Wv] (WEIGHT_GRADS), grad_dec, grad_enc (INPUT_GRADS).
@@ -135,10 +133,7 @@ def projection_grads_kernel(
     With GQ [TD, 4096] and [GK | GV] [TE, 2048] in fp16: grad_Wq = GQ^T dec, grad_[Wk; Wv] =
     [GK | GV]^T enc, grad_dec = GQ Wq, grad_enc = [GK | GV] [Wk; Wv]. The weight gradients read
     their A operand transposed (feature-contiguous), the input gradients row-major; Triton gives
-    each layout its own shared-memory ring. wq: Wq's fp16 copy, or with FP32_WQ the fp32 input
-    itself, rounded in grad_dec's mainloop (DEC_STAGES deep: an fp32 B block takes twice the
-    shared memory), whose tiles then store the largest |Wq| of each block they read in ranges
-    (one slot per K split and column block: the pack made no copy, so no range of Wq). Each
+    each layout its own shared-memory ring, so one launch of both needs a smaller ring. Each
     product's tiles start at program start_* (the host orders them deepest first:
     schedule.longest_first); split_* > 1 adds K slices by atomics into pre-zeroed outputs.
     """
@@ -163,9 +158,16 @@ def projection_grads_kernel(
     if INPUT_GRADS:
         t_dec = ((TD + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_dec
         t_enc = ((TE + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_enc
-        if (pid >= start_dec) & (pid < start_dec + t_dec):
-            gemm_tile(pid - start_dec, gq16, wq, grad_dec, TD, _HIDDEN, _Q_OUT, _Q_OUT, 1, _HIDDEN, 1, _HIDDEN,
-                      split_dec, BM, BN, BK, ranges if FP32_WQ else None, DEC_STAGES)
-        elif (pid >= start_enc) & (pid < start_enc + t_enc):
-            gemm_tile(pid - start_enc, gkv16, wkv16, grad_enc, TE, _CROSS, 2 * _KV_OUT, 2 * _KV_OUT, 1, _CROSS, 1,
-                      _CROSS, split_enc, BM, BN, BK)
+        on_dec = (pid >= start_dec) & (pid < start_dec + t_dec)
+        if on_dec | ((pid >= start_enc) & (pid < start_enc + t_enc)):
+            width = tl.multiple_of(tl.where(on_dec, _HIDDEN, _CROSS), 256)
+            depth = tl.multiple_of(tl.where(on_dec, _Q_OUT, 2 * _KV_OUT), 256)
+            gemm_tile(
+                pid - tl.where(on_dec, start_dec, start_enc),
+                tl.where(on_dec, gq16, gkv16),
+                tl.where(on_dec, wq16, wkv16),
+                tl.where(on_dec, grad_dec, grad_enc),
+                tl.where(on_dec, TD, TE), width, depth,
+                depth, 1, width, 1, width,
+                tl.where(on_dec, split_dec, split_enc), BM, BN, BK,
+            )
