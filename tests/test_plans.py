@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 import backfuse
-from backfuse.kernels.schedule import Holds, Layout, Segment, choose_products, longest_first, tile_count
+from backfuse.kernels.schedule import Holds, Layout, Segment, choose_products, longest_first
 from backfuse.ops.gemma3_core import config as gemma3_core
 from backfuse.ops.qkv_gqa import config as qkv_gqa
 from backfuse.ops.wan_xattn import config as wan_xattn
@@ -153,25 +153,6 @@ def test_needs_skip_products():
     p = wan_xattn.plan(wan_xattn.CONFIG, dict(batch_size=2, num_video_tokens=256, num_text_tokens=77), SMS,
                        needs=(True, True) + (False,) * 8)
     assert p.splits[2:] == (0, 0, 0, 0) and all(p.splits[:2])
-
-
-def test_gemma3_core_wo_tiles_share_the_attention_backward_launch():
-    """037's grad_Wo tiles come after the dQ programs of the attention backward's launch, not in the
-    gradient launch; none on the cuBLAS path (cuBLAS makes grad_Wo) or when grad_Wo is not needed;
-    their tiles must have the attention's warp count."""
-    axes = dict(batch_size=1, seq_len=128)
-    p = gemma3_core.plan(gemma3_core.CONFIG, axes, SMS)
-    gr = gemma3_core.CONFIG.gradients
-    assert p.products == "triton" and p.wo_tiles == (3072 // gr.bm) * (3072 // gr.bn) * p.splits[2] > 0
-    assert p.attention_backward_programs == p.kv_programs + p.q_programs + p.wo_tiles
-    sums = 2 * 128 // gemma3_core.CONFIG.sums.cols
-    assert p.gradient_programs == tile_count(128, 3072, p.splits[0], gr.bm, gr.bn) + \
-        tile_count(5120, 3072, p.splits[1], gr.bm, gr.bn) + sums
-    assert gemma3_core.plan(gemma3_core.CONFIG, axes, SMS, products="cublas").wo_tiles == 0
-    assert gemma3_core.plan(gemma3_core.CONFIG, axes, SMS, needs=(True,) * 4 + (False, True, True)).wo_tiles == 0
-    cfg = dataclasses.replace(gemma3_core.CONFIG, gradients=dataclasses.replace(gr, warps=8))
-    with pytest.raises(ValueError, match="attention.warps"):
-        gemma3_core.plan(cfg, axes, SMS)
 
 
 def test_interpreter_configs_are_keyword_built_variants():

@@ -121,12 +121,10 @@ def gemm_tile(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    STAGES: tl.constexpr = None,
 ):
     """Tile `local` (numbered as in tile_coords) of C[M, N] (+)= A[M, K] @ B[K, N], K split `splits`
-    ways (C pre-zeroed if splits > 1). STAGES: the K loop's pipeline depth (None: the launch's
-    num_stages; set it where the tile shares a launch with kernels of another shape)."""
+    ways (C pre-zeroed if splits > 1)."""
     off_m, off_n, k_lo, k_hi = tile_coords(local, M, N, K, splits, BM, BN, BK)
     acc = mma_tile(a_ptr, b_ptr, off_m, off_n, M, N, k_lo, k_hi,
-                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, STAGES)
+                   stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK)
     store_tile(c_ptr, acc, off_m, off_n, M, N, stride_cm, 1, splits > 1, BM, BN)

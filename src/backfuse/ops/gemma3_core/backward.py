@@ -1,6 +1,5 @@
-"""037's fused backward: five Triton launches (`triton_kernels.py`; grad_Wo's tiles share the
-attention backward's), cuBLAS products around them from `cublas_min_flop` on, as `config.plan`
-lays them out."""
+"""037's fused backward: five Triton launches (`triton_kernels.py`), cuBLAS products around them
+from `cublas_min_flop` on, as `config.plan` lays them out."""
 
 from __future__ import annotations
 
@@ -107,19 +106,17 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
                 BM=at.fwd_bm, BN=p.attention_forward_keys, APPROX_TANH=at.approx_tanh, PDL=pdl,
                 num_warps=at.fwd_warps, num_stages=at.fwd_stages, launch_pdl=pdl),
             ATTENTION_BACKWARD.prepare(
-                (p.attention_backward_programs,),
+                (p.kv_programs + p.q_programs,),
                 rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-                g16, q_norm_parts, k_norm_parts, call.ranges_of(3), kv_parts, arrivals, go16, attn16, grad_wo,
-                seq, tokens, p.kv_programs, p.q_programs, p.splits[2], *p.ranges[3].bases, float(scaling), cap,
-                float(eps),
+                g16, q_norm_parts, k_norm_parts, call.ranges_of(3), kv_parts, arrivals,
+                seq, p.kv_programs, *p.ranges[3].bases, float(scaling), cap, float(eps),
                 KV_BN=p.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=p.head_split,
-                APPROX_TANH=at.approx_tanh, WO_BM=gr.bm, WO_BN=gr.bn, WO_BK=gr.bk, WO_STAGES=gr.stages, PDL=pdl,
-                num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
+                APPROX_TANH=at.approx_tanh, PDL=pdl, num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (p.gradient_programs,),
-                g16, wqkv16, x16, q_norm_parts, k_norm_parts,
-                grad_x, grad_wqkv, grad_q_norm_w, grad_k_norm_w,
-                tokens, *p.splits[:2], p.q_programs, p.kv_slots,
+                g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
+                grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
+                tokens, *p.splits, p.q_programs, p.kv_slots,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
                 num_stages=gr.stages, launch_pdl=pdl),
         ]

@@ -1,7 +1,6 @@
 """037's launch shapes (`Config`), the rules that pick among them, and the plan of one call (`plan`):
 pack, forward products (or, after cuBLAS's, only norm and RoPE), attention forward, attention
-backward with grad_Wo's tiles (which need only the attention forward), gradient products (or,
-after cuBLAS's, only the norm-weight sums).
+backward, gradient products (or, after cuBLAS's, only the norm-weight sums).
 
 Plain Python: a plan can be checked on any machine without launching anything.
 """
@@ -119,19 +118,13 @@ class Plan:
     kv_slots: int  # (batch, KV head, key block)s
     q_programs: int  # dQ programs
     splits: tuple  # K splits of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo (0: skipped or on cuBLAS)
-    wo_tiles: int  # grad_Wo's tiles, after the dQ programs of the attention backward launch
-    gradient_programs: int  # our grad_hidden and grad_[Wq; Wk; Wv] tiles, then the norm-weight sums
+    gradient_programs: int  # our gradient products' tiles, then the norm-weight sums
     wanted: tuple  # whether grad_hidden, grad_[Wq; Wk; Wv], grad_Wo are needed (cuBLAS runs those)
     ranges: tuple  # Regions of the pack, forward, attention forward and attention backward launches
 
     @property
     def kv_programs(self) -> int:
         return self.kv_slots * self.head_split
-
-    @property
-    def attention_backward_programs(self) -> int:
-        """dK/dV programs, dQ programs, then grad_Wo's tiles."""
-        return self.kv_programs + self.q_programs + self.wo_tiles
 
     @property
     def arrivals(self) -> int:
@@ -179,12 +172,9 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     if HEAD_DIM != cfg.forward.bn or HEAD_DIM != cfg.norm_rope.bn:
         raise ValueError(f"037 forward launch: tile width must be one head ({HEAD_DIM}), got "
                          f"{cfg.forward.bn} and {cfg.norm_rope.bn}")
-    at, gr = cfg.attention, cfg.gradients
-    if gr.warps != at.warps:
-        raise ValueError(f"037: grad_Wo's tiles run in the attention backward's launch, so gradients.warps must equal "
-                         f"attention.warps, got {gr.warps} and {at.warps}")
     batch, seq = axes["batch_size"], axes["seq_len"]
     tokens = batch * seq
+    at, gr = cfg.attention, cfg.gradients
     gemms = gradient_shapes(tokens)
     backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu)
     on_cublas = backend == "cublas"
@@ -195,7 +185,7 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     else:
         splits = [1] * 3 if deterministic else choose_splits(gemms, gr.bm, gr.bn, gr.bk, sms)
         splits = [s * w for s, w in zip(splits, wanted)]  # 0: skipped
-    tiles = [tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gemms, splits)]
+    gradient_tiles = sum(tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gemms, splits))
 
     kv_bn = key_block(at, batch, seq, sms)
     kv_slots = batch * KV_HEADS * cdiv(seq, kv_bn)  # one per (batch, KV head, key block)
@@ -219,5 +209,4 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw, forward_programs=forward_programs,
                 attention_forward_programs=attention_forward_programs, attention_forward_keys=forward_keys(at, seq),
                 kv_bn=kv_bn, head_split=split, kv_slots=kv_slots, q_programs=q_programs, splits=tuple(splits),
-                wo_tiles=tiles[2], gradient_programs=tiles[0] + tiles[1] + 2 * HEAD_DIM // cfg.sums.cols,
-                wanted=wanted, ranges=ranges)
+                gradient_programs=gradient_tiles + 2 * HEAD_DIM // cfg.sums.cols, wanted=wanted, ranges=ranges)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ...kernels.triton.elementwise import cast_chunk, column_sums, max_abs, transpose_tile, zero_chunk
-from ...kernels.triton.gemm import gemm_tile, mma_tile
+from ...kernels.triton.gemm import gemm_tile, mma_tile, store_tile, tile_coords
 from ...kernels.triton.pdl import after_previous_launch
 from .spec import GROUP, HALF, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT, QK, QKV
 
@@ -364,23 +364,19 @@ def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta
     tl.store(ranges + r_dq + local, dq_largest)
 
 
-@triton.jit(do_not_specialize=["S", "T", "kv_programs", "q_programs", "split_wo", "r_v", "r_dk", "r_dv", "r_dq"])
+@triton.jit(do_not_specialize=["S", "kv_programs", "r_v", "r_dk", "r_dv", "r_dq"])
 def attention_backward_kernel(
     rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-    g16, q_norm_parts, k_norm_parts, ranges, kv_parts, arrivals, go16, attn16, grad_wo,
-    S, T, kv_programs, q_programs, split_wo, r_v, r_dk, r_dv, r_dq, scaling, cap, eps,
+    g16, q_norm_parts, k_norm_parts, ranges, kv_parts, arrivals,
+    S, kv_programs, r_v, r_dk, r_dv, r_dq, scaling, cap, eps,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, HEAD_SPLIT: tl.constexpr,
-    APPROX_TANH: tl.constexpr, WO_BM: tl.constexpr, WO_BN: tl.constexpr, WO_BK: tl.constexpr,
-    WO_STAGES: tl.constexpr, PDL: tl.constexpr,
+    APPROX_TANH: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The first kv_programs programs: dK, dV of a key block; the next q_programs: dQ of a query block
-    (one launch of both kinds beat two launches: benchmarks/notes/037.md); the rest: tiles of
-    grad_Wo = grad_output^T A (WO_BM x WO_BN, K split split_wo ways into a pre-zeroed grad_Wo when
-    split), which needs only the attention forward's A: here its tiles fill the SMs that the
-    attention leaves idle, instead of lengthening the gradient launch after it.
-    P is recomputed from the forward's log-sum-exp; dS = P (dP - delta) (1 - t^2) scaling, the soft
-    cap's derivative included (the factor scaling is applied to dK and dQ once, after the sums; rot q
-    arrives scaled by scaling / cap, so dK's factor is cap).
+    """The first kv_programs programs: dK, dV of a key block; the rest: dQ of a query block (one
+    launch of both kinds beat two launches: benchmarks/notes/037.md). P is recomputed from the
+    forward's log-sum-exp; dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included
+    (the factor scaling is applied to dK and dQ once, after the sums; rot q arrives scaled by
+    scaling / cap, so dK's factor is cap).
     The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to its
     slot in ranges past the region's first slot r_v, r_dk, r_dv, r_dq (the plan's layout)."""
     after_previous_launch(PDL)
@@ -389,38 +385,45 @@ def attention_backward_kernel(
         _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
                          kv_parts, arrivals, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN, KV_BM,
                          HEAD_SPLIT, APPROX_TANH)
-    elif pid < kv_programs + q_programs:
-        _query_block_grads(pid - kv_programs, q_programs, rot16, qk32, v16, d_attn16, lse, delta, cos, sin,
-                           q_norm_w, g16, q_norm_parts, ranges, S, r_dq, scaling, cap, eps, Q_BM, Q_BN, APPROX_TANH)
-    else:  # A read feature-contiguous: grad_Wo[m, n] = sum over tokens t of grad_output[t, m] A[t, n]
-        gemm_tile(pid - kv_programs - q_programs, go16, attn16, grad_wo, _HIDDEN, _Q_OUT, T, 1, _HIDDEN, _Q_OUT, 1,
-                  _Q_OUT, split_wo, WO_BM, WO_BN, WO_BK, WO_STAGES)
+    else:
+        _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, qk32, v16, d_attn16, lse,
+                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, r_dq, scaling, cap, eps, Q_BM,
+                           Q_BN, APPROX_TANH)
 
 
-@triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "n_q_parts", "n_k_parts"])
+@triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])
 def gradient_products_kernel(
-    g16, wqkv16, x16, q_norm_parts, k_norm_parts,
-    grad_x, grad_wqkv, grad_q_norm_w, grad_k_norm_w,
-    T, split_gx, split_wqkv, n_q_parts, n_k_parts,
+    g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
+    grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
+    T, split_gx, split_wqkv, split_wo, n_q_parts, n_k_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """grad_hidden = G [Wq; Wk; Wv] (A row-major); then, A read feature-contiguous, the weight
-    gradients grad_[Wq; Wk; Wv] = G^T X (one output; its row blocks are the three). K splits per
-    product (outputs pre-zeroed when split; 0 skips the product); grad_Wo's tiles run in the
-    attention backward's launch. The last 2 * 128 / SUM_COLS programs sum the norm-weight partials
-    in a fixed order (many short sums: on the cuBLAS path they are the whole launch, and its latency)."""
+    gradients grad_[Wq; Wk; Wv] = G^T X (one output; its row blocks are the three) and grad_Wo =
+    grad_output^T A. K splits per product (outputs pre-zeroed when split; 0 skips the product).
+    The last 2 * 128 / SUM_COLS programs sum the norm-weight partials in a fixed order (many short
+    sums: on the cuBLAS path they are the whole launch, and its latency)."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     t_gx = ((T + BM - 1) // BM) * (_HIDDEN // BN) * split_gx
     t_wqkv = (_QKV // BM) * (_HIDDEN // BN) * split_wqkv
+    t_wo = (_Q_OUT // BM) * (_HIDDEN // BN) * split_wo
     local = pid - t_gx
     if pid < t_gx:
         gemm_tile(pid, g16, wqkv16, grad_x, T, _HIDDEN, _QKV, _QKV, 1, _HIDDEN, 1, _HIDDEN, split_gx, BM, BN, BK)
-    elif local < t_wqkv:
-        gemm_tile(local, g16, x16, grad_wqkv, _QKV, _HIDDEN, T, 1, _QKV, _HIDDEN, 1, _HIDDEN, split_wqkv, BM, BN, BK)
+    elif local < t_wqkv + t_wo:
+        on_qkv = local < t_wqkv
+        rows = tl.where(on_qkv, _QKV, _Q_OUT)
+        splits = tl.where(on_qkv, split_wqkv, split_wo)
+        off_m, off_n, k_lo, k_hi = tile_coords(tl.where(on_qkv, local, local - t_wqkv), rows, _HIDDEN, T, splits,
+                                               BM, BN, BK)
+        acc = mma_tile(tl.where(on_qkv, g16, go16), tl.where(on_qkv, x16, attn16), off_m, off_n, rows, _HIDDEN,
+                       k_lo, k_hi, 1, tl.multiple_of(rows, 1024), _HIDDEN, 1, BM, BN, BK)
+        store_tile(tl.where(on_qkv, grad_wqkv, grad_wo), acc, off_m, off_n, rows, _HIDDEN, _HIDDEN, 1, splits > 1,
+                   BM, BN)
     else:
-        strip = local - t_wqkv
+        strip = local - t_wqkv - t_wo
         on_q = strip < _HEAD_DIM // SUM_COLS
         cols = (strip % (_HEAD_DIM // SUM_COLS)) * SUM_COLS + tl.arange(0, SUM_COLS)
         total = column_sums(tl.where(on_q, q_norm_parts, k_norm_parts), tl.where(on_q, n_q_parts, n_k_parts),
