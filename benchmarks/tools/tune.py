@@ -58,6 +58,10 @@ VARIANTS = {
         # 4 stages: fp32_tma_operand.py measured 128 x 128 tiles at 580 TFLOP/s with 4, 534 with 3.
         "fwd_small_s4": dict(config=C21(forward_small=T(128, 128, 64, 8, 4))),
         "fwd_128x128_s4": dict(config=C21(forward=T(128, 128, 64, 8, 4), forward_small=T(128, 128, 64, 8, 4))),
+        # Narrower tiles where 128 x 128 ones leave a ragged last round (wave quantization: 160 tiles on
+        # 132 SMs take two tile times): 128 x 64 at 4 warps.
+        "fwd_small_128x64": dict(config=C21(forward_small=T(128, 64, 64, 4, 4))),
+        "fwd_128x128_small_128x64": dict(config=C21(forward=T(128, 128, 64, 8, 3), forward_small=T(128, 64, 64, 4, 4))),
         # One text tile padded to a power of two (77 -> 128) instead of a head and a tail (64 + 16).
         "no_split": dict(config=C21(attention=A21(split_text=False))),
         "att_64x4": dict(config=C21(attention=A21(bm=64, warps=4))),
