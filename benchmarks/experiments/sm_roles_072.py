@@ -107,19 +107,19 @@ def _pack_two(buf_a, buf_b, inp, ops, outs, counters, lst, rb, first, stride):
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
-                               "split_enc", "s1", "s2", "s3", "total", "c_wq", "c_wkv", "c_gq", "c_dec", "c_gkv", "c_enc",
+                               "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc",
                                "no_slots", "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv"])
 def pack_only_kernel(gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
                      grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
                      TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                     c_wq, c_wkv, c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
+                     c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
                      TWO: gl.constexpr):
     """The one-launch kernel's pack partition over this grid's programs (TWO: `_pack_two`, two
     items in flight). Its counters' slot count is given as no_slots = 0, so that its partitions
     counting out (`_leave`) zero nothing: the product kernel's programs may still be waiting on them;
     the caller zeroes the counters before each call."""
     bufs = gl.allocate_shared_memory(gl.float32, [(1 + TWO) * UNITS * UNIT, HEAD_DIM], PACK_SMEM)
-    counters = Counters(slots, c_wq, c_wkv, c_gq, c_dec, c_gkv, c_enc, no_slots)
+    counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
     t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, gl.program_id(0), gl.num_programs(0))
     inp = Inputs(gq, gk, gv, dec, enc, wq, wk, wv)
     ops = Operands(gq16, gkv16, dec16, enc16, wq16, wkv16)
@@ -151,17 +151,17 @@ def _ring(a_dec, a_wq, b_dec, STAGES: gl.constexpr):
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec", "split_enc",
-                               "s1", "s2", "s3", "total", "c_wq", "c_wkv", "c_gq", "c_dec", "c_gkv", "c_enc", "no_slots"])
+                               "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "no_slots"])
 def products_only_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                          grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots,
                          TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                         c_wq, c_wkv, c_gq, c_dec, c_gkv, c_enc, no_slots, STAGES: gl.constexpr):
+                         c_gq, c_dec, c_gkv, c_enc, no_slots, STAGES: gl.constexpr):
     """The one-launch kernel's two consumers and loader over this grid's programs (no pack
     partition); counters as for pack_only_kernel (no_slots = 0: nothing is zeroed at the end)."""
     BK: gl.constexpr = a_dec.block_type.shape[1]
     BM: gl.constexpr = a_dec.block_type.shape[0]
     BN: gl.constexpr = b_dec.block_type.shape[1]
-    counters = Counters(slots, c_wq, c_wkv, c_gq, c_dec, c_gkv, c_enc, no_slots)
+    counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
     d = Descriptors(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc)
     outs = Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
     t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, gl.program_id(0),
@@ -229,13 +229,13 @@ def _role_loader(d, ring, counters, t, dec_chunks, enc_chunks, pack_sms, BM: gl.
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
-                               "split_enc", "s1", "s2", "s3", "total", "c_wq", "c_wkv", "c_gq", "c_dec", "c_gkv", "c_enc",
-                               "no_slots", "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv", "pack_sms"])
+                               "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "no_slots",
+                               "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv", "pack_sms"])
 def roles_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
                  grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
                  TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                 c_wq, c_wkv, c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms,
+                 c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms,
                  STAGES: gl.constexpr, TWO: gl.constexpr):
     """SM roles in one launch (one program per SM): the first pack_sms programs pack with both
     consumer warpgroups (two pack workers, 128 KB of copies in flight per SM), the others run the
@@ -243,7 +243,7 @@ def roles_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     BK: gl.constexpr = a_dec.block_type.shape[1]
     BM: gl.constexpr = a_dec.block_type.shape[0]
     BN: gl.constexpr = b_dec.block_type.shape[1]
-    counters = Counters(slots, c_wq, c_wkv, c_gq, c_dec, c_gkv, c_enc, no_slots)
+    counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
     d = Descriptors(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc)
     inp = Inputs(gq, gk, gv, dec, enc, wq, wk, wv)
     ops = Operands(gq16, gkv16, dec16, enc16, wq16, wkv16)
@@ -298,20 +298,20 @@ def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, one_la
         pack_only_kernel[(programs,)](
             gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
-            c.wq, c.wkv, c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, TWO=two_items, num_warps=4)
+            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, TWO=two_items, num_warps=4)
 
     def products(programs=sms - pack_programs):
         products_only_kernel[(programs,)](
-            *descriptors, grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, *ints, c.wq, c.wkv, c.gq, c.dec, c.gkv,
-            c.enc, 0, STAGES=g.stages, num_warps=4)
+            *descriptors, grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, *ints, c.gq, c.dec, c.gkv, c.enc,
+            0, STAGES=g.stages, num_warps=4)
 
     def roles():
         slots.zero_()
         roles_kernel[(sms,)](
             *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
-            c.wq, c.wkv, c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, pack_programs, STAGES=g.stages,
-            TWO=two_items, num_warps=4)
+            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, pack_programs, STAGES=g.stages, TWO=two_items,
+            num_warps=4)
 
     def run():
         if one_launch:

@@ -112,7 +112,7 @@ def _one_launch(inputs, call):
             *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, counters, call.ranges_of(0),
             td, te, sd, se, p.gluon.dec_chunks, p.gluon.enc_chunks, *p.splits, *p.gluon.starts, p.gluon.tiles,
-            c.wq, c.wkv, c.gq, c.dec, c.gkv, c.enc, c.total, *p.gluon.regions.bases,
+            c.gq, c.dec, c.gkv, c.enc, c.total, *p.gluon.regions.bases,
             STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.regs, num_warps=4, maxnreg=g.maxnreg)
         launch()
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv

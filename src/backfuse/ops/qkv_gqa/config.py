@@ -106,20 +106,16 @@ class TilesLaunch:
 # head-group sums, 16 tokens of the 4 query heads of one KV head; counted per 128-token block.
 GLUON_TOKEN_BLOCK, GLUON_ITEM_ROWS, GLUON_SUM_ROWS = 128, 64, 16
 # The Gluon kernel's completion counters (int32; the launch's last partition leaves them zero): these
-# fixed slots, then one slot per GLUON_TOKEN_BLOCK rows of Wq16 and of [Wk; Wv]16 (the K blocks of
-# grad_dec and grad_enc), then one per GLUON_TOKEN_BLOCK tokens of GQ, dec16, [GK | GV] and enc16, in
-# that order (`GluonCounters`). The kernel names the fixed slots by their index here.
-GLUON_FIXED_COUNTERS = ("zeroed grad_Wq", "zeroed grad_[Wk; Wv]", "zeroed grad_dec", "zeroed grad_enc",
-                        "partitions left")
+# fixed slots, then one slot per GLUON_TOKEN_BLOCK tokens of GQ, dec16, [GK | GV] and enc16 in that
+# order (`GluonCounters`). The kernel names the fixed slots by their index here.
+GLUON_FIXED_COUNTERS = ("Wq16", "[Wk; Wv]16", "zeroed grad_Wq", "zeroed grad_[Wk; Wv]", "zeroed grad_dec",
+                        "zeroed grad_enc", "partitions left")
 
 
 @dataclass(frozen=True)
 class GluonCounters:
-    """The first slot of each run of counters (per 128-row block of the weights, per 128-token block
-    of the activations), and the slot count."""
+    """The first slot of each per-token-block run of counters, and the slot count."""
 
-    wq: int
-    wkv: int
     gq: int
     dec: int
     gkv: int
@@ -129,10 +125,8 @@ class GluonCounters:
     @staticmethod
     def of(td: int, te: int) -> "GluonCounters":
         nb_d, nb_e = cdiv(td, GLUON_TOKEN_BLOCK), cdiv(te, GLUON_TOKEN_BLOCK)
-        wq = len(GLUON_FIXED_COUNTERS)
-        wkv = wq + Q_OUT // GLUON_TOKEN_BLOCK
-        gq = wkv + 2 * KV_OUT // GLUON_TOKEN_BLOCK
-        return GluonCounters(wq, wkv, gq, gq + nb_d, gq + 2 * nb_d, gq + 2 * nb_d + nb_e, gq + 2 * nb_d + 2 * nb_e)
+        gq = len(GLUON_FIXED_COUNTERS)
+        return GluonCounters(gq, gq + nb_d, gq + 2 * nb_d, gq + 2 * nb_d + nb_e, gq + 2 * nb_d + 2 * nb_e)
 
 
 @dataclass(frozen=True)

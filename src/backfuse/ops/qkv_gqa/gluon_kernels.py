@@ -27,6 +27,8 @@ from triton.language.core import _aggregate as aggregate
 
 from ...kernels.gluon.gemm import LOADER_REGS, consume_tile, issue_step, store_tile, tile_coords, wait_count
 from .gluon_pack import (
+    C_WKV16,
+    C_WQ16,
     C_ZERO_DEC,
     C_ZERO_ENC,
     C_ZERO_WKV,
@@ -42,8 +44,6 @@ from .gluon_pack import (
     UNIT,
     UNITS,
     W_ITEMS,
-    WKV_BLOCK_ITEMS,
-    WQ_BLOCK_ITEMS,
     Counters,
     Inputs,
     Operands,
@@ -154,10 +154,9 @@ def _loader(d, ring, counters, t, dec_chunks, enc_chunks, BM: gl.constexpr, BN: 
                 it += 1
         elif p == 1:  # grad_dec = GQ Wq16
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, t.split_dec, BM, BN, BK)
+            wait_count(c + C_WQ16, W_ITEMS)
             wait_count(c + counters.gq + off_m // TOKEN_BLOCK, _gq_items(off_m // TOKEN_BLOCK, TD))
             for k in range(k_lo, k_hi, BK):
-                if (k == k_lo) | (k % TOKEN_BLOCK == 0):  # Wq16's rows by 128-row block
-                    wait_count(c + counters.wq + k // TOKEN_BLOCK, WQ_BLOCK_ITEMS)
                 issue_step(d.a_dec, d.b_dec, ring.a_k, ring.b, ring.ready, ring.empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
         elif p == 2:  # [grad_Wk; grad_Wv] = [GK | GV]^T enc16
@@ -172,10 +171,9 @@ def _loader(d, ring, counters, t, dec_chunks, enc_chunks, BM: gl.constexpr, BN: 
         else:  # grad_enc = [GK | GV] [Wk; Wv]16
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s3, gl.cdiv(TE, BM), CROSS // BN, 2 * KV_OUT, t.split_enc, BM, BN,
                                                    BK)
+            wait_count(c + C_WKV16, 2 * KV_ITEMS)
             wait_count(c + counters.gkv + off_m // TOKEN_BLOCK, _gkv_items(off_m // TOKEN_BLOCK, TE))
             for k in range(k_lo, k_hi, BK):
-                if (k == k_lo) | (k % TOKEN_BLOCK == 0):  # [Wk; Wv]16's rows by 128-row block
-                    wait_count(c + counters.wkv + k // TOKEN_BLOCK, WKV_BLOCK_ITEMS)
                 issue_step(d.a_enc, d.b_enc, ring.a_k, ring.b, ring.ready, ring.empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
     _leave(counters)
@@ -235,14 +233,13 @@ def _second_consumer(ring, counters, outs, t, BM: gl.constexpr, BN: gl.constexpr
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
-                               "split_enc", "s1", "s2", "s3", "total", "c_wq", "c_wkv", "c_gq", "c_dec", "c_gkv", "c_enc",
-                               "n_counters",
+                               "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "n_counters",
                                "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv"])
 def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
                  grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
                  TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                 c_wq, c_wkv, c_gq, c_dec, c_gkv, c_enc, n_counters, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
+                 c_gq, c_dec, c_gkv, c_enc, n_counters, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
                  STAGES: gl.constexpr, PACK_WARPS: gl.constexpr, REGS: gl.constexpr):
     """The five 072 outputs from the official inputs, one persistent launch (counters zero at the
     start; it leaves them zero).
@@ -252,13 +249,13 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     [BK, BN] tiles. dec_chunks / enc_chunks: 256-column pack tiles per row of dec / enc (0 when
     no weight gradient is wanted). Tiles: grad_Wq [0, s1), grad_dec [s1, s2), grad_Wkv [s2, s3),
     grad_enc [s3, total). slots: the completion counters, laid out as config.GluonCounters says
-    (its runs start at c_wq, c_wkv, c_gq, c_dec, c_gkv, c_enc; n_counters slots). r_*: the first range slot of
+    (its runs start at c_gq, c_dec, c_gkv, c_enc; n_counters slots). r_*: the first range slot of
     each region (the plan's Regions.bases). Inside, they travel as argument packs (`Descriptors`,
     `Inputs`, `Operands`, `Outputs`, `Tiles`, `RangeBases`, `Ring`). Launched with num_warps=4 (the
     first consumer warpgroup) and the pool's maxnreg; the second consumer and the pack partition
     get REGS registers each (config.GluonConfig).
     """
-    counters = Counters(slots, c_wq, c_wkv, c_gq, c_dec, c_gkv, c_enc, n_counters)
+    counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, n_counters)
     d = Descriptors(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc)
     inp = Inputs(gq, gk, gv, dec, enc, wq, wk, wv)
     ops = Operands(gq16, gkv16, dec16, enc16, wq16, wkv16)

@@ -34,24 +34,18 @@ W_ITEMS = gl.constexpr((spec.Q_OUT // ITEM_ROWS) * (spec.HIDDEN // HEAD_DIM))  #
 KV_ITEMS = gl.constexpr((spec.KV_OUT // ITEM_ROWS) * (spec.CROSS_HIDDEN // HEAD_DIM))  # per weight (Wk16, Wv16)
 PARTITIONS = gl.constexpr(4)  # per program: two consumers, the loader, the pack
 # the fixed counter slots, by their index in config.GLUON_FIXED_COUNTERS
-C_ZERO_WQ, C_ZERO_WKV, C_ZERO_DEC, C_ZERO_ENC, C_LEFT = (
+C_WQ16, C_WKV16, C_ZERO_WQ, C_ZERO_WKV, C_ZERO_DEC, C_ZERO_ENC, C_LEFT = (
     gl.constexpr(config.GLUON_FIXED_COUNTERS.index(name)) for name in (
-        "zeroed grad_Wq", "zeroed grad_[Wk; Wv]", "zeroed grad_dec", "zeroed grad_enc", "partitions left"))
-# pack items per counted 128-row block of Wq16 and of [Wk; Wv]16 (2 x 6 and 2 x 4 of 64 x 256)
-WQ_BLOCK_ITEMS = gl.constexpr(config.GLUON_TOKEN_BLOCK // config.GLUON_ITEM_ROWS * (spec.HIDDEN // spec.HEAD_DIM))
-WKV_BLOCK_ITEMS = gl.constexpr(config.GLUON_TOKEN_BLOCK // config.GLUON_ITEM_ROWS
-                               * (spec.CROSS_HIDDEN // spec.HEAD_DIM))
+        "Wq16", "[Wk; Wv]16", "zeroed grad_Wq", "zeroed grad_[Wk; Wv]", "zeroed grad_dec", "zeroed grad_enc",
+        "partitions left"))
 
 
 @aggregate
 class Counters:
     """The completion counters (config.GluonCounters, host side): `slots`, the first slot of the
-    per-128-row-block runs of Wq16 and [Wk; Wv]16 and of the per-token-block runs of GQ, dec16,
-    [GK | GV], enc16, and how many slots there are."""
+    per-token-block runs of GQ, dec16, [GK | GV], enc16, and how many slots there are."""
 
     slots: gl.tensor
-    wq: gl.tensor
-    wkv: gl.tensor
     gq: gl.tensor
     dec: gl.tensor
     gkv: gl.tensor
@@ -59,9 +53,8 @@ class Counters:
     total: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, slots, wq, wkv, gq, dec, gkv, enc, total):
-        self.slots, self.wq, self.wkv, self.gq, self.dec, self.gkv, self.enc, self.total = (slots, wq, wkv, gq, dec,
-                                                                                            gkv, enc, total)
+    def __init__(self, slots, gq, dec, gkv, enc, total):
+        self.slots, self.gq, self.dec, self.gkv, self.enc, self.total = slots, gq, dec, gkv, enc, total
 
 
 @aggregate
@@ -362,19 +355,17 @@ def _item(item, inp, ops, outs, counters, lst, rb):
             src_stride = HIDDEN
             slot = rb.ranges + rb.dec + block * PER_BLOCK * lst.dec_chunks + sub - HEADS * chunks
             counter = counters.slots + counters.dec + block
-    elif item < e_wq:  # Wq16, 128-row block by block (grad_dec's K blocks, in order)
+    elif item < e_wq:  # Wq16
         local = item - e_d
         mode = 1
-        block = local // WQ_BLOCK_ITEMS
-        sub = local % WQ_BLOCK_ITEMS
-        col = sub // PER_BLOCK * HEAD_DIM
+        col = local // (Q_OUT // ROWS) * HEAD_DIM
         src = inp.wq + col
         dst = ops.wq16 + col
-        row0 = block * TOKEN_BLOCK + sub % PER_BLOCK * ROWS
+        row0 = local % (Q_OUT // ROWS) * ROWS
         n_rows = ROWS
         src_stride = HIDDEN
         slot = rb.ranges + rb.wq + local
-        counter = counters.slots + counters.wq + block
+        counter = counters.slots + C_WQ16
     elif item < e_e:  # encoder side, block by block
         local = item - e_wq
         block = local // per_e
@@ -406,21 +397,20 @@ def _item(item, inp, ops, outs, counters, lst, rb):
             dst_stride = CROSS
             slot = rb.ranges + rb.enc + block * PER_BLOCK * lst.enc_chunks + sub
             counter = counters.slots + counters.enc + block
-    else:  # [Wk; Wv]16, 128-row block by block of the stacked rows (grad_enc's K blocks, in order)
+    else:  # [Wk; Wv]16
         local = item - e_e
-        block = local // WKV_BLOCK_ITEMS
-        sub = local % WKV_BLOCK_ITEMS
         on_v = local >= KV_ITEMS
+        local = local % KV_ITEMS
         mode = 1
-        col = sub // PER_BLOCK * HEAD_DIM
+        col = local // (KV_OUT // ROWS) * HEAD_DIM
         src = gl.where(on_v, inp.wv, inp.wk) + col
         dst = ops.wkv16 + on_v.to(gl.int32) * KV_OUT * CROSS + col
-        row0 = block % (KV_OUT // TOKEN_BLOCK) * TOKEN_BLOCK + sub % PER_BLOCK * ROWS
+        row0 = local % (KV_OUT // ROWS) * ROWS
         n_rows = ROWS
         src_stride = CROSS
         dst_stride = CROSS
-        slot = rb.ranges + gl.where(on_v, rb.wv, rb.wk) + local % KV_ITEMS
-        counter = counters.slots + counters.wkv + block
+        slot = rb.ranges + gl.where(on_v, rb.wv, rb.wk) + local
+        counter = counters.slots + C_WKV16
     return mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter
 
 
