@@ -38,9 +38,9 @@ class GluonConfig:
     accumulator per warpgroup needs 154: benchmarks/notes/072.md, issue 25). It runs for product
     work in [min_flop, max_flop). Measured
     (benchmarks/notes/gluon.md, official clock, which since its counters need no memset is the
-    kernel's own time): against pack + our Triton products 7-14% faster at 34-43 GFLOP; against
-    pack + cuBLAS equal at 135-137 and 3% faster at 172; slower below 30 GFLOP (up to 8%) and from
-    252 (3-7%)."""
+    kernel's own time): against pack + our Triton products 7-14% faster at 34-43 GFLOP and 2-4% at
+    17-21 (session 21, three calls: benchmarks/notes/072.md row 28); against pack + cuBLAS equal at
+    135-137 and 3% faster at 172; slower at 9-11 GFLOP (4-6%) and from 252 (3-7%)."""
 
     bm: int = 128
     bn: int = 128
@@ -49,7 +49,7 @@ class GluonConfig:
     pack_warps: int = 4
     maxnreg: int = 128
     regs: int = 144  # 200 / 144 / 144 (first consumer / second / pack): 0.5% faster than 128 (notes/072.md row 25)
-    min_flop: float = 30e9
+    min_flop: float = 15e9
     max_flop: float = 200e9
 
     @property
