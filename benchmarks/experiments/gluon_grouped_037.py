@@ -26,6 +26,9 @@ within ±5 % of the three cuBLAS kernels' sum at 1024-4096 tokens (≈ 70-280 µ
 ahead of 128 x 128. The split outputs' zero fill comes from the pack in the library (here a memset,
 timed apart).
 
+Measured (runs.md grouped-037, notes/037.md "The gate for 037's products on the Gluon engine"): 22-28 %
+slower than cuBLAS's three kernels at every size (1024 tokens: 175 against 137 µs): gate failed.
+
 Prints, per case and tile shape: largest relative difference to torch.mm, cuBLAS's three kernels'
 summed device time, the grouped kernel's, and each path's span on the official clock.
 """
