@@ -42,6 +42,10 @@ VARIANTS = {
         "gluon_regs144": dict(products="gluon", config=C72(gluon=G72(regs=144))),
         "gluon_regs160": dict(products="gluon", config=C72(gluon=G72(regs=160))),
         "pack_r32_b4096_i16_w8": dict(config=C72(pack=PackConfig(rows=32, block=4096, iters=16, warps=8))),
+        # Shorter flat-cast programs (16K or 32K elements instead of 64K): on the small cases the pack's
+        # ~350 programs are ~2.6 per SM, its Wq chunks 256 KB each.
+        "pack_i4": dict(config=C72(pack=PackConfig(rows=32, block=4096, iters=4, warps=4))),
+        "pack_i8": dict(config=C72(pack=PackConfig(rows=32, block=4096, iters=8, warps=4))),
         # Smaller product tiles for the small (Triton-product) cases: more tiles than SMs, 2 per SM.
         "triton_128x128_w8": dict(products="triton", config=C72(tiles=T(128, 128, 64, 8, 4))),
         "triton_128x128_w4": dict(products="triton", config=C72(tiles=T(128, 128, 64, 4, 4))),
