@@ -409,7 +409,7 @@ def test_h200_results_are_read_as_before():
     doc = _before_launches(_h200())
     assert report.shapes_of(doc) == "official" and report.is_timed(doc)
     readme = report.readme_table(doc)
-    assert readme.startswith("Measured on NVIDIA H200 (torch 2.11.0+cu130, triton 3.6.0, 2026-12-01), "
+    assert readme.startswith(f"Measured on NVIDIA H200 (torch {doc['torch']}, triton {doc['triton']}, {doc['date']}), "
                              "official protocol: median CUPTI span of 50 calls")
     latencies = [c["latency_ms"] for c in doc["problems"]["072"]["impls"]["backfuse"]["cases"]]
     gmean = math.exp(statistics.fmean(math.log(x) for x in latencies))
