@@ -29,6 +29,14 @@ timed apart).
 Measured (runs.md grouped-037, notes/037.md "The gate for 037's products on the Gluon engine"): 22-28 %
 slower than cuBLAS's three kernels at every size (1024 tokens: 175 against 137 µs): gate failed.
 
+Prepared after that, compiled, not yet run: the "tma-store" variants. Each consumer stages its
+[BM / 2, BN] fp32 rows in a shared buffer of its own and sends them by an asynchronous TMA store,
+which it waits for only before writing that buffer again, so the store overlaps the next tile's
+mainloop (split tiles still add by atomics). Shared memory: 192 KB at 128 x 128 with 4 stages,
+224 KB at 128 x 256 with 2. Prediction: at K = 1024 a tile's mainloop is 16 steps and its fp32 store
+is 32-64 KB per consumer, unoverlapped today, so most of the gap is the epilogue: 128 x 128 189 ->
+≈ 150 µs at 1024 tokens, still ≥ 10 % behind cuBLAS's 137 (which also keeps its 256 x 128 clusters).
+
 Prints, per case and tile shape: largest relative difference to torch.mm, cuBLAS's three kernels'
 summed device time, the grouped kernel's, and each path's span on the official clock.
 """
@@ -39,7 +47,7 @@ import argparse
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
 from backfuse.kernels.gluon.gemm import CONSUMER_REGS, LOADER_REGS, consume_tile, issue_step, store_tile, tile_coords
@@ -50,7 +58,9 @@ from backfuse.ops.gemma3_core.config import gradient_shapes
 HIDDEN = gl.constexpr(spec.HIDDEN)
 Q_OUT = gl.constexpr(spec.Q_OUT)
 QKV = gl.constexpr(spec.QKV)
-TILES = {"128x256x64 s3": (128, 256, 64, 3), "128x128x64 s4": (128, 128, 64, 4)}
+# name: (bm, bn, bk, stages, TMA-store epilogue)
+TILES = {"128x256x64 s3": (128, 256, 64, 3, False), "128x128x64 s4": (128, 128, 64, 4, False),
+         "128x128x64 s4 tma-store": (128, 128, 64, 4, True), "128x256x64 s2 tma-store": (128, 256, 64, 2, True)}
 
 
 @aggregate
@@ -107,13 +117,37 @@ class Ring:
 
 @aggregate
 class Outputs:
+    """The three fp32 outputs, and for the TMA-store epilogue their descriptors ([BM / 2, BN] blocks)."""
+
     grad_x: gl.tensor
     grad_wqkv: gl.tensor
     grad_wo: gl.tensor
+    d_x: tma.tensor_descriptor
+    d_wqkv: tma.tensor_descriptor
+    d_wo: tma.tensor_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, grad_x, grad_wqkv, grad_wo):
+    def __init__(self, grad_x, grad_wqkv, grad_wo, d_x, d_wqkv, d_wo):
         self.grad_x, self.grad_wqkv, self.grad_wo = grad_x, grad_wqkv, grad_wo
+        self.d_x, self.d_wqkv, self.d_wo = d_x, d_wqkv, d_wo
+
+
+@gluon.jit
+def _emit(acc, c_ptr, stride_cm, desc, cbuf, row, col, M, N, accumulate, TMA_STORE: gl.constexpr):
+    """Write a consumer's [BM / 2, BN] rows of a tile: atomically added when K is split; else by
+    pointer stores, or (TMA_STORE) staged in this consumer's shared buffer and sent by an
+    asynchronous TMA store, which the next tile's mainloop overlaps (waited for only before the
+    buffer is written again)."""
+    if TMA_STORE:
+        if accumulate:
+            store_tile(c_ptr, stride_cm, acc, row, col, M, N, True)
+        else:
+            tma.store_wait(0)
+            cbuf.store(acc)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc, [row, col], cbuf)
+    else:
+        store_tile(c_ptr, stride_cm, acc, row, col, M, N, accumulate)
 
 
 @gluon.jit
@@ -147,11 +181,12 @@ def _loader(d, ring, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, ST
 
 
 @gluon.jit
-def _consumer(ring, outs, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              PART: gl.constexpr):
+def _consumer(ring, outs, cbufs, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              TMA_STORE: gl.constexpr, PART: gl.constexpr):
     """Rows [PART * BM/2, +BM/2) of the group's tiles; split tiles add into zeroed outputs."""
     ROWS: gl.constexpr = BM // 2
     ROW0: gl.constexpr = PART * ROWS
+    cbuf = cbufs.index(PART)
     it = 0
     for tile in range(g.first, g.total, g.stride):
         p, off_m, off_n, k_lo, k_hi = _coords(tile, g, BM, BN, BK)
@@ -159,27 +194,34 @@ def _consumer(ring, outs, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexp
         if p == 0:
             acc, it = consume_tile(ring.a_k, ring.b, ring.ready, ring.empty, it, steps, True, False, False, ROW0, ROWS,
                                    BN, STAGES, 4)
-            store_tile(outs.grad_x, HIDDEN, acc, off_m + ROW0, off_n, g.T, HIDDEN, g.split_gx > 1)
+            _emit(acc, outs.grad_x, HIDDEN, outs.d_x, cbuf, off_m + ROW0, off_n, g.T, HIDDEN, g.split_gx > 1,
+                  TMA_STORE)
         elif p == 1:
             acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, steps, False, False, False, ROW0,
                                    ROWS, BN, STAGES, 4)
-            store_tile(outs.grad_wqkv, HIDDEN, acc, off_m + ROW0, off_n, QKV, HIDDEN, g.split_wqkv > 1)
+            _emit(acc, outs.grad_wqkv, HIDDEN, outs.d_wqkv, cbuf, off_m + ROW0, off_n, QKV, HIDDEN,
+                  g.split_wqkv > 1, TMA_STORE)
         else:
             acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, steps, False, False, False, ROW0,
                                    ROWS, BN, STAGES, 4)
-            store_tile(outs.grad_wo, Q_OUT, acc, off_m + ROW0, off_n, HIDDEN, Q_OUT, g.split_wo > 1)
+            _emit(acc, outs.grad_wo, Q_OUT, outs.d_wo, cbuf, off_m + ROW0, off_n, HIDDEN, Q_OUT, g.split_wo > 1,
+                  TMA_STORE)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _second_consumer(ring, outs, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(ring, outs, g, BM, BN, BK, STAGES, 1)
+def _second_consumer(ring, outs, cbufs, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+    _consumer(ring, outs, cbufs, g, BM, BN, BK, STAGES, TMA_STORE, 1)
 
 
 @gluon.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "s1", "s2", "total"])
-def grouped_kernel(a_gx, b_gx, a_wqkv, b_wqkv, a_wo, b_wo, grad_x, grad_wqkv, grad_wo,
-                   T, split_gx, split_wqkv, split_wo, s1, s2, total, STAGES: gl.constexpr):
+def grouped_kernel(a_gx, b_gx, a_wqkv, b_wqkv, a_wo, b_wo, grad_x, grad_wqkv, grad_wo, d_x, d_wqkv, d_wo,
+                   T, split_gx, split_wqkv, split_wo, s1, s2, total, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
     """The three gradient products of 037 (module docstring), persistent: grid <= total tiles,
-    num_warps=4 (the first consumer warpgroup)."""
+    num_warps=4 (the first consumer warpgroup). d_*: the outputs' descriptors ([BM / 2, BN] fp32
+    blocks), read with TMA_STORE only."""
     BM: gl.constexpr = a_gx.block_type.shape[0]
     BK: gl.constexpr = a_gx.block_type.shape[1]
     BN: gl.constexpr = b_gx.block_type.shape[1]
@@ -191,21 +233,27 @@ def grouped_kernel(a_gx, b_gx, a_wqkv, b_wqkv, a_wo, b_wo, grad_x, grad_wqkv, gr
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    # one staging buffer per consumer for the TMA-store epilogue (a single fp32 element without it)
+    cbufs = gl.allocate_shared_memory(gl.float32, [2, BM // 2, BN] if TMA_STORE else [2, 1, 1],
+                                      d_x.layout if TMA_STORE else gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ring = Ring(a_k, a_m, b, ready, empty)
     d = Descriptors(a_gx, b_gx, a_wqkv, b_wqkv, a_wo, b_wo)
-    outs = Outputs(grad_x, grad_wqkv, grad_wo)
+    outs = Outputs(grad_x, grad_wqkv, grad_wo, d_x, d_wqkv, d_wo)
     g = Group(T, split_gx, split_wqkv, split_wo, s1, s2, total, gl.program_id(0), gl.num_programs(0))
     gl.warp_specialize([
-        (_consumer, (ring, outs, g, BM, BN, BK, STAGES, 0)),
-        (_second_consumer, (ring, outs, g, BM, BN, BK, STAGES)),
+        (_consumer, (ring, outs, cbufs, g, BM, BN, BK, STAGES, TMA_STORE, 0)),
+        (_second_consumer, (ring, outs, cbufs, g, BM, BN, BK, STAGES, TMA_STORE)),
         (_loader, (d, ring, g, BM, BN, BK, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def blocks(bm, bn, bk):
-    """(argument, block) of the six descriptors, in argument order."""
+    """(argument, block) of the six operand descriptors (fp16), in argument order."""
     return (("a_gx", [bm, bk]), ("b_gx", [bk, bn]), ("a_wqkv", [bk, bm]), ("b_wqkv", [bk, bn]), ("a_wo", [bk, bm]),
             ("b_wo", [bk, bn]))
+
+
+OUTPUT_DESCRIPTORS = ("d_x", "d_wqkv", "d_wo")  # fp32, [bm / 2, bn] blocks
 
 
 def grouped(g16, wqkv16, x16, go16, attn16, tiles, sms):
@@ -213,7 +261,7 @@ def grouped(g16, wqkv16, x16, go16, attn16, tiles, sms):
     outputs that K splits add into)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    bm, bn, bk, stages = tiles
+    bm, bn, bk, stages, tma_store = tiles
     t = g16.shape[0]
     splits = choose_splits(gradient_shapes(t), bm, bn, bk, sms)
     counts = [tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(gradient_shapes(t), splits)]
@@ -223,14 +271,17 @@ def grouped(g16, wqkv16, x16, go16, attn16, tiles, sms):
     descs = [TensorDescriptor.from_tensor(buffers[name], block,
                                           gl.NVMMASharedLayout.get_default_for(block, gl.float16))
              for name, block in blocks(bm, bn, bk)]
+    out_block = [bm // 2, bn]
+    out_descs = [TensorDescriptor.from_tensor(o, out_block, gl.NVMMASharedLayout.get_default_for(out_block, gl.float32))
+                 for o in outs]
     total = sum(counts)
 
     def run():
         for out, s in zip(outs, splits):
             if s > 1:
                 out.zero_()
-        grouped_kernel[(min(total, sms),)](*descs, *outs, t, *splits, counts[0], counts[0] + counts[1], total,
-                                            STAGES=stages, num_warps=4)
+        grouped_kernel[(min(total, sms),)](*descs, *outs, *out_descs, t, *splits, counts[0], counts[0] + counts[1],
+                                            total, STAGES=stages, TMA_STORE=tma_store, num_warps=4)
 
     return run, outs, splits
 
@@ -238,11 +289,12 @@ def grouped(g16, wqkv16, x16, go16, attn16, tiles, sms):
 def _compile_only():
     from backfuse.kernels.gluon.sm90 import compile_sm90, descriptor_type, usage
 
-    for name, (bm, bn, bk, stages) in TILES.items():
+    for name, (bm, bn, bk, stages, tma_store) in TILES.items():
         sig = {n: descriptor_type(gl.float16, block) for n, block in blocks(bm, bn, bk)}
+        sig |= {n: descriptor_type(gl.float32, [bm // 2, bn]) for n in OUTPUT_DESCRIPTORS}
         sig |= {p.name: "i32" if p.do_not_specialize else "*fp32" for p in grouped_kernel.params
                 if p.name not in sig and not p.is_constexpr}
-        kernel = compile_sm90(grouped_kernel, sig, {"STAGES": stages}, num_warps=4)
+        kernel = compile_sm90(grouped_kernel, sig, {"STAGES": stages, "TMA_STORE": tma_store}, num_warps=4)
         print(f"grouped 037 gradient products {name}", usage(kernel), flush=True)
 
 
