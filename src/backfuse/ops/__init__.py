@@ -1,4 +1,5 @@
-"""The three operators, one package each: spec, config and plan, kernels, launcher."""
+"""The three operators, one package each: spec, config and plan, kernels, launcher; `prelude`, the host
+side every operator's fused backward starts with."""
 
 from . import gemma3_core, qkv_gqa, wan_xattn
 

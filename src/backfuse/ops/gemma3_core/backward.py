@@ -8,8 +8,8 @@ import contextlib
 import torch
 
 from ...kernels import buffers
-from ...kernels.host import begin, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
+from ..prelude import begin, cublas_products, fits_int32
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HEAD_DIM, HEADS, HIDDEN, KV_OUT, PROBLEM, Q_OUT, QK, QKV
 from .triton_kernels import (

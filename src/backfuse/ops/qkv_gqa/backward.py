@@ -7,8 +7,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...kernels import buffers
-from ...kernels.host import begin, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
+from ..prelude import begin, cublas_products, fits_int32
 from . import gluon_kernels
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import CROSS_HIDDEN, HIDDEN, KV_OUT, PROBLEM, Q_OUT

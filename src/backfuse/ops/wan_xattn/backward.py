@@ -4,8 +4,8 @@ gradient products by cuBLAS from `cublas_min_flop` on, as `config.plan` lays the
 from __future__ import annotations
 
 from ...kernels import buffers
-from ...kernels.host import begin, cublas_products, fits_int32
 from ...kernels.launch import FastKernel
+from ..prelude import begin, cublas_products, fits_int32
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HEADS, HIDDEN, PROBLEM
 from .triton_attention import attention_kernel

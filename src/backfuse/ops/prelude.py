@@ -1,4 +1,5 @@
-"""The host prelude every fused backward starts with: whether its kernels can index the tensors,
+"""The host prelude every operator's fused backward starts with (here, above `kernels/`, since it
+also reserves the fp16 range guard's slots): whether its kernels can index the tensors,
 the device and its processor count, which config applies, the plan, the fp16-range slots of its
 launches, and the call's buffers. Every operator's `backward.py` reads:
 
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..fp16_guard import RangeSlots
-from . import buffers
-from .launch import FAST_LAUNCH
+from ..kernels import buffers
+from ..kernels.launch import FAST_LAUNCH
 
 INT32_ELEMENTS = 2**31  # the kernels count elements in int32
 
