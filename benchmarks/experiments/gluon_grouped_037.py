@@ -29,13 +29,13 @@ timed apart).
 Measured (runs.md grouped-037, notes/037.md "The gate for 037's products on the Gluon engine"): 22-28 %
 slower than cuBLAS's three kernels at every size (1024 tokens: 175 against 137 µs): gate failed.
 
-Prepared after that, compiled, not yet run: the "tma-store" variants. Each consumer stages its
-[BM / 2, BN] fp32 rows in a shared buffer of its own and sends them by an asynchronous TMA store,
-which it waits for only before writing that buffer again, so the store overlaps the next tile's
-mainloop (split tiles still add by atomics). Shared memory: 192 KB at 128 x 128 with 4 stages,
-224 KB at 128 x 256 with 2. Prediction: at K = 1024 a tile's mainloop is 16 steps and its fp32 store
-is 32-64 KB per consumer, unoverlapped today, so most of the gap is the epilogue: 128 x 128 189 ->
-≈ 150 µs at 1024 tokens, still ≥ 10 % behind cuBLAS's 137 (which also keeps its 256 x 128 clusters).
+Then (session 22) two epilogue forms. "tma": each consumer stages its [BM / 2, BN] fp32 rows in a
+shared buffer of its own and sends them by an asynchronous TMA store, waited for only before that
+buffer is written again (split tiles still add by atomics); predicted 128 x 128 189 -> ≈ 150 µs at
+1024 tokens, measured 178.7 (-5 %). "pingpong": each consumer takes whole tiles, alternate ones, and
+an mbarrier per consumer orders the mainloops so one epilogue runs under the other mainloop;
+predicted at least the TMA-store gain, measured 24-30 % slower than cooperative (runs.md
+grouped-037-s22, notes/037.md).
 
 Prints, per case and tile shape: largest relative difference to torch.mm, cuBLAS's three kernels'
 summed device time, the grouped kernel's, and each path's span on the official clock.
@@ -58,9 +58,14 @@ from backfuse.ops.gemma3_core.config import gradient_shapes
 HIDDEN = gl.constexpr(spec.HIDDEN)
 Q_OUT = gl.constexpr(spec.Q_OUT)
 QKV = gl.constexpr(spec.QKV)
-# name: (bm, bn, bk, stages, TMA-store epilogue)
-TILES = {"128x256x64 s3": (128, 256, 64, 3, False), "128x128x64 s4": (128, 128, 64, 4, False),
-         "128x128x64 s4 tma-store": (128, 128, 64, 4, True), "128x256x64 s2 tma-store": (128, 256, 64, 2, True)}
+# name: (bm, bn, bk, stages, epilogue): "ptr" pointer stores, "tma" staged TMA stores (both
+# consumers on one tile, BM / 2 rows each), "pingpong" each consumer whole tiles of its own
+EPILOGUES = ("ptr", "tma", "pingpong")
+TILES = {"128x256x64 s3": (128, 256, 64, 3, "ptr"), "128x128x64 s4": (128, 128, 64, 4, "ptr"),
+         "128x128x64 s4 tma-store": (128, 128, 64, 4, "tma"),
+         "128x128x64 s4 pingpong": (128, 128, 64, 4, "pingpong"),
+         "128x128x64 s6 pingpong": (128, 128, 64, 6, "pingpong"),
+         "128x128x32 s8 pingpong": (128, 128, 32, 8, "pingpong")}
 
 
 @aggregate
@@ -102,17 +107,19 @@ class Descriptors:
 
 @aggregate
 class Ring:
-    """A's slots K-major (a_k) and the same slots M-major (a_m), B's slots, `ready` and `empty`."""
+    """A's slots K-major (a_k) and the same slots M-major (a_m), B's slots, `ready` and `empty`;
+    for ping-pong, `turn`: one mbarrier per consumer, arrived on at the end of each of its mainloops."""
 
     a_k: gl.shared_memory_descriptor
     a_m: gl.shared_memory_descriptor
     b: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
+    turn: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, a_k, a_m, b, ready, empty):
-        self.a_k, self.a_m, self.b, self.ready, self.empty = a_k, a_m, b, ready, empty
+    def __init__(self, a_k, a_m, b, ready, empty, turn):
+        self.a_k, self.a_m, self.b, self.ready, self.empty, self.turn = a_k, a_m, b, ready, empty, turn
 
 
 @aggregate
@@ -181,47 +188,71 @@ def _loader(d, ring, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, ST
 
 
 @gluon.jit
+def _turn_over(ring, PART: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(ring.turn.index(PART))
+
+
+@gluon.jit
 def _consumer(ring, outs, cbufs, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              TMA_STORE: gl.constexpr, PART: gl.constexpr):
-    """Rows [PART * BM/2, +BM/2) of the group's tiles; split tiles add into zeroed outputs."""
-    ROWS: gl.constexpr = BM // 2
-    ROW0: gl.constexpr = PART * ROWS
+              EPILOGUE: gl.constexpr, PART: gl.constexpr):
+    """Cooperative ("ptr", "tma"): rows [PART * BM/2, +BM/2) of every tile of the partition.
+    Ping-pong: all BM rows of the partition's tiles 2j + PART. Consumer PART starts the mainloop
+    of tile j only once the other consumer's mainloop of tile j - 1 is over (`ring.turn`), so the
+    mainloops alternate and one consumer's epilogue runs under the other's mainloop (this order
+    also keeps each ring wait within one phase of its slot's barrier); the other consumer's ring
+    steps are skipped in the count. Split tiles add into zeroed outputs."""
+    PINGPONG: gl.constexpr = EPILOGUE == "pingpong"
+    ROWS: gl.constexpr = BM if PINGPONG else BM // 2
+    ROW0: gl.constexpr = 0 if PINGPONG else PART * ROWS
     cbuf = cbufs.index(PART)
     it = 0
+    j = 0  # the partition's tile count so far
     for tile in range(g.first, g.total, g.stride):
         p, off_m, off_n, k_lo, k_hi = _coords(tile, g, BM, BN, BK)
         steps = gl.cdiv(k_hi - k_lo, BK)
-        if p == 0:
-            acc, it = consume_tile(ring.a_k, ring.b, ring.ready, ring.empty, it, steps, True, False, False, ROW0, ROWS,
-                                   BN, STAGES, 4)
-            _emit(acc, outs.grad_x, HIDDEN, outs.d_x, cbuf, off_m + ROW0, off_n, g.T, HIDDEN, g.split_gx > 1,
-                  TMA_STORE)
-        elif p == 1:
-            acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, steps, False, False, False, ROW0,
-                                   ROWS, BN, STAGES, 4)
-            _emit(acc, outs.grad_wqkv, HIDDEN, outs.d_wqkv, cbuf, off_m + ROW0, off_n, QKV, HIDDEN,
-                  g.split_wqkv > 1, TMA_STORE)
+        if (not PINGPONG) or (j % 2 == PART):
+            if PINGPONG:
+                # the other consumer's ((j - 1) // 2)-th mainloop (none before tile 0)
+                mbarrier.wait(ring.turn.index(1 - PART), ((j - 1) // 2) & 1, pred=j > 0)
+            if p == 0:
+                acc, it = consume_tile(ring.a_k, ring.b, ring.ready, ring.empty, it, steps, True, False, False, ROW0,
+                                       ROWS, BN, STAGES, 4)
+                _turn_over(ring, PART, PINGPONG)
+                _emit(acc, outs.grad_x, HIDDEN, outs.d_x, cbuf, off_m + ROW0, off_n, g.T, HIDDEN, g.split_gx > 1,
+                      EPILOGUE == "tma")
+            elif p == 1:
+                acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, steps, False, False, False, ROW0,
+                                       ROWS, BN, STAGES, 4)
+                _turn_over(ring, PART, PINGPONG)
+                _emit(acc, outs.grad_wqkv, HIDDEN, outs.d_wqkv, cbuf, off_m + ROW0, off_n, QKV, HIDDEN,
+                      g.split_wqkv > 1, EPILOGUE == "tma")
+            else:
+                acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, steps, False, False, False, ROW0,
+                                       ROWS, BN, STAGES, 4)
+                _turn_over(ring, PART, PINGPONG)
+                _emit(acc, outs.grad_wo, Q_OUT, outs.d_wo, cbuf, off_m + ROW0, off_n, HIDDEN, Q_OUT, g.split_wo > 1,
+                      EPILOGUE == "tma")
         else:
-            acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, steps, False, False, False, ROW0,
-                                   ROWS, BN, STAGES, 4)
-            _emit(acc, outs.grad_wo, Q_OUT, outs.d_wo, cbuf, off_m + ROW0, off_n, HIDDEN, Q_OUT, g.split_wo > 1,
-                  TMA_STORE)
-    if TMA_STORE:
+            it += steps  # the other consumer's tile: its ring steps
+        j += 1
+    if EPILOGUE == "tma":
         tma.store_wait(0)
 
 
 @gluon.jit
 def _second_consumer(ring, outs, cbufs, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                     STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
-    _consumer(ring, outs, cbufs, g, BM, BN, BK, STAGES, TMA_STORE, 1)
+                     STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
+    _consumer(ring, outs, cbufs, g, BM, BN, BK, STAGES, EPILOGUE, 1)
 
 
 @gluon.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "s1", "s2", "total"])
 def grouped_kernel(a_gx, b_gx, a_wqkv, b_wqkv, a_wo, b_wo, grad_x, grad_wqkv, grad_wo, d_x, d_wqkv, d_wo,
-                   T, split_gx, split_wqkv, split_wo, s1, s2, total, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+                   T, split_gx, split_wqkv, split_wo, s1, s2, total, STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
     """The three gradient products of 037 (module docstring), persistent: grid <= total tiles,
     num_warps=4 (the first consumer warpgroup). d_*: the outputs' descriptors ([BM / 2, BN] fp32
-    blocks), read with TMA_STORE only."""
+    blocks), read by the "tma" epilogue only. EPILOGUE: one of EPILOGUES."""
+    TMA_STORE: gl.constexpr = EPILOGUE == "tma"
     BM: gl.constexpr = a_gx.block_type.shape[0]
     BK: gl.constexpr = a_gx.block_type.shape[1]
     BN: gl.constexpr = b_gx.block_type.shape[1]
@@ -232,17 +263,20 @@ def grouped_kernel(a_gx, b_gx, a_wqkv, b_wqkv, a_wo, b_wo, grad_x, grad_wqkv, gr
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=1 if EPILOGUE == "pingpong" else 2)
     # one staging buffer per consumer for the TMA-store epilogue (a single fp32 element without it)
     cbufs = gl.allocate_shared_memory(gl.float32, [2, BM // 2, BN] if TMA_STORE else [2, 1, 1],
                                       d_x.layout if TMA_STORE else gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    ring = Ring(a_k, a_m, b, ready, empty)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    ring = Ring(a_k, a_m, b, ready, empty, turn)
     d = Descriptors(a_gx, b_gx, a_wqkv, b_wqkv, a_wo, b_wo)
     outs = Outputs(grad_x, grad_wqkv, grad_wo, d_x, d_wqkv, d_wo)
     g = Group(T, split_gx, split_wqkv, split_wo, s1, s2, total, gl.program_id(0), gl.num_programs(0))
     gl.warp_specialize([
-        (_consumer, (ring, outs, cbufs, g, BM, BN, BK, STAGES, TMA_STORE, 0)),
-        (_second_consumer, (ring, outs, cbufs, g, BM, BN, BK, STAGES, TMA_STORE)),
+        (_consumer, (ring, outs, cbufs, g, BM, BN, BK, STAGES, EPILOGUE, 0)),
+        (_second_consumer, (ring, outs, cbufs, g, BM, BN, BK, STAGES, EPILOGUE)),
         (_loader, (d, ring, g, BM, BN, BK, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -261,7 +295,7 @@ def grouped(g16, wqkv16, x16, go16, attn16, tiles, sms):
     outputs that K splits add into)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    bm, bn, bk, stages, tma_store = tiles
+    bm, bn, bk, stages, epilogue = tiles
     t = g16.shape[0]
     splits = choose_splits(gradient_shapes(t), bm, bn, bk, sms)
     counts = [tile_count(m, n, s, bm, bn) for (m, n, _), s in zip(gradient_shapes(t), splits)]
@@ -281,7 +315,7 @@ def grouped(g16, wqkv16, x16, go16, attn16, tiles, sms):
             if s > 1:
                 out.zero_()
         grouped_kernel[(min(total, sms),)](*descs, *outs, *out_descs, t, *splits, counts[0], counts[0] + counts[1],
-                                            total, STAGES=stages, TMA_STORE=tma_store, num_warps=4)
+                                            total, STAGES=stages, EPILOGUE=epilogue, num_warps=4)
 
     return run, outs, splits
 
@@ -289,12 +323,12 @@ def grouped(g16, wqkv16, x16, go16, attn16, tiles, sms):
 def _compile_only():
     from backfuse.kernels.gluon.sm90 import compile_sm90, descriptor_type, usage
 
-    for name, (bm, bn, bk, stages, tma_store) in TILES.items():
+    for name, (bm, bn, bk, stages, epilogue) in TILES.items():
         sig = {n: descriptor_type(gl.float16, block) for n, block in blocks(bm, bn, bk)}
         sig |= {n: descriptor_type(gl.float32, [bm // 2, bn]) for n in OUTPUT_DESCRIPTORS}
         sig |= {p.name: "i32" if p.do_not_specialize else "*fp32" for p in grouped_kernel.params
                 if p.name not in sig and not p.is_constexpr}
-        kernel = compile_sm90(grouped_kernel, sig, {"STAGES": stages, "TMA_STORE": tma_store}, num_warps=4)
+        kernel = compile_sm90(grouped_kernel, sig, {"STAGES": stages, "EPILOGUE": epilogue}, num_warps=4)
         print(f"grouped 037 gradient products {name}", usage(kernel), flush=True)
 
 
