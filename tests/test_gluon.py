@@ -61,8 +61,9 @@ def _compile(case: str):
         if p.name not in sig and not p.is_constexpr:
             sig[p.name] = INTS if p.do_not_specialize else \
                 "*fp16" if p.name.endswith("16") else "*i32" if p.name == "counters" else "*fp32"
-    kernel = compile_sm90(fn, sig, dict(STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.regs), num_warps=4,
-                          maxnreg=g.maxnreg)
+    kernel = compile_sm90(fn, sig, dict(STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.regs),
+                          num_warps=4, maxnreg=g.maxnreg)
+    assert usage(kernel).shared <= g.shared_bytes + 1024, (usage(kernel), g.shared_bytes)  # the plan's count holds
     return usage(kernel), g.maxnreg
 
 

@@ -211,3 +211,11 @@ def test_qkv_gqa_gluon_window():
     frozen = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[4].axes, SMS, gluon=True,
                           needs=(True, True, False, False, False))
     assert frozen.gluon.dec_chunks == frozen.gluon.enc_chunks == 0 and frozen.gluon.starts[0] == 0
+
+
+def test_gluon_config_refuses_a_ring_that_does_not_fit():
+    """The one-launch kernel's ring plus the pack's slots must fit one program's shared memory: the
+    default 4 stages take 192 KB; 6 would take 256."""
+    assert qkv_gqa.GluonConfig().shared_bytes == 4 * 32768 + 65536
+    with pytest.raises(ValueError, match="6 stages of 128 x 128 x 64 need 262144 bytes of shared memory"):
+        qkv_gqa.GluonConfig(stages=6)

@@ -47,10 +47,10 @@ import argparse
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-from backfuse.kernels.gluon.gemm import CONSUMER_REGS, LOADER_REGS, consume_tile, issue_step, store_tile, tile_coords
+from backfuse.kernels.gluon.gemm import CONSUMER_REGS, LOADER_REGS, consume_tile, emit_tile, issue_step, tile_coords
 from backfuse.kernels.schedule import choose_splits, tile_count
 from backfuse.ops.gemma3_core import spec
 from backfuse.ops.gemma3_core.config import gradient_shapes
@@ -140,24 +140,6 @@ class Outputs:
 
 
 @gluon.jit
-def _emit(acc, c_ptr, stride_cm, desc, cbuf, row, col, M, N, accumulate, TMA_STORE: gl.constexpr):
-    """Write a consumer's [BM / 2, BN] rows of a tile: atomically added when K is split; else by
-    pointer stores, or (TMA_STORE) staged in this consumer's shared buffer and sent by an
-    asynchronous TMA store, which the next tile's mainloop overlaps (waited for only before the
-    buffer is written again)."""
-    if TMA_STORE:
-        if accumulate:
-            store_tile(c_ptr, stride_cm, acc, row, col, M, N, True)
-        else:
-            tma.store_wait(0)
-            cbuf.store(acc)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(desc, [row, col], cbuf)
-    else:
-        store_tile(c_ptr, stride_cm, acc, row, col, M, N, accumulate)
-
-
-@gluon.jit
 def _coords(tile, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
     """(product, off_m, off_n, k_lo, k_hi) of tile `tile` of the group."""
     if tile < g.s1:
@@ -219,19 +201,19 @@ def _consumer(ring, outs, cbufs, g, BM: gl.constexpr, BN: gl.constexpr, BK: gl.c
                 acc, it = consume_tile(ring.a_k, ring.b, ring.ready, ring.empty, it, steps, True, False, False, ROW0,
                                        ROWS, BN, STAGES, 4)
                 _turn_over(ring, PART, PINGPONG)
-                _emit(acc, outs.grad_x, HIDDEN, outs.d_x, cbuf, off_m + ROW0, off_n, g.T, HIDDEN, g.split_gx > 1,
+                emit_tile(acc, outs.grad_x, HIDDEN, outs.d_x, cbuf, off_m + ROW0, off_n, g.T, HIDDEN, g.split_gx > 1,
                       EPILOGUE == "tma")
             elif p == 1:
                 acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, steps, False, False, False, ROW0,
                                        ROWS, BN, STAGES, 4)
                 _turn_over(ring, PART, PINGPONG)
-                _emit(acc, outs.grad_wqkv, HIDDEN, outs.d_wqkv, cbuf, off_m + ROW0, off_n, QKV, HIDDEN,
+                emit_tile(acc, outs.grad_wqkv, HIDDEN, outs.d_wqkv, cbuf, off_m + ROW0, off_n, QKV, HIDDEN,
                       g.split_wqkv > 1, EPILOGUE == "tma")
             else:
                 acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, steps, False, False, False, ROW0,
                                        ROWS, BN, STAGES, 4)
                 _turn_over(ring, PART, PINGPONG)
-                _emit(acc, outs.grad_wo, Q_OUT, outs.d_wo, cbuf, off_m + ROW0, off_n, HIDDEN, Q_OUT, g.split_wo > 1,
+                emit_tile(acc, outs.grad_wo, Q_OUT, outs.d_wo, cbuf, off_m + ROW0, off_n, HIDDEN, Q_OUT, g.split_wo > 1,
                       EPILOGUE == "tma")
         else:
             it += steps  # the other consumer's tile: its ring steps

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 # Registers (setmaxnreg) of a Gluon kernel's TMA loader partition: one warp issuing copies.
 GLUON_LOADER_REGS = 24
+SM90_SHARED_BYTES = 232448  # the most dynamic shared memory one program may take on sm_90 (227 KB)
 
 
 @dataclass(frozen=True, kw_only=True)

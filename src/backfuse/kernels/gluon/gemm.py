@@ -6,7 +6,8 @@ Structure of a program (one per SM, looping over output tiles):
 - two consumer warpgroups, each computing its BM / 2 rows of the tile, wait on `ready`, issue async
   wgmma and, once a slot's wgmma has retired, arrive on the slot's `empty` mbarrier (which counts
   both warpgroups) so the loader can refill it (`consume_tile`); then each stores its fp32 rows, or
-  adds them atomically when K is split (`store_tile`).
+  adds them atomically when K is split (`store_tile`; or `emit_tile`, which can stage an unsplit
+  tile in shared memory and send it by TMA under the next tile's mainloop).
 
 Operands: A fp16 in shared memory, K-major ([BM, BK] tiles of A[M, K]) or M-major ([BK, BM] tiles
 of A^T stored [K, M]); or A fp32, loaded into registers and rounded to fp16 there. B fp16 in shared
@@ -22,7 +23,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from ..config import GLUON_LOADER_REGS
 
@@ -115,6 +122,25 @@ def store_tile(c_ptr, stride_cm, acc, off_m, off_n, M, N, accumulate):
         gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
     else:
         gl.store(ptrs, acc, mask=mask)
+
+
+@gluon.jit
+def emit_tile(acc, c_ptr, stride_cm, c_desc, c_buf, off_m, off_n, M, N, accumulate, TMA_STORE: gl.constexpr):
+    """A consumer's epilogue: C[off_m:+rows, off_n:+cols] = acc, or += atomically when `accumulate`
+    (`store_tile`). With TMA_STORE an unsplit tile is staged in the consumer's own shared buffer
+    `c_buf` and sent by an asynchronous TMA store through `c_desc` (which clips at M and N), so the
+    store overlaps the next tile's mainloop; it is waited for only before `c_buf` is written again
+    (and once more before the partition ends: `tma.store_wait(0)`)."""
+    if TMA_STORE:
+        if accumulate:
+            store_tile(c_ptr, stride_cm, acc, off_m, off_n, M, N, True)
+        else:
+            tma.store_wait(0)
+            c_buf.store(acc)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_buf)
+    else:
+        store_tile(c_ptr, stride_cm, acc, off_m, off_n, M, N, accumulate)
 
 
 @gluon.jit

@@ -18,8 +18,10 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from ..config import SM90_SHARED_BYTES
+
 SM90 = GPUTarget("cuda", 90, 32)
-SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+SHARED_LIMIT = SM90_SHARED_BYTES  # bytes of shared memory one block may use on sm_90
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 

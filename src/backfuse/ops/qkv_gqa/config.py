@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.config import GLUON_LOADER_REGS, PackConfig, TileConfig
+from ...kernels.config import GLUON_LOADER_REGS, SM90_SHARED_BYTES, PackConfig, TileConfig
 from ...kernels.schedule import (
     Holds,
     Layout,
@@ -24,6 +24,11 @@ from ...kernels.schedule import (
     tile_count,
 )
 from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
+
+# The Gluon kernel's pack items (ops/qkv_gqa/gluon_pack.py): 64 rows x 256 columns, or, for the
+# head-group sums, 16 tokens of the 4 query heads of one KV head; counted per 128-token block. The
+# pack stages its loads in GLUON_PACK_SLOTS shared slots of GLUON_SUM_ROWS x 256 fp32 (64 KB in flight).
+GLUON_TOKEN_BLOCK, GLUON_ITEM_ROWS, GLUON_SUM_ROWS, GLUON_PACK_SLOTS = 128, 64, 16, 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +58,14 @@ class GluonConfig:
     max_flop: float = 200e9
 
     @property
+    def shared_bytes(self) -> int:
+        """Shared memory of a program: the ring and the pack's slots (GLUON_SUM_ROWS x 256 fp32 each).
+        (A TMA-store epilogue's 64 KB of staging would leave room for 3 stages only, which lost 7 %:
+        benchmarks/notes/072.md row 30.)"""
+        ring = self.stages * (self.bm * self.bk + self.bk * self.bn) * 2
+        return ring + GLUON_PACK_SLOTS * GLUON_SUM_ROWS * 256 * 4
+
+    @property
     def first_consumer_regs(self) -> int:
         """What the pool leaves the first consumer: with a 4-warp pack the launch has 4 warpgroups
         (the loader's padded), each 128 threads at maxnreg, and the PTX gives the first consumer
@@ -66,6 +79,9 @@ class GluonConfig:
             value = getattr(self, name)
             if value % 8 or not 24 <= value <= 256:
                 raise ValueError(f"GluonConfig.{name}: a multiple of 8 in [24, 256] (setmaxnreg), got {value}")
+        if self.shared_bytes > SM90_SHARED_BYTES - 1024:  # the mbarriers and alignment take the rest
+            raise ValueError(f"GluonConfig: {self.stages} stages of {self.bm} x {self.bn} x {self.bk} need "
+                             f"{self.shared_bytes} bytes of shared memory; a program has {SM90_SHARED_BYTES}")
         if self.pack_warps == 4 and not 24 <= self.first_consumer_regs <= 256:
             raise ValueError(f"GluonConfig: regs={self.regs} leaves the first consumer {self.first_consumer_regs} "
                              f"registers of the pool ({self.maxnreg} per thread); expected 24..256")
@@ -102,9 +118,6 @@ class TilesLaunch:
     starts: tuple  # first program of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc (deepest tiles first)
 
 
-# The Gluon kernel's pack items (ops/qkv_gqa/gluon_pack.py): 64 rows x 256 columns, or, for the
-# head-group sums, 16 tokens of the 4 query heads of one KV head; counted per 128-token block.
-GLUON_TOKEN_BLOCK, GLUON_ITEM_ROWS, GLUON_SUM_ROWS = 128, 64, 16
 # The Gluon kernel's completion counters (int32; the launch's last partition leaves them zero): these
 # fixed slots, then one slot per GLUON_TOKEN_BLOCK tokens of GQ, dec16, [GK | GV] and enc16 in that
 # order (`GluonCounters`). The kernel names the fixed slots by their index here.

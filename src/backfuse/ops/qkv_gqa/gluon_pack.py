@@ -28,7 +28,7 @@ Q_OUT = gl.constexpr(spec.Q_OUT)
 KV_OUT = gl.constexpr(spec.KV_OUT)
 TOKEN_BLOCK = gl.constexpr(config.GLUON_TOKEN_BLOCK)  # tokens per pack counter (= BM)
 UNIT = gl.constexpr(config.GLUON_SUM_ROWS)  # rows of one shared-memory slot of the pack (16 x 256 fp32)
-UNITS = gl.constexpr(4)  # slots: 64 KB in flight per item
+UNITS = gl.constexpr(config.GLUON_PACK_SLOTS)  # slots: 64 KB in flight per item
 ITEM_ROWS = gl.constexpr(config.GLUON_ITEM_ROWS)  # rows of a plain item (UNITS slots); a head-group sum: UNIT
 W_ITEMS = gl.constexpr((spec.Q_OUT // ITEM_ROWS) * (spec.HIDDEN // HEAD_DIM))  # of Wq16 (and of zeroing grad_Wq)
 KV_ITEMS = gl.constexpr((spec.KV_OUT // ITEM_ROWS) * (spec.CROSS_HIDDEN // HEAD_DIM))  # per weight (Wk16, Wv16)
