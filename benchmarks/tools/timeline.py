@@ -3,7 +3,8 @@ with its start, duration and the idle gap before it, and when the host launched 
 
     python3 benchmarks/tools/timeline.py 037 14 [--products cublas]
 
-Gaps whose launch came late (host column after the previous activity ended) are host-bound.
+Gaps whose launch came late (host column after the previous activity ended) are host-bound; "api"
+is how long the host's launch call took.
 """
 
 import argparse
@@ -46,11 +47,12 @@ device = sorted((e for e in events if e.kind in DEVICE_ACTIVITIES and e.correlat
 t0 = min([device[0].start_ns] + [launch[e.correlation].start_ns for e in device if e.correlation in launch])
 print(f"{prob.id} case {args.case} {prob.workloads[args.case].axes}: span "
       f"{(device[-1].end_ns - device[0].start_ns) / 1e3:.1f} us (times in us from the first launch)")
-print(f"{'launched':>9s} {'start':>9s} {'dur':>8s} {'gap':>7s}  activity")
+print(f"{'launched':>9s} {'api':>7s} {'start':>9s} {'dur':>8s} {'gap':>7s}  activity")
 prev_end = None
 for e in device:
     host = launch.get(e.correlation)
     gap = (e.start_ns - prev_end) / 1e3 if prev_end is not None else 0.0
-    print(f"{(host.start_ns - t0) / 1e3 if host else float('nan'):9.1f} {(e.start_ns - t0) / 1e3:9.1f} "
+    print(f"{(host.start_ns - t0) / 1e3 if host else float('nan'):9.1f} "
+          f"{(host.end_ns - host.start_ns) / 1e3 if host else float('nan'):7.1f} {(e.start_ns - t0) / 1e3:9.1f} "
           f"{(e.end_ns - e.start_ns) / 1e3:8.1f} {gap:7.1f}  {e.name[:70]}")
     prev_end = e.end_ns if prev_end is None else max(prev_end, e.end_ns)

@@ -41,6 +41,11 @@ VARIANTS = {
         # 232 / 128 / 128 and a 128-byte stack frame, 160 gives 168 / 160 / 160 and 72 bytes.
         "gluon_regs144": dict(products="gluon", config=C72(gluon=G72(regs=144))),
         "gluon_regs160": dict(products="gluon", config=C72(gluon=G72(regs=160))),
+        # Deeper rings (the fourth stage measured 7-8 % against three: notes/072.md row 30); 5 x 64 or
+        # 10 x 32 deep fill the shared memory beside the pack's 64 KB.
+        "gluon_s5": dict(products="gluon", config=C72(gluon=G72(stages=5))),
+        "gluon_k32_s8": dict(products="gluon", config=C72(gluon=G72(bk=32, stages=8))),
+        "gluon_k32_s10": dict(products="gluon", config=C72(gluon=G72(bk=32, stages=10))),
         "pack_r32_b4096_i16_w8": dict(config=C72(pack=PackConfig(rows=32, block=4096, iters=16, warps=8))),
         # Shorter flat-cast programs (16K or 32K elements instead of 64K): on the small cases the pack's
         # ~350 programs are ~2.6 per SM, its Wq chunks 256 KB each.
