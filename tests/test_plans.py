@@ -181,10 +181,11 @@ def test_layout_keeps_converting_segments_first():
 
 def test_longest_first_orders_groups_by_tile_depth():
     groups = [(512, 1024, 1), (312, 2048, 1), (256, 8192, 2), (128, 4928, 1), (0, 77, 0)]
-    starts = longest_first(groups)
-    spans = sorted((start, start + tiles) for start, (tiles, _, _) in zip(starts, groups))
+    bounds = longest_first(groups)
+    assert [end - start for start, end in bounds] == [tiles for tiles, _, _ in groups]
+    spans = sorted(bounds)
     assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no overlap
-    assert starts[:4] == [696, 384, 128, 0]  # depths 1024, 2048, 4096, 4928: deepest first
+    assert [start for start, _ in bounds[:4]] == [696, 384, 128, 0]  # depths 1024, 2048, 4096, 4928: deepest first
 
 
 def test_qkv_gqa_gluon_window():
@@ -219,3 +220,37 @@ def test_gluon_config_refuses_a_ring_that_does_not_fit():
     assert qkv_gqa.GluonConfig().shared_bytes == 4 * 32768 + 65536
     with pytest.raises(ValueError, match="6 stages of 128 x 128 x 64 need 262144 bytes of shared memory"):
         qkv_gqa.GluonConfig(stages=6)
+
+
+def _tile_partition(bounds, total):
+    """The groups' [start, end) tile ranges cover [0, total) exactly, none overlapping."""
+    spans = sorted(b for b in bounds if b[1] > b[0])
+    assert all(start <= end for start, end in bounds)
+    assert (spans[0][0] if spans else 0) == 0 and (spans[-1][1] if spans else 0) == total
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_product_launches_take_the_plans_tile_bounds():
+    """The kernels read each product's programs [start, end) from the plan instead of recounting its
+    tiles: the bounds must partition the launch's product programs and match the tile counts, with
+    021's bias sums after them and its forward tiles laid out as its range regions are."""
+    for p, w in zip(_plans("072") + _plans("072", needs=[True, True, False, False, False]),
+                    backfuse.problem("072").workloads * 2):
+        if p.tiles is not None:
+            t = qkv_gqa.CONFIG.tiles
+            tiles = [qkv_gqa.tile_count(m, n, s, t.bm, t.bn)
+                     for (m, n, _), s in zip(qkv_gqa.product_shapes(w.axes), p.splits)]
+            kept = [n * (p.tiles.weight_grads if i < 2 else p.tiles.input_grads) for i, n in enumerate(tiles)]
+            assert [end - start for start, end in p.tiles.bounds] == kept
+            _tile_partition(p.tiles.bounds, p.tiles.programs)
+    for p, w in zip(_plans("021") + _plans("021", products="cublas"), backfuse.problem("021").workloads * 2):
+        _tile_partition(p.bounds, p.sums_start)
+        assert p.gradient_programs == p.sums_start + 3 * wan_xattn.HIDDEN // wan_xattn.CONFIG.sums.cols
+        (q0, q1), (kv0, kv1), (dc0, dc1) = p.forward_bounds
+        assert q0 == 0 and q1 == kv0 and kv1 == dc0 and dc1 - dc0 == q1 - q0
+        assert dc1 == wan_xattn.forward_tile_count(p.forward, w.axes["batch_size"] * w.axes["num_video_tokens"],
+                                                   w.axes["batch_size"] * w.axes["num_text_tokens"])
+        regions = p.ranges[1]
+        bases = [regions.base(name) for name in wan_xattn.FORWARD_REGIONS]
+        assert bases == [q0, kv0, dc0]  # one slot per tile, in the loop's order
+        assert regions.base("values") == kv0 + (kv1 - kv0) // 2  # V's column tiles run on past K's

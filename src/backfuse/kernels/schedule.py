@@ -43,19 +43,25 @@ def choose_splits(gemms, BM: int, BN: int, BK: int, sms: int, *, slices_per_sm: 
     return [max(1, round(k / chunk)) for _, _, k in gemms]
 
 
-def longest_first(groups) -> list:
-    """First program of each group of tiles in one launch, the groups ordered by the K length of
-    their tiles, longest first (ties keep the given order): programs start in order, so the short
-    tiles then fill the last wave instead of long ones trailing it.
+def longest_first(groups) -> tuple:
+    """The programs [start, end) of each group of tiles in one launch, the groups ordered by the K
+    length of their tiles, longest first (ties keep the given order): programs start in order, so
+    the short tiles then fill the last wave instead of long ones trailing it. A kernel reads these
+    bounds as they are (it does not recount the tiles); together they cover [0, total tiles).
 
     groups: (tiles, K, splits) per group; a group's tiles are K / splits deep.
     """
     order = sorted(range(len(groups)), key=lambda g: -cdiv(groups[g][1], max(1, groups[g][2])))
-    starts, first = [0] * len(groups), 0
+    bounds, first = [None] * len(groups), 0
     for g in order:
-        starts[g] = first
+        bounds[g] = (first, first + groups[g][0])
         first += groups[g][0]
-    return starts
+    return tuple(bounds)
+
+
+def flat(bounds) -> tuple:
+    """((s0, e0), (s1, e1), ...) as (s0, e0, s1, e1, ...): kernel arguments."""
+    return tuple(x for pair in bounds for x in pair)
 
 
 def choose_products(requested: str | None, flop: float, cublas_min_flop: float, gpu: bool, *,
@@ -128,6 +134,13 @@ class Regions:
             starts.append(at)
             at += r.slots
         return tuple(starts)
+
+    def base(self, name: str) -> int:
+        """The first slot of the region called `name`."""
+        for r, at in zip(self.regions, self.bases):
+            if r.name == name:
+                return at
+        raise KeyError(f"no region {name!r} among {[r.name for r in self.regions]}")
 
     def reserve(self, ranges) -> int:
         """Reserve the block in a RangeSlots; returns its offset."""

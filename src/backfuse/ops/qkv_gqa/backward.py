@@ -8,6 +8,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...kernels import buffers
 from ...kernels.launch import FastKernel
+from ...kernels.schedule import flat
 from ..prelude import begin, cublas_products, fits_int32
 from . import gluon_kernels
 from .config import CONFIG, INTERPRETER_CONFIG, plan
@@ -73,7 +74,7 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
                 (p.tiles.programs,),
                 gq16, gkv16, dec16, enc16, wq16, wkv16,
                 grad_dec, grad_enc, grad_wq, grad_wkv,
-                td, te, *p.splits, *p.tiles.starts,
+                td, te, *p.splits, *flat(p.tiles.bounds),
                 WEIGHT_GRADS=p.tiles.weight_grads, INPUT_GRADS=p.tiles.input_grads,
                 BM=t.bm, BN=t.bn, BK=t.bk, PDL=p.pdl, num_warps=t.warps, num_stages=t.stages, launch_pdl=p.pdl)]
         pack_launch()

@@ -110,12 +110,12 @@ INTERPRETER_CONFIG = Config(pack=PackConfig(rows=32, block=1 << 20, iters=1, war
 
 @dataclass(frozen=True)
 class TilesLaunch:
-    """The launch of our product tiles: which groups it runs and where each product's tiles start."""
+    """The launch of our product tiles: which groups it runs and each product's programs."""
 
     programs: int
     weight_grads: bool  # grad_Wq, grad_[Wk; Wv]
     input_grads: bool  # grad_dec, grad_enc
-    starts: tuple  # first program of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc (deepest tiles first)
+    bounds: tuple  # programs [start, end) of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc (deepest tiles first)
 
 
 # The Gluon kernel's completion counters (int32; the launch's last partition leaves them zero): these
@@ -264,8 +264,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
     if backend == "triton" and (input_grads or weight_grads):
         tiles = [tile_count(m, n, s, t.bm, t.bn) * (weight_grads if i < 2 else input_grads)
                  for i, ((m, n, _), s) in enumerate(zip(gemms, splits))]
-        starts = longest_first([(n, k, s) for n, (_, _, k), s in zip(tiles, gemms, splits)])
-        launch = TilesLaunch(sum(tiles), weight_grads, input_grads, tuple(starts))
+        bounds = longest_first([(n, k, s) for n, (_, _, k), s in zip(tiles, gemms, splits)])
+        launch = TilesLaunch(sum(tiles), weight_grads, input_grads, bounds)
     pack = pack_layout(cfg, axes, splits)
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, splits=tuple(splits), tiles=launch,
                 cublas=(needs[0], needs[1], needs[2], needs[3] or needs[4]), ranges=(pack.regions,))

@@ -113,14 +113,14 @@ def pack_kernel(
         tl.store(ranges + pid, largest)
 
 
-@triton.jit(do_not_specialize=["TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc", "start_wq", "start_wkv",
-                                "start_dec", "start_enc"])
+@triton.jit(do_not_specialize=["TD", "TE", "split_wq", "split_wkv", "split_dec", "split_enc", "start_wq", "end_wq",
+                                "start_wkv", "end_wkv", "start_dec", "end_dec", "start_enc", "end_enc"])
 def projection_grads_kernel(
     gq16, gkv16, dec16, enc16, wq16, wkv16,
     grad_dec, grad_enc, grad_wq, grad_wkv,
     TD, TE,
     split_wq, split_wkv, split_dec, split_enc,
-    start_wq, start_wkv, start_dec, start_enc,
+    start_wq, end_wq, start_wkv, end_wkv, start_dec, end_dec, start_enc, end_enc,
     WEIGHT_GRADS: tl.constexpr,
     INPUT_GRADS: tl.constexpr,
     BM: tl.constexpr,
@@ -134,17 +134,15 @@ def projection_grads_kernel(
     [GK | GV]^T enc, grad_dec = GQ Wq, grad_enc = [GK | GV] [Wk; Wv]. The weight gradients read
     their A operand transposed (feature-contiguous), the input gradients row-major; Triton gives
     each layout its own shared-memory ring, so one launch of both needs a smaller ring. Each
-    product's tiles start at program start_* (the host orders them deepest first:
+    product's tiles are the programs [start_*, end_*) (the plan's bounds, deepest first:
     schedule.longest_first); split_* > 1 adds K slices by atomics into pre-zeroed outputs.
     """
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     if WEIGHT_GRADS:
         # One call site for both (so they share one shared-memory ring); operands by select.
-        t_q = ((_Q_OUT + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_wq
-        t_kv = ((2 * _KV_OUT + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_wkv
-        on_q = (pid >= start_wq) & (pid < start_wq + t_q)
-        if on_q | ((pid >= start_wkv) & (pid < start_wkv + t_kv)):
+        on_q = (pid >= start_wq) & (pid < end_wq)
+        if on_q | ((pid >= start_wkv) & (pid < end_wkv)):
             width = tl.multiple_of(tl.where(on_q, _HIDDEN, _CROSS), 256)
             gemm_tile(
                 pid - tl.where(on_q, start_wq, start_wkv),
@@ -156,10 +154,8 @@ def projection_grads_kernel(
                 tl.where(on_q, split_wq, split_wkv), BM, BN, BK,
             )
     if INPUT_GRADS:
-        t_dec = ((TD + BM - 1) // BM) * ((_HIDDEN + BN - 1) // BN) * split_dec
-        t_enc = ((TE + BM - 1) // BM) * ((_CROSS + BN - 1) // BN) * split_enc
-        on_dec = (pid >= start_dec) & (pid < start_dec + t_dec)
-        if on_dec | ((pid >= start_enc) & (pid < start_enc + t_enc)):
+        on_dec = (pid >= start_dec) & (pid < end_dec)
+        if on_dec | ((pid >= start_enc) & (pid < end_enc)):
             width = tl.multiple_of(tl.where(on_dec, _HIDDEN, _CROSS), 256)
             depth = tl.multiple_of(tl.where(on_dec, _Q_OUT, 2 * _KV_OUT), 256)
             gemm_tile(

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from ...kernels import buffers
 from ...kernels.launch import FastKernel
+from ...kernels.schedule import flat
 from ..prelude import begin, cublas_products, fits_int32
-from .config import CONFIG, INTERPRETER_CONFIG, plan
+from .config import CONFIG, FORWARD_REGIONS, INTERPRETER_CONFIG, plan
 from .spec import HEADS, HIDDEN, PROBLEM
 from .triton_attention import attention_kernel
 from .triton_kernels import forward_products_kernel, gradient_products_kernel, pack_kernel
@@ -76,7 +77,8 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
                 (p.forward_programs + HIDDEN // sums.cols,),
                 act16, w16, bq, bk, bv,
                 q16, kv16, dc16, colsum_parts, grad_bo, call.ranges_of(1),
-                tv, tt, go_tiles, p.forward_programs,
+                tv, tt, go_tiles, p.forward_programs, *(end for _, end in p.forward_bounds),
+                *(p.ranges[1].base(name) for name in FORWARD_REGIONS),
                 BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=fw.warps,
                 num_stages=fw.stages, launch_pdl=pdl),
             ATTENTION.prepare(
@@ -89,7 +91,8 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
                 (p.gradient_programs,),
                 dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
                 grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
-                tv, tt, p.splits[2], p.splits[4], p.splits[0], p.splits[1], *p.starts, batch * p.runs,
+                tv, tt, p.splits[2], p.splits[4], p.splits[0], p.splits[1], *flat(p.bounds), p.sums_start,
+                batch * p.runs,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
                 num_stages=gr.stages, launch_pdl=pdl),
         ]

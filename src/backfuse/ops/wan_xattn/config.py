@@ -119,6 +119,7 @@ class Plan:
     pack: Layout
     forward: TileConfig  # the forward products' tiles
     forward_programs: int  # persistent ones; the launch adds the grad_bo sums' programs
+    forward_bounds: tuple  # the forward's tiles [start, end) of Q, [K | V] and dC, in its loop's order
     one_tile: bool  # all text tokens in one tile (else text tiles of AttentionConfig.bn)
     text_tile: int
     text_tail: int  # 0: none
@@ -129,10 +130,16 @@ class Plan:
     attention_programs: int
     kv_partial_rows: int  # of the fp32 dK/dV partial sums (1: unused)
     splits: tuple  # K splits of grad_video, grad_text, grad_Wq, grad_Wo, grad_Wk, grad_Wv (0: skipped/cuBLAS)
-    starts: tuple  # first program of grad_video, grad_text, grad_Wq + grad_Wo, grad_Wk + grad_Wv
+    bounds: tuple  # programs [start, end) of grad_video, grad_text, grad_Wq + grad_Wo, grad_Wk + grad_Wv
+    sums_start: int  # the first of the bias sums' programs, after every product tile
     gradient_programs: int  # our gradient products' tiles, then the bias sums
     wanted: tuple  # whether each of those six products is needed (cuBLAS runs those)
     ranges: tuple  # Regions of the pack, forward and attention launches
+
+
+# The forward launch's range regions whose first slots its kernel takes (r_q, r_k, r_dc); the values'
+# slots follow the keys' (the kernel's [K | V] column tiles run on past K's).
+FORWARD_REGIONS = ("queries", "keys", "gradient of attention context")
 
 
 def gradient_shapes(tv: int, tt: int) -> list:
@@ -201,24 +208,27 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
         splits = [s * w for s, w in zip(splits, wanted)]  # 0: skipped
     tiles = [tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gemms, splits)]
     split_gv, split_gt, split_wv, _, split_wt, _ = splits
-    starts = longest_first([(tiles[0], gemms[0][2], split_gv), (tiles[1], gemms[1][2], split_gt),
+    bounds = longest_first([(tiles[0], gemms[0][2], split_gv), (tiles[1], gemms[1][2], split_gt),
                             (tiles[2] + tiles[3], tv, split_wv), (tiles[4] + tiles[5], tt, split_wt)])
 
     fw = forward_tiles(cfg, tv, tt, sms)
     attention_programs = batch * HEADS * runs
     pack = pack_layout(cfg, tv, tt, splits, runs > 1 and not deterministic)
     q_tiles, k_tiles = tile_count(tv, HIDDEN, 1, fw.bm, fw.bn), tile_count(tt, HIDDEN, 1, fw.bm, fw.bn)
+    forward_bounds = ((0, q_tiles), (q_tiles, q_tiles + 2 * k_tiles), (q_tiles + 2 * k_tiles, 2 * q_tiles + 2 * k_tiles))
     ranges = (
         pack.regions,
-        Regions((Region("queries", q_tiles), Region("keys", k_tiles), Region("values", k_tiles),
-                 Region("gradient of attention context", q_tiles, Holds.GRADIENT))),
+        Regions((Region(FORWARD_REGIONS[0], q_tiles), Region(FORWARD_REGIONS[1], k_tiles), Region("values", k_tiles),
+                 Region(FORWARD_REGIONS[2], q_tiles, Holds.GRADIENT))),
         Regions(tuple(Region(g, attention_programs, Holds.VANISHING)
                       for g in ("gradient of queries", "gradient of keys", "gradient of values"))),
     )
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
-                forward_programs=min(forward_tile_count(fw, tv, tt), sms), one_tile=one_tile, text_tile=text_tile,
+                forward_programs=min(forward_tile_count(fw, tv, tt), sms), forward_bounds=forward_bounds,
+                one_tile=one_tile, text_tile=text_tile,
                 text_tail=text_tail, block_rows=block_rows, block_warps=block_warps, per_program=per_program, runs=runs,
                 attention_programs=attention_programs,
                 kv_partial_rows=(runs if deterministic else 1) * tt if runs > 1 else 1, splits=tuple(splits),
-                starts=tuple(starts), gradient_programs=sum(tiles) + 3 * HIDDEN // cfg.sums.cols, wanted=wanted,
+                bounds=bounds, sums_start=sum(tiles), gradient_programs=sum(tiles) + 3 * HIDDEN // cfg.sums.cols,
+                wanted=wanted,
                 ranges=ranges)

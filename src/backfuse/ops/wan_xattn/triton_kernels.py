@@ -99,17 +99,19 @@ def pack_kernel(
         tl.store(ranges + pid, largest)
 
 
-@triton.jit(do_not_specialize=["TV", "TT", "n_parts", "n_programs"])
+@triton.jit(do_not_specialize=["TV", "TT", "n_parts", "n_programs", "end_q", "end_kv", "end_dc", "r_q", "r_k", "r_dc"])
 def forward_products_kernel(
     act16, w16, bq, bk, bv,
     q16, kv16, dc16, colsum_parts, grad_bo, ranges,
-    TV, TT, n_parts, n_programs,
+    TV, TT, n_parts, n_programs, end_q, end_kv, end_dc, r_q, r_k, r_dc,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Q = video Wq^T + bq, [K | V] = text [Wk; Wv]^T + [bk | bv], dC = grad_output Wo (fp16 out),
-    then grad_bo from the pack's column sums. Each tile's largest |value| goes to ranges, column
-    tiles outermost within each product, so that Q, K, V and dC each have one range of slots.
+    then grad_bo from the pack's column sums. The tiles of Q, [K | V] and dC are [0, end_q),
+    [end_q, end_kv) and [end_kv, end_dc) (the plan's forward_bounds). Each tile's largest |value|
+    goes to ranges, column tiles outermost within each product, from the slots r_q (Q), r_k (K,
+    then V's, which follow K's: its column tiles go on past K's), r_dc (dC): the plan's region bases.
 
     act16 is [video; text; grad_output] and w16 is [Wq; Wk; Wv; Wo^T], each [rows, 1024] row-major,
     so every product reads row blocks of the same two TMA descriptors (a tile's rows past its
@@ -118,17 +120,15 @@ def forward_products_kernel(
     """
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    t_q = ((TV + BM - 1) // BM) * (_HIDDEN // BN)
-    t_kv = ((TT + BM - 1) // BM) * (2 * _HIDDEN // BN)
     if pid < n_programs:
         a_desc = tl.make_tensor_descriptor(act16, shape=[2 * TV + TT, _HIDDEN], strides=[_HIDDEN, 1],
                                            block_shape=[BM, BK])
         b_desc = tl.make_tensor_descriptor(w16, shape=[4 * _HIDDEN, _HIDDEN], strides=[_HIDDEN, 1],
                                            block_shape=[BN, BK])
-        for tile in tl.range(pid, 2 * t_q + t_kv, n_programs, flatten=True):
-            on_q = tile < t_q
-            on_kv = (tile >= t_q) & (tile < t_q + t_kv)
-            local = tl.where(on_q, tile, tl.where(on_kv, tile - t_q, tile - t_q - t_kv))
+        for tile in tl.range(pid, end_dc, n_programs, flatten=True):
+            on_q = tile < end_q
+            on_kv = (tile >= end_q) & (tile < end_kv)
+            local = tile - tl.where(on_q, 0, tl.where(on_kv, end_q, end_kv))
             width = tl.where(on_kv, 2 * _HIDDEN, _HIDDEN)
             rows = tl.where(on_kv, TT, TV)
             off_m = (local // (width // BN)) * BM
@@ -143,19 +143,20 @@ def forward_products_kernel(
             tl.store(out + rm[:, None].to(tl.int64) * width + rn[None, :], acc.to(tl.float16),
                      mask=rm[:, None] < rows)
             row_blocks = (rows + BM - 1) // BM
-            slot = tile - local + (off_n // BN) * row_blocks + off_m // BM
+            slot = tl.where(on_q, r_q, tl.where(on_kv, r_k, r_dc)) + (off_n // BN) * row_blocks + off_m // BM
             tl.store(ranges + slot, max_abs(tl.where(rm[:, None] < rows, acc, 0.0)))
     else:
         cols = (pid - n_programs) * SUM_COLS + tl.arange(0, SUM_COLS)
         tl.store(grad_bo + cols, column_sums(colsum_parts, n_parts, _HIDDEN, cols, SUM_ROWS, SUM_COLS))
 
 
-@triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "start_gv", "start_gt",
-                                "start_wv", "start_wt", "n_parts"])
+@triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "start_gv", "end_gv",
+                                "start_gt", "end_gt", "start_wv", "end_wv", "start_wt", "end_wt", "sums_start", "n_parts"])
 def gradient_products_kernel(
     dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
     grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
-    TV, TT, split_wv, split_wt, split_gv, split_gt, start_gv, start_gt, start_wv, start_wt, n_parts,
+    TV, TT, split_wv, split_wt, split_gv, split_gt, start_gv, end_gv, start_gt, end_gt, start_wv, end_wv,
+    start_wt, end_wt, sums_start, n_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -164,21 +165,16 @@ def gradient_products_kernel(
     grad_Wk = dK^T text, grad_Wv = dV^T text. One call site per layout, so one shared-memory ring
     each. K splits (outputs pre-zeroed when split; 0 skips the products): split_gv, split_gt for
     grad_video, grad_text; split_wv for the weight gradients over video tokens, split_wt for those
-    over text tokens. The four groups of tiles (grad_video; grad_text; grad_Wq and grad_Wo; grad_Wk
-    and grad_Wv) start at program start_gv, start_gt, start_wv, start_wt (the host orders them
-    longest tiles first, so that short tiles fill the last wave). Then 3 * 1024 / SUM_COLS programs
-    sum the attention's bias_parts into grad_bq, grad_bk, grad_bv."""
+    over text tokens. The four groups of tiles (grad_video; grad_text; grad_Wq and grad_Wo, the
+    pair's halves alike; grad_Wk and grad_Wv) are the programs [start_*, end_*) (the plan's bounds,
+    longest tiles first, so that short tiles fill the last wave). From program sums_start on,
+    3 * 1024 / SUM_COLS programs sum the attention's bias_parts into grad_bq, grad_bk, grad_bv."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    t_gv = ((TV + BM - 1) // BM) * (_HIDDEN // BN) * split_gv
-    t_gt = ((TT + BM - 1) // BM) * (_HIDDEN // BN) * split_gt
-    t_w = (_HIDDEN // BM) * (_HIDDEN // BN)
-    t_wv = t_w * split_wv  # per product of the pair
-    t_wt = t_w * split_wt
-    in_gv = (pid >= start_gv) & (pid < start_gv + t_gv)
-    in_gt = (pid >= start_gt) & (pid < start_gt + t_gt)
-    in_wv = (pid >= start_wv) & (pid < start_wv + 2 * t_wv)
-    in_wt = (pid >= start_wt) & (pid < start_wt + 2 * t_wt)
+    in_gv = (pid >= start_gv) & (pid < end_gv)
+    in_gt = (pid >= start_gt) & (pid < end_gt)
+    in_wv = (pid >= start_wv) & (pid < end_wv)
+    in_wt = (pid >= start_wt) & (pid < end_wt)
     if in_gv | in_gt:
         depth = tl.multiple_of(tl.where(in_gv, _HIDDEN, 2 * _HIDDEN), 1024)
         gemm_tile(
@@ -192,7 +188,7 @@ def gradient_products_kernel(
         )
     elif in_wv | in_wt:
         local = pid - tl.where(in_wv, start_wv, start_wt)
-        tiles = tl.where(in_wv, t_wv, t_wt)
+        tiles = tl.where(in_wv, end_wv - start_wv, end_wt - start_wt) // 2  # per product of the pair
         i = local // tiles  # of the pair
         gemm_tile(
             local - i * tiles,
@@ -204,7 +200,7 @@ def gradient_products_kernel(
             tl.where(in_wv, split_wv, split_wt), BM, BN, BK,
         )
     else:
-        strip = pid - (t_gv + t_gt + 2 * t_wv + 2 * t_wt)
+        strip = pid - sums_start
         cols = strip * SUM_COLS + tl.arange(0, SUM_COLS)
         which = (strip * SUM_COLS) // _HIDDEN  # 0: q, 1: k, 2: v
         out = tl.where(which == 0, grad_bq, tl.where(which == 1, grad_bk, grad_bv)) + cols - which * _HIDDEN
