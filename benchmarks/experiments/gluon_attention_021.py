@@ -1,0 +1,312 @@
+"""Issue 23, item 2's missing piece: 021's attention (D = 64, all text tokens in one tile, no mask but
+the text's end) as a Hopper Gluon kernel, against a torch fp32 reference for its numbers and today's
+`tl` attention launch for its time. A one-launch 021 needs an attention whose items can sit in a
+warp-specialized queue; this measures whether Gluon's wgmma form of the item is at least as fast.
+
+Per program: (batch, head, run of 64-token video blocks), one warpgroup (num_warps=4):
+- K and V of the head ([NTP, 64], NTP = the text padded to a power of two: Gluon's tensors and TMA
+  blocks are powers of two; 77 tokens become 128, where the `tl` kernel runs 64 + 16) by TMA once;
+  each block's Q and dC ([64, 64]) by TMA, two slots, the next block's in flight during this one;
+- S = Q K^T (wgmma, both from shared memory), P = softmax(S · scale) exact (the row is one tile;
+  columns past the text -inf), C = P V (P in registers as the A operand), δ = rowsum(dC ∘ C),
+  dP = dC V^T, dS = P (dP − δ) · scale, dQ = dS K (dS in registers);
+- P and dS also go to shared memory for dK = dS^T Q and dV = P^T dC (A read transposed from
+  there, M = NTP text rows);
+- C and dQ stored fp16 per block (rows past the batch's video masked); dK, dV added in fp32 into a
+  zeroed [text tokens, 2048] buffer by atomics: per run from registers (ACCUMULATE, two more
+  [NTP, 64] accumulators live through the loop), or per block (fewer registers, more atomics).
+What the `tl` kernel does besides (this one does not): the bias gradients' column sums, the fp16
+range slots, the last run's hand-off of dK/dV to fp16 (and fp16 stores when a head has one run), and
+text longer than one tile (cases 1, 5, 11: 211-373 tokens). The comparison favours this kernel by
+those, so it must win clearly to be worth the one-launch build.
+
+Prediction (written before any run): the `tl` one-tile loop is issue-bound at IPC 1.2 (021.md
+row 29), with 255 registers and one 8-warp program per SM; here the products are wgmma from shared
+memory, 64-row blocks at 4 warps and ≈ 60 KB of shared memory allow 3 programs per SM, so
+latency hides across programs. Expected ≥ 1.3× on the 77-token cases (attention busy: case 8
+≈ 15 µs, case 0 ≈ 100 µs in the `tl` launch), or the Gluon attention is no base for a one-launch
+021.
+
+    PYTHONPATH=src python3 benchmarks/experiments/gluon_attention_021.py [--cases 8,12,2,13,0,6]
+    ... --compile-only      # on any machine: shared memory, registers, stack, HGMMA
+
+Not yet run on a GPU (session 22 had no device time left): compiled only. `--compile-only` there:
+text tile 128 (77 tokens), dK/dV per run 96 KB of shared memory, 255 registers, a 512-byte stack
+(the two [128, 64] accumulators over the loop spill); per block 32 bytes; a 64-token tile per run no
+stack. So 2 programs per SM (registers); the per-block form is the one expected to be measured
+best, and a 64 + 16 head-and-tail text tile (as the `tl` kernel) the next step if it is promising.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from backfuse.kernels.gluon.gemm import acc_layout
+from backfuse.ops.wan_xattn.spec import HEAD_DIM, HEADS, HIDDEN
+
+D = gl.constexpr(HEAD_DIM)
+_HEADS = gl.constexpr(HEADS)
+_HIDDEN = gl.constexpr(HIDDEN)
+_KV = gl.constexpr(2 * HIDDEN)  # width of the stacked [K | V] rows
+LOG2E = gl.constexpr(1.4426950408889634)
+BM_ = 64  # video tokens per block (one warpgroup's wgmma rows)
+
+
+@gluon.jit
+def _load_block(q_desc, dc_desc, q_bufs, dc_bufs, bars, i, row, h):
+    """Block i's Q and dC into slot i % 2 (landing on bars[i % 2])."""
+    s = i % 2
+    mbarrier.expect(bars.index(s), q_desc.block_type.nbytes + dc_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, h * D], bars.index(s), q_bufs.index(s))
+    tma.async_copy_global_to_shared(dc_desc, [row, h * D], bars.index(s), dc_bufs.index(s))
+
+
+@gluon.jit
+def attention_021_kernel(q_desc, dc_desc, kv_desc, ctx16, dq16, dkv32, NV, NT, runs, per_program, scale,
+                         ACCUMULATE: gl.constexpr):
+    """C (ctx16), dQ (dq16) and dK, dV (added into dkv32, zeroed before) of 021's attention from q16,
+    dc16 (q_desc, dc_desc: [64, 64] blocks over [video tokens, 1024]) and kv16 (kv_desc: [NTP, 64]
+    blocks over [text tokens, 2048]); grid batch * 16 heads * runs, each run `per_program` blocks
+    of 64 video tokens; num_warps=4. ACCUMULATE: dK, dV summed over the run in registers, else
+    added per block."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    NTP: gl.constexpr = kv_desc.block_type.shape[0]
+    s_layout: gl.constexpr = acc_layout(NTP, 4)  # [rows, text]
+    o_layout: gl.constexpr = acc_layout(D, 4)  # [rows, head dim] and [text, head dim]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    pid = gl.program_id(0)
+    run = pid % runs
+    b = (pid // runs) // _HEADS
+    h = (pid // runs) % _HEADS
+    first = run * per_program
+    blocks = gl.minimum(per_program, gl.cdiv(NV, BM) - first)
+
+    k_smem = gl.allocate_shared_memory(gl.float16, [NTP, D], kv_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.float16, [NTP, D], kv_desc.layout)
+    q_bufs = gl.allocate_shared_memory(gl.float16, [2, BM, D], q_desc.layout)
+    dc_bufs = gl.allocate_shared_memory(gl.float16, [2, BM, D], dc_desc.layout)
+    pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, NTP], gl.float16)
+    p_smem = gl.allocate_shared_memory(gl.float16, [BM, NTP], pt_layout)
+    ds_smem = gl.allocate_shared_memory(gl.float16, [BM, NTP], pt_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(bars.index(i), count=1)
+
+    mbarrier.expect(kv_bar, 2 * kv_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kv_desc, [b * NT, h * D], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(kv_desc, [b * NT, _HIDDEN + h * D], kv_bar, v_smem)
+    row0 = b * NV + first * BM
+    _load_block(q_desc, dc_desc, q_bufs, dc_bufs, bars, 0, row0, h)
+
+    text = gl.arange(0, NTP, layout=gl.SliceLayout(0, s_layout))
+    in_text = text < NT
+    text_rows = gl.arange(0, NTP, layout=gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    kv_offs = (b * NT + text_rows)[:, None].to(gl.int64) * _KV + h * D + dims[None, :]
+    kv_ok = (text_rows < NT)[:, None]
+    dk = gl.zeros([NTP, D], gl.float32, o_layout)
+    dv = gl.zeros([NTP, D], gl.float32, o_layout)
+    qk_scale = scale * LOG2E
+    mbarrier.wait(kv_bar, 0)
+    for i in range(blocks):
+        gl.thread_barrier()  # every warp is done reading the slot block i - 1 used (its products retired)
+        if i + 1 < blocks:
+            _load_block(q_desc, dc_desc, q_bufs, dc_bufs, bars, i + 1, row0 + (i + 1) * BM, h)
+        s = i % 2
+        mbarrier.wait(bars.index(s), (i // 2) & 1)
+        q = q_bufs.index(s)
+        dc = dc_bufs.index(s)
+        rows_s = (first + i) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        valid = rows_s < NV  # rows past the batch's video read the next batch's: kept out of dK, dV
+
+        logits = warpgroup_mma(q, k_smem.permute((1, 0)), gl.zeros([BM, NTP], gl.float32, s_layout), use_acc=False)
+        logits = gl.where(in_text[None, :], logits, float("-inf"))
+        row_max = gl.max(logits, axis=1) * qk_scale  # scale > 0
+        p = gl.exp2(logits * qk_scale - row_max[:, None])
+        p = p * (1.0 / gl.sum(p, axis=1))[:, None]
+        p = gl.where(valid[:, None], p, 0.0)
+        p16 = p.to(gl.float16)
+        ctx = warpgroup_mma(gl.convert_layout(p16, a_layout), v_smem, gl.zeros([BM, D], gl.float32, o_layout),
+                            use_acc=False)
+        dp = warpgroup_mma(dc, v_smem.permute((1, 0)), gl.zeros([BM, NTP], gl.float32, s_layout), use_acc=False,
+                           is_async=True)
+        rows_o = (first + i) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
+        cols_o = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        offs = (b * NV + rows_o)[:, None].to(gl.int64) * _HIDDEN + cols_o[None, :]
+        ok = (rows_o < NV)[:, None]
+        gl.store(ctx16 + offs, ctx.to(gl.float16), mask=ok)
+        scaled_delta = gl.sum(dc.load(o_layout).to(gl.float32) * ctx, axis=1) * scale
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds16 = (p * (dp * scale - gl.convert_layout(scaled_delta, gl.SliceLayout(1, s_layout))[:, None])).to(gl.float16)
+        p_smem.store(p16)
+        ds_smem.store(ds16)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's P and dS rows are in shared memory before the wgmma reads them
+        dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k_smem, gl.zeros([BM, D], gl.float32, o_layout),
+                           use_acc=False, is_async=True)
+        dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, use_acc=ACCUMULATE, is_async=True)  # dS^T Q
+        dv = warpgroup_mma(p_smem.permute((1, 0)), dc, dv, use_acc=ACCUMULATE, is_async=True)  # P^T dC
+        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        gl.store(dq16 + offs, dq.to(gl.float16), mask=ok)
+        if not ACCUMULATE:
+            gl.atomic_add(dkv32 + kv_offs, dk, mask=kv_ok, sem="relaxed")
+            gl.atomic_add(dkv32 + kv_offs + _HIDDEN, dv, mask=kv_ok, sem="relaxed")
+    if ACCUMULATE:
+        gl.atomic_add(dkv32 + kv_offs, dk, mask=kv_ok, sem="relaxed")
+        gl.atomic_add(dkv32 + kv_offs + _HIDDEN, dv, mask=kv_ok, sem="relaxed")
+
+
+def _descriptor(t, block):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
+
+
+def text_pad(nt: int) -> int:
+    """The text tile: nt rounded up to a power of two, at least 64 (dK's wgmma rows)."""
+    if not 1 <= nt <= 128:
+        raise ValueError(f"gluon_attention_021: text of 1..128 tokens in one tile, got {nt}")
+    return max(64, 1 << (nt - 1).bit_length())
+
+
+def gluon_attention(q16, kv16, dc16, batch, nv, nt, per_program, scale, accumulate):
+    """A function that launches the Gluon kernel (dkv32 zeroed first), and its outputs (ctx16, dq16,
+    dkv32)."""
+    ctx16, dq16 = torch.empty_like(q16), torch.empty_like(q16)
+    dkv32 = torch.empty(kv16.shape, dtype=torch.float32, device=q16.device)
+    runs = math.ceil(math.ceil(nv / BM_) / per_program)
+    ntp = text_pad(nt)
+    descs = (_descriptor(q16, [BM_, HEAD_DIM]), _descriptor(dc16, [BM_, HEAD_DIM]), _descriptor(kv16, [ntp, HEAD_DIM]))
+
+    def launch():
+        dkv32.zero_()
+        attention_021_kernel[(batch * HEADS * runs,)](*descs, ctx16, dq16, dkv32, nv, nt, runs, per_program, scale,
+                                                      ACCUMULATE=accumulate, num_warps=4)
+
+    return launch, (ctx16, dq16, dkv32)
+
+
+def reference(q16, kv16, dc16, batch, nv, nt, scale):
+    """(C, dQ, [dK | dV]) in fp32 from the same fp16 operands: the math both kernels approximate."""
+    q = q16.float().view(batch, nv, HEADS, HEAD_DIM).transpose(1, 2)
+    k = kv16[:, :HIDDEN].float().view(batch, nt, HEADS, HEAD_DIM).transpose(1, 2)
+    v = kv16[:, HIDDEN:].float().view(batch, nt, HEADS, HEAD_DIM).transpose(1, 2)
+    dc = dc16.float().view(batch, nv, HEADS, HEAD_DIM).transpose(1, 2)
+    p = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1)
+    ctx = p @ v
+    dp = dc @ v.transpose(-1, -2)
+    ds = p * (dp - (dc * ctx).sum(-1, keepdim=True)) * scale
+    dq, dk, dv = ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ dc
+
+    def tokens(x, n):
+        return x.transpose(1, 2).reshape(batch * n, HIDDEN)
+
+    return tokens(ctx, nv), tokens(dq, nv), torch.cat([tokens(dk, nt), tokens(dv, nt)], dim=1)
+
+
+def tl_attention_us(axes):
+    """Device time of today's `tl` attention kernel in one fused 021 call (official inputs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import backfuse
+
+    prob = backfuse.problem("021")
+    x = prob.make_inputs(axes, seed=0, device="cuda")
+    for _ in range(3):
+        prob.fused(*x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            prob.fused(*x)
+        torch.cuda.synchronize()
+    times = sorted(e.device_time for e in prof.events() if e.name.startswith("attention_kernel"))
+    return times[len(times) // 2] if times else float("nan")
+
+
+def _us(launch, reps=20, rounds=5):
+    """Device time of one launch, µs: the median over rounds of reps back-to-back launches."""
+    launch()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(reps):
+            launch()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def _rel(a, r):
+    return ((a.float() - r.float()).norm() / r.float().norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="8,12,2,13,0,6")
+    ap.add_argument("--per-program", default="1,2,4", help="blocks of 64 video tokens per program")
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 here and print its resources")
+    args = ap.parse_args()
+    if args.compile_only:
+        from backfuse.kernels.gluon.sm90 import compile_sm90, descriptor_type, usage
+
+        for nt, accumulate in ((77, True), (77, False), (64, True)):
+            ntp = text_pad(nt)
+            sig = {"q_desc": descriptor_type(gl.float16, [BM_, HEAD_DIM]),
+                   "dc_desc": descriptor_type(gl.float16, [BM_, HEAD_DIM]),
+                   "kv_desc": descriptor_type(gl.float16, [ntp, HEAD_DIM]),
+                   "ctx16": "*fp16", "dq16": "*fp16", "dkv32": "*fp32", "NV": "i32", "NT": "i32", "runs": "i32",
+                   "per_program": "i32", "scale": "fp32"}
+            kernel = compile_sm90(attention_021_kernel, sig, {"ACCUMULATE": accumulate}, num_warps=4)
+            print(f"gluon attention 021, text tile {ntp:3d}, dK/dV {'per run ' if accumulate else 'per block'}",
+                  usage(kernel), flush=True)
+        return
+    import backfuse
+
+    prob = backfuse.problem("021")
+    scale = HEAD_DIM ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for index in (int(c) for c in args.cases.split(",")):
+        axes = prob.workloads[index].axes
+        batch, nv, nt = axes["batch_size"], axes["num_video_tokens"], axes["num_text_tokens"]
+        if nt > 128:
+            print(f"case {index}: {nt} text tokens, more than one tile: skipped", flush=True)
+            continue
+        q16 = torch.randn(batch * nv, HIDDEN, device="cuda", generator=gen).half()
+        dc16 = (torch.randn(batch * nv, HIDDEN, device="cuda", generator=gen) * 0.1).half()
+        kv16 = torch.randn(batch * nt, 2 * HIDDEN, device="cuda", generator=gen).half()
+        ref = reference(q16, kv16, dc16, batch, nv, nt, scale)
+        t_tl = tl_attention_us(axes)
+        print(f"case {index} {axes}: tl attention (with its bias sums and ranges) {t_tl:.1f} us", flush=True)
+        for per, accumulate in [(int(p), a) for p in args.per_program.split(",") for a in (True, False)]:
+            launch, got = gluon_attention(q16, kv16, dc16, batch, nv, nt, per, scale, accumulate)
+            for out in got[:2]:
+                out.fill_(float("nan"))  # poisoned: unwritten elements show
+            launch()
+            torch.cuda.synchronize()
+            errs = "/".join(f"{_rel(a, r):.1e}" for a, r in zip(got, ref))
+            bad = sum(int(o.isnan().any().item()) for o in got)
+            t = _us(launch)
+            form = f"{per} blocks per program, dK/dV per {'run  ' if accumulate else 'block'}"
+            print(f"  {form}: {t:7.1f} us ({t_tl / t:.2f}x tl; dK/dV zeroing included); rel. err. "
+                  f"C/dQ/dKV vs fp32 {errs}; outputs with NaN {bad}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
