@@ -4,14 +4,15 @@ the text's end) as a Hopper Gluon kernel, against a torch fp32 reference for its
 warp-specialized queue; this measures whether Gluon's wgmma form of the item is at least as fast.
 
 Per program: (batch, head, run of 64-token video blocks), one warpgroup (num_warps=4):
-- K and V of the head ([NTP, 64], NTP = the text padded to a power of two: Gluon's tensors and TMA
-  blocks are powers of two; 77 tokens become 128, where the `tl` kernel runs 64 + 16) by TMA once;
+- K and V of the head by TMA once: Gluon's tensors and TMA blocks are powers of two, so the text is
+  either one tile padded to one (77 tokens: 128) or, as the `tl` kernel does, a head tile and a
+  tail (77 = 64 + 16; the tail's dK^T, dV^T come out [64, 16], since wgmma needs 64 rows);
   each block's Q and dC ([64, 64]) by TMA, two slots, the next block's in flight during this one;
 - S = Q K^T (wgmma, both from shared memory), P = softmax(S · scale) exact (the row is one tile;
   columns past the text -inf), C = P V (P in registers as the A operand), δ = rowsum(dC ∘ C),
   dP = dC V^T, dS = P (dP − δ) · scale, dQ = dS K (dS in registers);
 - P and dS also go to shared memory for dK = dS^T Q and dV = P^T dC (A read transposed from
-  there, M = NTP text rows);
+  there, M = the head tile's text rows);
 - C and dQ stored fp16 per block (rows past the batch's video masked); dK, dV added in fp32 into a
   zeroed [text tokens, 2048] buffer by atomics: per run from registers (ACCUMULATE, two more
   [NTP, 64] accumulators live through the loop), or per block (fewer registers, more atomics).
@@ -30,11 +31,11 @@ latency hides across programs. Expected ≥ 1.3× on the 77-token cases (attenti
     PYTHONPATH=src python3 benchmarks/experiments/gluon_attention_021.py [--cases 8,12,2,13,0,6]
     ... --compile-only      # on any machine: shared memory, registers, stack, HGMMA
 
-Not yet run on a GPU (session 22 had no device time left): compiled only. `--compile-only` there:
-text tile 128 (77 tokens), dK/dV per run 96 KB of shared memory, 255 registers, a 512-byte stack
-(the two [128, 64] accumulators over the loop spill); per block 32 bytes; a 64-token tile per run no
-stack. So 2 programs per SM (registers); the per-block form is the one expected to be measured
-best, and a 64 + 16 head-and-tail text tile (as the `tl` kernel) the next step if it is promising.
+Not yet run on a GPU (session 22 had no device time left): compiled only. `--compile-only` there,
+77 text tokens: head + tail 72 KB of shared memory, 255 registers, 32 bytes of stack with dK/dV
+added per block, 184 kept per run; one 128-wide tile 96 KB, 32 and 520 bytes (the two [128, 64]
+accumulators over the loop spill). Two programs per SM either way (registers). Every output is
+poisoned before the first launch and checked against the fp32 reference.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from backfuse.kernels.gluon.gemm import acc_layout
+from backfuse.ops.wan_xattn.config import text_tiles
 from backfuse.ops.wan_xattn.spec import HEAD_DIM, HEADS, HIDDEN
 
 D = gl.constexpr(HEAD_DIM)
@@ -74,13 +76,15 @@ def _load_block(q_desc, dc_desc, q_bufs, dc_bufs, bars, i, row, h):
 
 
 @gluon.jit
-def attention_021_kernel(q_desc, dc_desc, kv_desc, ctx16, dq16, dkv32, NV, NT, runs, per_program, scale,
-                         ACCUMULATE: gl.constexpr):
+def attention_021_kernel(q_desc, dc_desc, kv_desc, kvt_desc, ctx16, dq16, dkv32, NV, NT, runs, per_program, scale,
+                         ACCUMULATE: gl.constexpr, TAIL: gl.constexpr):
     """C (ctx16), dQ (dq16) and dK, dV (added into dkv32, zeroed before) of 021's attention from q16,
     dc16 (q_desc, dc_desc: [64, 64] blocks over [video tokens, 1024]) and kv16 (kv_desc: [NTP, 64]
     blocks over [text tokens, 2048]); grid batch * 16 heads * runs, each run `per_program` blocks
     of 64 video tokens; num_warps=4. ACCUMULATE: dK, dV summed over the run in registers, else
-    added per block."""
+    added per block. TAIL > 0: the text is a head tile of NTP tokens and a tail of TAIL (kvt_desc:
+    [TAIL, 64] blocks; 77 = 64 + 16), its dK^T, dV^T ([64, TAIL]: wgmma needs 64 rows) added
+    transposed; TAIL = 0: one tile (kvt_desc unused)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     NTP: gl.constexpr = kv_desc.block_type.shape[0]
     s_layout: gl.constexpr = acc_layout(NTP, 4)  # [rows, text]
@@ -106,7 +110,18 @@ def attention_021_kernel(q_desc, dc_desc, kv_desc, ctx16, dq16, dkv32, NV, NT, r
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
 
-    mbarrier.expect(kv_bar, 2 * kv_desc.block_type.nbytes)
+    if TAIL:
+        t_layout: gl.constexpr = acc_layout(TAIL, 4)  # [rows, tail] and [head dim, tail]
+        kt_smem = gl.allocate_shared_memory(gl.float16, [TAIL, D], kvt_desc.layout)
+        vt_smem = gl.allocate_shared_memory(gl.float16, [TAIL, D], kvt_desc.layout)
+        tt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, TAIL], gl.float16)
+        pt_smem = gl.allocate_shared_memory(gl.float16, [BM, TAIL], tt_layout)
+        dst_smem = gl.allocate_shared_memory(gl.float16, [BM, TAIL], tt_layout)
+        mbarrier.expect(kv_bar, 2 * kv_desc.block_type.nbytes + 2 * kvt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kvt_desc, [b * NT + NTP, h * D], kv_bar, kt_smem)
+        tma.async_copy_global_to_shared(kvt_desc, [b * NT + NTP, _HIDDEN + h * D], kv_bar, vt_smem)
+    else:
+        mbarrier.expect(kv_bar, 2 * kv_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(kv_desc, [b * NT, h * D], kv_bar, k_smem)
     tma.async_copy_global_to_shared(kv_desc, [b * NT, _HIDDEN + h * D], kv_bar, v_smem)
     row0 = b * NV + first * BM
@@ -120,6 +135,13 @@ def attention_021_kernel(q_desc, dc_desc, kv_desc, ctx16, dq16, dkv32, NV, NT, r
     kv_ok = (text_rows < NT)[:, None]
     dk = gl.zeros([NTP, D], gl.float32, o_layout)
     dv = gl.zeros([NTP, D], gl.float32, o_layout)
+    if TAIL:
+        tail = NTP + gl.arange(0, TAIL, layout=gl.SliceLayout(0, t_layout))
+        in_tail = tail < NT
+        tail_dims = gl.arange(0, D, layout=gl.SliceLayout(1, t_layout))
+        kvt_offs = (b * NT + tail)[None, :].to(gl.int64) * _KV + h * D + tail_dims[:, None]
+        dkt = gl.zeros([D, TAIL], gl.float32, t_layout)
+        dvt = gl.zeros([D, TAIL], gl.float32, t_layout)
     qk_scale = scale * LOG2E
     mbarrier.wait(kv_bar, 0)
     for i in range(blocks):
@@ -133,41 +155,79 @@ def attention_021_kernel(q_desc, dc_desc, kv_desc, ctx16, dq16, dkv32, NV, NT, r
         rows_s = (first + i) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
         valid = rows_s < NV  # rows past the batch's video read the next batch's: kept out of dK, dV
 
+        # P = softmax(Q K^T scale) over the head (and tail) tile; rows past the video zeroed
         logits = warpgroup_mma(q, k_smem.permute((1, 0)), gl.zeros([BM, NTP], gl.float32, s_layout), use_acc=False)
         logits = gl.where(in_text[None, :], logits, float("-inf"))
-        row_max = gl.max(logits, axis=1) * qk_scale  # scale > 0
+        row_max = gl.max(logits, axis=1)
+        if TAIL:
+            logits_t = warpgroup_mma(q, kt_smem.permute((1, 0)), gl.zeros([BM, TAIL], gl.float32, t_layout),
+                                     use_acc=False)
+            logits_t = gl.where(in_tail[None, :], logits_t, float("-inf"))
+            row_max = gl.maximum(row_max, gl.convert_layout(gl.max(logits_t, axis=1), gl.SliceLayout(1, s_layout)))
+        row_max = row_max * qk_scale  # scale > 0
         p = gl.exp2(logits * qk_scale - row_max[:, None])
-        p = p * (1.0 / gl.sum(p, axis=1))[:, None]
-        p = gl.where(valid[:, None], p, 0.0)
+        row_sum = gl.sum(p, axis=1)
+        if TAIL:
+            row_max_t = gl.convert_layout(row_max, gl.SliceLayout(1, t_layout))
+            p_t = gl.exp2(logits_t * qk_scale - row_max_t[:, None])
+            row_sum = row_sum + gl.convert_layout(gl.sum(p_t, axis=1), gl.SliceLayout(1, s_layout))
+        inv_sum = gl.where(valid, 1.0 / row_sum, 0.0)
+        p = p * inv_sum[:, None]
         p16 = p.to(gl.float16)
         ctx = warpgroup_mma(gl.convert_layout(p16, a_layout), v_smem, gl.zeros([BM, D], gl.float32, o_layout),
                             use_acc=False)
         dp = warpgroup_mma(dc, v_smem.permute((1, 0)), gl.zeros([BM, NTP], gl.float32, s_layout), use_acc=False,
                            is_async=True)
+        if TAIL:
+            p_t = p_t * gl.convert_layout(inv_sum, gl.SliceLayout(1, t_layout))[:, None]
+            pt16 = p_t.to(gl.float16)
+            ctx = warpgroup_mma(gl.convert_layout(pt16, a_layout), vt_smem, ctx)
+            dp_t = warpgroup_mma(dc, vt_smem.permute((1, 0)), gl.zeros([BM, TAIL], gl.float32, t_layout),
+                                 use_acc=False, is_async=True)
         rows_o = (first + i) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
         cols_o = h * D + gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         offs = (b * NV + rows_o)[:, None].to(gl.int64) * _HIDDEN + cols_o[None, :]
         ok = (rows_o < NV)[:, None]
         gl.store(ctx16 + offs, ctx.to(gl.float16), mask=ok)
+        # dS = P (dP scale - δ scale), δ = rowsum(dC ∘ C)
         scaled_delta = gl.sum(dc.load(o_layout).to(gl.float32) * ctx, axis=1) * scale
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds16 = (p * (dp * scale - gl.convert_layout(scaled_delta, gl.SliceLayout(1, s_layout))[:, None])).to(gl.float16)
         p_smem.store(p16)
         ds_smem.store(ds16)
+        if TAIL:
+            dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
+            dst16 = (p_t * (dp_t * scale - gl.convert_layout(scaled_delta, gl.SliceLayout(1, t_layout))[:, None])
+                     ).to(gl.float16)
+            pt_smem.store(pt16)
+            dst_smem.store(dst16)
         fence_async_shared()
         gl.thread_barrier()  # every warp's P and dS rows are in shared memory before the wgmma reads them
         dq = warpgroup_mma(gl.convert_layout(ds16, a_layout), k_smem, gl.zeros([BM, D], gl.float32, o_layout),
                            use_acc=False, is_async=True)
+        if TAIL:
+            dq = warpgroup_mma(gl.convert_layout(dst16, a_layout), kt_smem, dq, is_async=True)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, use_acc=ACCUMULATE, is_async=True)  # dS^T Q
         dv = warpgroup_mma(p_smem.permute((1, 0)), dc, dv, use_acc=ACCUMULATE, is_async=True)  # P^T dC
-        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        if TAIL:
+            dkt = warpgroup_mma(q.permute((1, 0)), dst_smem, dkt, use_acc=ACCUMULATE, is_async=True)  # Q^T dS
+            dvt = warpgroup_mma(dc.permute((1, 0)), pt_smem, dvt, use_acc=ACCUMULATE, is_async=True)  # dC^T P
+            dq, dk, dv, dkt, dvt = warpgroup_mma_wait(0, deps=(dq, dk, dv, dkt, dvt))
+        else:
+            dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         gl.store(dq16 + offs, dq.to(gl.float16), mask=ok)
         if not ACCUMULATE:
             gl.atomic_add(dkv32 + kv_offs, dk, mask=kv_ok, sem="relaxed")
             gl.atomic_add(dkv32 + kv_offs + _HIDDEN, dv, mask=kv_ok, sem="relaxed")
+            if TAIL:
+                gl.atomic_add(dkv32 + kvt_offs, dkt, mask=in_tail[None, :], sem="relaxed")
+                gl.atomic_add(dkv32 + kvt_offs + _HIDDEN, dvt, mask=in_tail[None, :], sem="relaxed")
     if ACCUMULATE:
         gl.atomic_add(dkv32 + kv_offs, dk, mask=kv_ok, sem="relaxed")
         gl.atomic_add(dkv32 + kv_offs + _HIDDEN, dv, mask=kv_ok, sem="relaxed")
+        if TAIL:
+            gl.atomic_add(dkv32 + kvt_offs, dkt, mask=in_tail[None, :], sem="relaxed")
+            gl.atomic_add(dkv32 + kvt_offs + _HIDDEN, dvt, mask=in_tail[None, :], sem="relaxed")
 
 
 def _descriptor(t, block):
@@ -176,26 +236,29 @@ def _descriptor(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
 
 
-def text_pad(nt: int) -> int:
-    """The text tile: nt rounded up to a power of two, at least 64 (dK's wgmma rows)."""
+def text_tiles_of(nt: int, split: bool) -> tuple:
+    """(head, tail) text tiles: the `tl` kernel's (`config.text_tiles`: powers of two, 77 = 64 + 16
+    when split, else 128), the head at least 64 (dK's wgmma rows)."""
     if not 1 <= nt <= 128:
         raise ValueError(f"gluon_attention_021: text of 1..128 tokens in one tile, got {nt}")
-    return max(64, 1 << (nt - 1).bit_length())
+    head, tail = text_tiles(nt, split)
+    return (head, tail) if head >= 64 else (64, 0)
 
 
-def gluon_attention(q16, kv16, dc16, batch, nv, nt, per_program, scale, accumulate):
+def gluon_attention(q16, kv16, dc16, batch, nv, nt, per_program, scale, accumulate, split):
     """A function that launches the Gluon kernel (dkv32 zeroed first), and its outputs (ctx16, dq16,
     dkv32)."""
     ctx16, dq16 = torch.empty_like(q16), torch.empty_like(q16)
     dkv32 = torch.empty(kv16.shape, dtype=torch.float32, device=q16.device)
     runs = math.ceil(math.ceil(nv / BM_) / per_program)
-    ntp = text_pad(nt)
-    descs = (_descriptor(q16, [BM_, HEAD_DIM]), _descriptor(dc16, [BM_, HEAD_DIM]), _descriptor(kv16, [ntp, HEAD_DIM]))
+    head, tail = text_tiles_of(nt, split)
+    descs = (_descriptor(q16, [BM_, HEAD_DIM]), _descriptor(dc16, [BM_, HEAD_DIM]), _descriptor(kv16, [head, HEAD_DIM]),
+             _descriptor(kv16, [tail or head, HEAD_DIM]))
 
     def launch():
         dkv32.zero_()
         attention_021_kernel[(batch * HEADS * runs,)](*descs, ctx16, dq16, dkv32, nv, nt, runs, per_program, scale,
-                                                      ACCUMULATE=accumulate, num_warps=4)
+                                                      ACCUMULATE=accumulate, TAIL=tail, num_warps=4)
 
     return launch, (ctx16, dq16, dkv32)
 
@@ -216,6 +279,13 @@ def reference(q16, kv16, dc16, batch, nv, nt, scale):
         return x.transpose(1, 2).reshape(batch * n, HIDDEN)
 
     return tokens(ctx, nv), tokens(dq, nv), torch.cat([tokens(dk, nt), tokens(dv, nt)], dim=1)
+
+
+VARIANTS = ((True, False), (True, True), (False, False), (False, True))  # (split text tile, dK/dV per run)
+
+
+def _form(split, accumulate):
+    return f"{'head + tail' if split else 'one tile   '}, dK/dV per {'run  ' if accumulate else 'block'}"
 
 
 def tl_attention_us(axes):
@@ -266,16 +336,16 @@ def main():
     if args.compile_only:
         from backfuse.kernels.gluon.sm90 import compile_sm90, descriptor_type, usage
 
-        for nt, accumulate in ((77, True), (77, False), (64, True)):
-            ntp = text_pad(nt)
+        for split, accumulate in VARIANTS:
+            head, tail = text_tiles_of(77, split)
             sig = {"q_desc": descriptor_type(gl.float16, [BM_, HEAD_DIM]),
                    "dc_desc": descriptor_type(gl.float16, [BM_, HEAD_DIM]),
-                   "kv_desc": descriptor_type(gl.float16, [ntp, HEAD_DIM]),
+                   "kv_desc": descriptor_type(gl.float16, [head, HEAD_DIM]),
+                   "kvt_desc": descriptor_type(gl.float16, [tail or head, HEAD_DIM]),
                    "ctx16": "*fp16", "dq16": "*fp16", "dkv32": "*fp32", "NV": "i32", "NT": "i32", "runs": "i32",
                    "per_program": "i32", "scale": "fp32"}
-            kernel = compile_sm90(attention_021_kernel, sig, {"ACCUMULATE": accumulate}, num_warps=4)
-            print(f"gluon attention 021, text tile {ntp:3d}, dK/dV {'per run ' if accumulate else 'per block'}",
-                  usage(kernel), flush=True)
+            kernel = compile_sm90(attention_021_kernel, sig, {"ACCUMULATE": accumulate, "TAIL": tail}, num_warps=4)
+            print(f"gluon attention 021, 77 text tokens as {_form(split, accumulate)}", usage(kernel), flush=True)
         return
     import backfuse
 
@@ -294,8 +364,8 @@ def main():
         ref = reference(q16, kv16, dc16, batch, nv, nt, scale)
         t_tl = tl_attention_us(axes)
         print(f"case {index} {axes}: tl attention (with its bias sums and ranges) {t_tl:.1f} us", flush=True)
-        for per, accumulate in [(int(p), a) for p in args.per_program.split(",") for a in (True, False)]:
-            launch, got = gluon_attention(q16, kv16, dc16, batch, nv, nt, per, scale, accumulate)
+        for per, (split, accumulate) in [(int(p), v) for p in args.per_program.split(",") for v in VARIANTS]:
+            launch, got = gluon_attention(q16, kv16, dc16, batch, nv, nt, per, scale, accumulate, split)
             for out in got[:2]:
                 out.fill_(float("nan"))  # poisoned: unwritten elements show
             launch()
@@ -303,7 +373,7 @@ def main():
             errs = "/".join(f"{_rel(a, r):.1e}" for a, r in zip(got, ref))
             bad = sum(int(o.isnan().any().item()) for o in got)
             t = _us(launch)
-            form = f"{per} blocks per program, dK/dV per {'run  ' if accumulate else 'block'}"
+            form = f"{per} blocks per program, {_form(split, accumulate)}"
             print(f"  {form}: {t:7.1f} us ({t_tl / t:.2f}x tl; dK/dV zeroing included); rel. err. "
                   f"C/dQ/dKV vs fp32 {errs}; outputs with NaN {bad}", flush=True)
 
