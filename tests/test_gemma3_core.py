@@ -80,8 +80,9 @@ def test_norm_rope_pass():
     unused = torch.empty(1, dtype=torch.float16, device=DEVICE)  # operands of the products path
     rot16 = torch.full((tokens, spec.QK), float("nan"), dtype=torch.float16, device=DEVICE)
     ranges = torch.full(((spec.HEADS + spec.KV_HEADS) * row_blocks,), float("nan"), device=DEVICE)
-    FORWARD_PRODUCTS((row_blocks * spec.QKV // spec.HEAD_DIM,), unused, unused, unused, unused, cos, sin, qnw, knw,
-                     qk32, unused, rot16, unused, ranges, tokens, float(eps), float(scaling) / abs(float(cap)),
+    qkv_tiles = row_blocks * spec.QKV // spec.HEAD_DIM  # the whole grid: no dA tiles without PRODUCTS
+    FORWARD_PRODUCTS((qkv_tiles,), unused, unused, unused, unused, cos, sin, qnw, knw,
+                     qk32, unused, rot16, unused, ranges, tokens, qkv_tiles, float(eps), float(scaling) / abs(float(cap)),
                      BM=cfg.bm, BK=cfg.bk, PRODUCTS=False, PDL=False, num_warps=cfg.warps)
 
     _, q, k, _ = prob._project(hidden, cos, sin, wq, wk, wk, qnw, knw, eps)

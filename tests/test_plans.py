@@ -214,12 +214,15 @@ def test_qkv_gqa_gluon_window():
     assert frozen.gluon.dec_chunks == frozen.gluon.enc_chunks == 0 and frozen.gluon.starts[0] == 0
 
 
-def test_gluon_config_refuses_a_ring_that_does_not_fit():
+def test_gluon_plan_refuses_a_ring_that_does_not_fit():
     """The one-launch kernel's ring plus the pack's slots must fit one program's shared memory: the
-    default 4 stages take 192 KB; 6 would take 256."""
+    default 4 stages take 192 KB; 6 would take 256. (A GluonConfig alone may describe other kernels,
+    e.g. the SM-roles study's products without a pack: the plan checks it.)"""
     assert qkv_gqa.GluonConfig().shared_bytes == 4 * 32768 + 65536
-    with pytest.raises(ValueError, match="6 stages of 128 x 128 x 64 need 262144 bytes of shared memory"):
-        qkv_gqa.GluonConfig(stages=6)
+    cfg = dataclasses.replace(qkv_gqa.CONFIG, gluon=qkv_gqa.GluonConfig(stages=6))
+    axes = backfuse.problem("072").workloads[2].axes
+    with pytest.raises(ValueError, match="6 stages of 128 x 128 x 64 beside the pack need 262144 bytes of shared memory"):
+        qkv_gqa.plan(cfg, axes, SMS, products="gluon")
 
 
 def _tile_partition(bounds, total):
@@ -254,3 +257,14 @@ def test_product_launches_take_the_plans_tile_bounds():
         bases = [regions.base(name) for name in wan_xattn.FORWARD_REGIONS]
         assert bases == [q0, kv0, dc0]  # one slot per tile, in the loop's order
         assert regions.base("values") == kv0 + (kv1 - kv0) // 2  # V's column tiles run on past K's
+    for p, w in zip(_plans("037") + _plans("037", products="cublas"), backfuse.problem("037").workloads * 2):
+        tokens = w.axes["batch_size"] * w.axes["seq_len"]
+        g = gemma3_core.CONFIG.gradients
+        tiles = [gemma3_core.tile_count(m, n, s, g.bm, g.bn)
+                 for (m, n, _), s in zip(gemma3_core.gradient_shapes(tokens), p.splits)]
+        assert [end - start for start, end in p.gradient_bounds] == tiles
+        assert [start for start, _ in p.gradient_bounds] == [0, tiles[0], tiles[0] + tiles[1]]  # the kernel's order
+        assert p.gradient_programs == sum(tiles) + 2 * gemma3_core.HEAD_DIM // gemma3_core.CONFIG.sums.cols
+        (q0, q1), (a0, a1) = p.forward_bounds
+        assert q0 == 0 and q1 == a0 == gemma3_core.tile_count(tokens, gemma3_core.QKV, 1, p.forward.bm, p.forward.bn)
+        assert a1 == p.forward_programs and (a1 == a0) == (p.products == "cublas")

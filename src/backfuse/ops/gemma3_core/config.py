@@ -111,6 +111,7 @@ class Plan:
     pack: Layout
     forward: TileConfig  # the forward launch's tiles: `Config.forward`, or `norm_rope` on cuBLAS
     forward_programs: int
+    forward_bounds: tuple  # the forward launch's programs [start, end) of [q | k | v] and (our products only) dA
     attention_forward_programs: int
     attention_forward_keys: int  # keys per step
     kv_bn: int  # keys per dK/dV program
@@ -118,6 +119,7 @@ class Plan:
     kv_slots: int  # (batch, KV head, key block)s
     q_programs: int  # dQ programs
     splits: tuple  # K splits of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo (0: skipped or on cuBLAS)
+    gradient_bounds: tuple  # programs [start, end) of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo, in that order
     gradient_programs: int  # our gradient products' tiles, then the norm-weight sums
     wanted: tuple  # whether grad_hidden, grad_[Wq; Wk; Wv], grad_Wo are needed (cuBLAS runs those)
     ranges: tuple  # Regions of the pack, forward, attention forward and attention backward launches
@@ -185,7 +187,10 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     else:
         splits = [1] * 3 if deterministic else choose_splits(gemms, gr.bm, gr.bn, gr.bk, sms)
         splits = [s * w for s, w in zip(splits, wanted)]  # 0: skipped
-    gradient_tiles = sum(tile_count(m, n, s, gr.bm, gr.bn) for (m, n, _), s in zip(gemms, splits))
+    gradient_bounds, at_tile = [], 0
+    for (m, n, _), s in zip(gemms, splits):
+        gradient_bounds.append((at_tile, at_tile + tile_count(m, n, s, gr.bm, gr.bn)))
+        at_tile = gradient_bounds[-1][1]
 
     kv_bn = key_block(at, batch, seq, sms)
     kv_slots = batch * KV_HEADS * cdiv(seq, kv_bn)  # one per (batch, KV head, key block)
@@ -193,8 +198,9 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     q_programs = batch * HEADS * cdiv(seq, at.q_bm)
     fw = cfg.norm_rope if on_cublas else cfg.forward
     row_blocks = cdiv(tokens, fw.bm)
-    forward_programs = tile_count(tokens, QKV, 1, fw.bm, fw.bn) + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm,
-                                                                                              fw.bn)
+    qkv_tiles = tile_count(tokens, QKV, 1, fw.bm, fw.bn)
+    forward_bounds = ((0, qkv_tiles), (qkv_tiles, qkv_tiles + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm, fw.bn)))
+    forward_programs = forward_bounds[1][1]
     attention_forward_programs = batch * HEADS * cdiv(seq, at.fwd_bm)
     pack = pack_layout(cfg, tokens, splits, kv_slots if split > 1 else 0)
     vanishing = Holds.VANISHING
@@ -207,6 +213,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
                  Region("gradient of q projection", q_programs, vanishing))),
     )
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw, forward_programs=forward_programs,
+                forward_bounds=forward_bounds,
                 attention_forward_programs=attention_forward_programs, attention_forward_keys=forward_keys(at, seq),
                 kv_bn=kv_bn, head_split=split, kv_slots=kv_slots, q_programs=q_programs, splits=tuple(splits),
-                gradient_programs=gradient_tiles + 2 * HEAD_DIM // cfg.sums.cols, wanted=wanted, ranges=ranges)
+                gradient_bounds=tuple(gradient_bounds), gradient_programs=at_tile + 2 * HEAD_DIM // cfg.sums.cols,
+                wanted=wanted, ranges=ranges)

@@ -103,11 +103,11 @@ def _rope_table(table, tok, ok):
     return tl.load(row, mask=ok, other=0.0), tl.load(row + _HALF, mask=ok, other=0.0)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "end_qkv"])
 def forward_products_kernel(
     x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
     qk32, v16, rot16, d_attn16, ranges,
-    T, eps, q_scale,
+    T, end_qkv, eps, q_scale,
     BM: tl.constexpr, BK: tl.constexpr, PRODUCTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -116,15 +116,15 @@ def forward_products_kernel(
     v16) and dA = grad_output Wo (fp16); both read a row-major A and a [N, 3072] B^T (hence Wo
     transposed in the pack), so they share one call site and one shared-memory ring. Without
     PRODUCTS (cuBLAS made qk32 and v16; the grid covers [q | k | v] only) just the epilogue runs.
+    Programs [0, end_qkv) make [q | k | v]'s tiles, the rest dA's (the plan's forward_bounds).
     Epilogue of a q or k head: rot16 = RoPE(RMSNorm(q) * (1 + w)), q heads times q_scale = scaling /
     cap (so that the attention's products give z / cap, the tanh's argument, with no multiply per
     logit), and the tile's largest |rot| in ranges[head * row_blocks + row_block]; v and dA are
     checked where attention reads them."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    t_qkv = ((T + BM - 1) // BM) * (_QKV // _HEAD_DIM)
-    on_qkv = pid < t_qkv
-    local = tl.where(on_qkv, pid, pid - t_qkv)
+    on_qkv = pid < end_qkv
+    local = tl.where(on_qkv, pid, pid - end_qkv)
     width = tl.multiple_of(tl.where(on_qkv, _QKV, _Q_OUT), 1024)
     off_m = (local // (width // _HEAD_DIM)) * BM
     off_n = (local % (width // _HEAD_DIM)) * _HEAD_DIM
@@ -391,39 +391,37 @@ def attention_backward_kernel(
                            Q_BN, APPROX_TANH)
 
 
-@triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "n_q_parts", "n_k_parts"])
+@triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "end_gx", "end_wqkv", "end_wo", "n_q_parts",
+                                "n_k_parts"])
 def gradient_products_kernel(
     g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
     grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
-    T, split_gx, split_wqkv, split_wo, n_q_parts, n_k_parts,
+    T, split_gx, split_wqkv, split_wo, end_gx, end_wqkv, end_wo, n_q_parts, n_k_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """grad_hidden = G [Wq; Wk; Wv] (A row-major); then, A read feature-contiguous, the weight
     gradients grad_[Wq; Wk; Wv] = G^T X (one output; its row blocks are the three) and grad_Wo =
     grad_output^T A. K splits per product (outputs pre-zeroed when split; 0 skips the product).
-    The last 2 * 128 / SUM_COLS programs sum the norm-weight partials in a fixed order (many short
-    sums: on the cuBLAS path they are the whole launch, and its latency)."""
+    Their tiles are the programs [0, end_gx), [end_gx, end_wqkv), [end_wqkv, end_wo) (the plan's
+    gradient_bounds); the 2 * 128 / SUM_COLS programs after them sum the norm-weight partials in a
+    fixed order (many short sums: on the cuBLAS path they are the whole launch, and its latency)."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    t_gx = ((T + BM - 1) // BM) * (_HIDDEN // BN) * split_gx
-    t_wqkv = (_QKV // BM) * (_HIDDEN // BN) * split_wqkv
-    t_wo = (_Q_OUT // BM) * (_HIDDEN // BN) * split_wo
-    local = pid - t_gx
-    if pid < t_gx:
+    if pid < end_gx:
         gemm_tile(pid, g16, wqkv16, grad_x, T, _HIDDEN, _QKV, _QKV, 1, _HIDDEN, 1, _HIDDEN, split_gx, BM, BN, BK)
-    elif local < t_wqkv + t_wo:
-        on_qkv = local < t_wqkv
+    elif pid < end_wo:
+        on_qkv = pid < end_wqkv
         rows = tl.where(on_qkv, _QKV, _Q_OUT)
         splits = tl.where(on_qkv, split_wqkv, split_wo)
-        off_m, off_n, k_lo, k_hi = tile_coords(tl.where(on_qkv, local, local - t_wqkv), rows, _HIDDEN, T, splits,
+        off_m, off_n, k_lo, k_hi = tile_coords(pid - tl.where(on_qkv, end_gx, end_wqkv), rows, _HIDDEN, T, splits,
                                                BM, BN, BK)
         acc = mma_tile(tl.where(on_qkv, g16, go16), tl.where(on_qkv, x16, attn16), off_m, off_n, rows, _HIDDEN,
                        k_lo, k_hi, 1, tl.multiple_of(rows, 1024), _HIDDEN, 1, BM, BN, BK)
         store_tile(tl.where(on_qkv, grad_wqkv, grad_wo), acc, off_m, off_n, rows, _HIDDEN, _HIDDEN, 1, splits > 1,
                    BM, BN)
     else:
-        strip = local - t_wqkv - t_wo
+        strip = pid - end_wo
         on_q = strip < _HEAD_DIM // SUM_COLS
         cols = (strip % (_HEAD_DIM // SUM_COLS)) * SUM_COLS + tl.arange(0, SUM_COLS)
         total = column_sums(tl.where(on_q, q_norm_parts, k_norm_parts), tl.where(on_q, n_q_parts, n_k_parts),

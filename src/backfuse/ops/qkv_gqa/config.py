@@ -59,7 +59,8 @@ class GluonConfig:
 
     @property
     def shared_bytes(self) -> int:
-        """Shared memory of a program: the ring and the pack's slots (GLUON_SUM_ROWS x 256 fp32 each).
+        """Shared memory of a one-launch program: the ring and the pack's slots (GLUON_SUM_ROWS x 256
+        fp32 each); the plan refuses a config whose program would not fit (`gluon_launch`).
         (A TMA-store epilogue's 64 KB of staging would leave room for 3 stages only, which lost 7 %:
         benchmarks/notes/072.md row 30.)"""
         ring = self.stages * (self.bm * self.bk + self.bk * self.bn) * 2
@@ -79,9 +80,6 @@ class GluonConfig:
             value = getattr(self, name)
             if value % 8 or not 24 <= value <= 256:
                 raise ValueError(f"GluonConfig.{name}: a multiple of 8 in [24, 256] (setmaxnreg), got {value}")
-        if self.shared_bytes > SM90_SHARED_BYTES - 1024:  # the mbarriers and alignment take the rest
-            raise ValueError(f"GluonConfig: {self.stages} stages of {self.bm} x {self.bn} x {self.bk} need "
-                             f"{self.shared_bytes} bytes of shared memory; a program has {SM90_SHARED_BYTES}")
         if self.pack_warps == 4 and not 24 <= self.first_consumer_regs <= 256:
             raise ValueError(f"GluonConfig: regs={self.regs} leaves the first consumer {self.first_consumer_regs} "
                              f"registers of the pool ({self.maxnreg} per thread); expected 24..256")
@@ -207,7 +205,11 @@ def pack_layout(cfg: Config, axes, splits) -> Layout:
 
 
 def gluon_launch(cfg: GluonConfig, axes, splits, needs) -> GluonLaunch:
-    """Tile ranges, pack chunks, counters and range regions of the Gluon kernel at `axes`."""
+    """Tile ranges, pack chunks, counters and range regions of the Gluon kernel at `axes` (refusing a
+    config whose ring and pack slots exceed one program's shared memory)."""
+    if cfg.shared_bytes > SM90_SHARED_BYTES - 1024:  # the mbarriers and alignment take the rest
+        raise ValueError(f"GluonConfig: {cfg.stages} stages of {cfg.bm} x {cfg.bn} x {cfg.bk} beside the pack need "
+                         f"{cfg.shared_bytes} bytes of shared memory; a program has {SM90_SHARED_BYTES}")
     td, te = axes["batch_size"] * axes["seq_len_dec"], axes["batch_size"] * axes["seq_len_enc"]
     input_grads, weight_grads = any(needs[:2]), any(needs[2:])
     split_wq, split_wkv, split_dec, split_enc = splits
