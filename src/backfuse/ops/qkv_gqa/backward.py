@@ -3,10 +3,8 @@ launch, or cuBLAS); or, on Hopper, one Gluon launch doing both; as `config.plan`
 
 from __future__ import annotations
 
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
 from ...kernels import buffers
+from ...kernels.gluon.host import fp16_descriptor
 from ...kernels.launch import FastKernel
 from ...kernels.schedule import flat
 from ..prelude import begin, cublas_products, fits_int32
@@ -85,10 +83,6 @@ def backward(gq, gk, gv, dec, enc, wq, wk, wv, *, needs=None, deterministic=Fals
     return grad_dec, grad_enc, grad_wq, grad_wk, grad_wv
 
 
-def _descriptor(t, block):
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
-
-
 def _one_launch(inputs, call):
     """The Gluon path: one launch packs the fp16 operands and runs the four products on every SM
     (its range regions are the plan's one launch's: `p.ranges == (p.gluon.regions,)`)."""
@@ -103,7 +97,7 @@ def _one_launch(inputs, call):
     grad_dec, grad_enc = f32(batch, sd, HIDDEN), f32(batch, se, CROSS_HIDDEN)
     grad_wq, grad_wk, grad_wv = f32(Q_OUT, HIDDEN), f32(KV_OUT, CROSS_HIDDEN), f32(KV_OUT, CROSS_HIDDEN)
     operands = dict(gq16=gq16, gkv16=gkv16, dec16=dec16, enc16=enc16, wq16=wq16, wkv16=wkv16)
-    descriptors = [_descriptor(operands[buffer], block)
+    descriptors = [fp16_descriptor(operands[buffer], block)
                    for _, buffer, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)]
     c = p.gluon.counters
     counters = buffers.zeroed_counters(host.device, c.total)
