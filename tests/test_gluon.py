@@ -21,18 +21,13 @@ ENGINE_CASES = {  # name: (A fp32, A K-major, B K-major, (bm, bn, bk), stages)
     "engine fp16 A^T B^T 128x128x64": (False, False, True, (128, 128, 64), 4),
     "engine fp32 A in registers 128x256x32": (True, True, False, (128, 256, 32), 3),
 }
-# 021's attention: (text tokens, ALONE): a 64 + 16 text tile (77 tokens) and a 64-token one, with runs
-# that share a head (atomics and the last run's hand-off) and with one run per head.
-ATTENTION_021 = {"021 attention 64+16 runs": (77, False), "021 attention 64+16 alone": (77, True),
-                 "021 attention 64 runs": (50, False)}
-CASES = [*ENGINE_CASES, "072 one launch", *ATTENTION_021]
+CASES = [*ENGINE_CASES, "072 one launch"]
 # Stack bytes per thread (ptxas's register spills) each case may use: the engine's kernels none; the
 # 072 kernel 80 today (72 before session 20 passed each partition its first tile and stride, 128
 # before session 19 gave its second consumer and pack 144 registers, 168 before its counter
 # aggregate), with room to 128; more means a change made it spill
 # (benchmarks/notes/gluon.md: the streamed pack partition that spilled more was 1.9x slower).
-# 021's attention keeps dK and dV of the run in registers beside the block's products: its budget.
-STACK_BUDGET = {name: 0 for name in ENGINE_CASES} | {"072 one launch": 128} | {name: 256 for name in ATTENTION_021}
+STACK_BUDGET = {name: 0 for name in ENGINE_CASES} | {"072 one launch": 128}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The Gluon studies prepared for a device call (benchmarks/experiments: issues 23, 24 and 25), compiled so
 # that an API change shows before it: each kernel's line of `--compile-only`; those marked must show
@@ -61,8 +56,6 @@ def _compile(case: str):
         kernel = compile_sm90(gemm.gemm_kernel, sig, dict(A_KMAJOR=a_kmajor, A_REGS=fp32, B_KMAJOR=b_kmajor,
                                                           STAGES=stages), num_warps=4, maxnreg=168)
         return usage(kernel), 168
-    if case in ATTENTION_021:
-        return _compile_attention_021(*ATTENTION_021[case])
     g = config.CONFIG.gluon
     fn = gluon_kernels.fused_kernel
     sig = {name: descriptor_type(gl.float16, block) for name, _, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)}
@@ -74,28 +67,6 @@ def _compile(case: str):
                           num_warps=4, maxnreg=g.maxnreg)
     assert usage(kernel).shared <= g.shared_bytes + 1024, (usage(kernel), g.shared_bytes)  # the plan's count holds
     return usage(kernel), g.maxnreg
-
-
-def _compile_attention_021(nt: int, alone: bool):
-    """021's Gluon attention at the plan's tiles for nt text tokens."""
-    from triton.experimental.gluon import language as gl
-
-    from backfuse.kernels.gluon.sm90 import compile_sm90, descriptor_type, usage
-    from backfuse.ops.wan_xattn import config, gluon_attention
-    from backfuse.ops.wan_xattn.spec import HEAD_DIM
-
-    g = config.CONFIG.gluon_attention
-    head, tail = config.gluon_text_tiles(g, nt)
-    fn = gluon_attention.attention_kernel
-    sig = {"q_desc": descriptor_type(gl.float16, [g.bm, HEAD_DIM]), "dc_desc": descriptor_type(gl.float16, [g.bm, HEAD_DIM]),
-           "kv_desc": descriptor_type(gl.float16, [head, HEAD_DIM]),
-           "kvt_desc": descriptor_type(gl.float16, [tail or head, HEAD_DIM]), "scale": "fp32"}
-    for p in fn.params:
-        if p.name not in sig and not p.is_constexpr:
-            sig[p.name] = INTS if p.do_not_specialize else \
-                "*fp16" if p.name.endswith("16") else "*i32" if p.name == "arrivals" else "*fp32"
-    kernel = compile_sm90(fn, sig, dict(ALONE=alone, PDL=True), num_warps=4)
-    return usage(kernel), 255
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -128,30 +128,6 @@ def test_wan_xattn_attention_rules():
     assert small and all(p.forward_programs <= SMS for p in plans)
 
 
-def test_wan_xattn_gluon_attention_rules():
-    """On Hopper the attention is the Gluon kernel's wherever the text fits 64 + 32 tokens and the call
-    is not deterministic: blocks of 64 video tokens, 77 tokens as 64 + 16, runs sized for about two
-    programs per SM (021.md row 37); the longer texts (cases 5, 11, 13) keep the `tl` kernel."""
-    work = backfuse.problem("021").workloads
-    plans = _plans("021", gluon=True)
-    assert _cases(plans, lambda p: p.attention == "triton") == [5, 11, 13]
-    for p, w in zip(plans, work):
-        if p.attention == "gluon":
-            heads, m_blocks = w.axes["batch_size"] * 16, -(-w.axes["num_video_tokens"] // 64)
-            assert (p.block_rows, p.block_warps, p.text_tile, p.text_tail) == (64, 4, 64, 16)
-            assert p.per_program == -(-m_blocks // min(m_blocks, max(1, 264 // heads)))
-            assert p.runs == -(-m_blocks // p.per_program) and p.attention_programs == heads * p.runs
-    # measured best run lengths (blocks per program): cases 1, 4, 6, 14: 4; 7, 9: 2; 8, 12, 2: 1; 10: 8
-    assert [plans[i].per_program for i in (1, 4, 6, 14, 7, 9, 8, 12, 2, 10)] == [4, 4, 4, 4, 2, 2, 1, 1, 1, 8]
-    assert all(p.attention == "triton" for p in _plans("021", gluon=True, deterministic=True))
-
-
-@pytest.mark.parametrize("nt, tiles", [(1, (64, 0)), (64, (64, 0)), (65, (64, 16)), (77, (64, 16)), (96, (64, 32)),
-                                       (97, None)])
-def test_gluon_text_tiles_keep_a_64_token_head(nt, tiles):
-    assert wan_xattn.gluon_text_tiles(wan_xattn.CONFIG.gluon_attention, nt) == tiles
-
-
 @pytest.mark.parametrize("nt, tiles", [(1, (16, 0)), (19, (32, 0)), (33, (32, 16)), (77, (64, 16)), (100, (128, 0))])
 def test_text_tiles_pad_least(nt, tiles):
     assert wan_xattn.text_tiles(nt) == tiles

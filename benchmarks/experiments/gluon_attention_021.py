@@ -26,16 +26,20 @@ row 29), with 255 registers and one 8-warp program per SM; here the products are
 memory, 64-row blocks at 4 warps and ≈ 60 KB of shared memory allow 3 programs per SM, so
 latency hides across programs. Expected ≥ 1.3× on the 77-token cases (attention busy: case 8
 ≈ 15 µs, case 0 ≈ 100 µs in the `tl` launch), or the Gluon attention is no base for a one-launch
-021.
+021. `tl_attention_us` times the `tl` kernel inside a fused call (PDL included): see below.
 
     PYTHONPATH=src python3 benchmarks/experiments/gluon_attention_021.py [--cases 8,12,2,13,0,6]
     ... --compile-only      # on any machine: shared memory, registers, stack, HGMMA
 
-Not yet run on a GPU (session 22 had no device time left): compiled only. `--compile-only` there,
-77 text tokens: head + tail 72 KB of shared memory, 255 registers, 32 bytes of stack with dK/dV
-added per block, 184 kept per run; one 128-wide tile 96 KB, 32 and 520 bytes (the two [128, 64]
-accumulators over the loop spill). Two programs per SM either way (registers). Every output is
-poisoned before the first launch and checked against the fp32 reference.
+Measured (session 23, 021.md row 37): this kernel alone 6.7-11.2 us on cases 8, 12, 2 (per run,
+head + tail), which read as 2-2.6x the `tl` attention; but that `tl` figure is its time inside a
+fused call with PDL, which counts its wait for the forward. Timed alike (repeated alone), the `tl`
+kernel takes 10.0-10.7 us there: this kernel is 0.96-1.5x of it, and with the `tl` kernel's other
+duties (bias sums, ranges, the last run's hand-off) it lost in the fused path (commit 2661470).
+Compiled, 77 text tokens: head + tail 72 KB of shared memory, 255 registers, 32 bytes of stack with
+dK/dV added per block, 184 kept per run; one 128-wide tile 96 KB, 32 and 520 bytes (the two
+[128, 64] accumulators over the loop spill). Two programs per SM either way (registers). Every
+output is poisoned before the first launch and checked against the fp32 reference.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from backfuse.kernels.gluon.gemm import acc_layout
+from backfuse.kernels.gluon.host import fp16_descriptor
 from backfuse.ops.wan_xattn.config import text_tiles
 from backfuse.ops.wan_xattn.spec import HEAD_DIM, HEADS, HIDDEN
 
@@ -230,12 +235,6 @@ def attention_021_kernel(q_desc, dc_desc, kv_desc, kvt_desc, ctx16, dq16, dkv32,
             gl.atomic_add(dkv32 + kvt_offs + _HIDDEN, dvt, mask=in_tail[None, :], sem="relaxed")
 
 
-def _descriptor(t, block):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float16))
-
-
 def text_tiles_of(nt: int, split: bool) -> tuple:
     """(head, tail) text tiles: the `tl` kernel's (`config.text_tiles`: powers of two, 77 = 64 + 16
     when split, else 128), the head at least 64 (dK's wgmma rows)."""
@@ -252,8 +251,8 @@ def gluon_attention(q16, kv16, dc16, batch, nv, nt, per_program, scale, accumula
     dkv32 = torch.empty(kv16.shape, dtype=torch.float32, device=q16.device)
     runs = math.ceil(math.ceil(nv / BM_) / per_program)
     head, tail = text_tiles_of(nt, split)
-    descs = (_descriptor(q16, [BM_, HEAD_DIM]), _descriptor(dc16, [BM_, HEAD_DIM]), _descriptor(kv16, [head, HEAD_DIM]),
-             _descriptor(kv16, [tail or head, HEAD_DIM]))
+    descs = (fp16_descriptor(q16, [BM_, HEAD_DIM]), fp16_descriptor(dc16, [BM_, HEAD_DIM]),
+             fp16_descriptor(kv16, [head, HEAD_DIM]), fp16_descriptor(kv16, [tail or head, HEAD_DIM]))
 
     def launch():
         dkv32.zero_()

@@ -1,24 +1,20 @@
-"""021's fused backward: four launches (`triton_kernels.py`; the attention `gluon_attention.py`'s on
-Hopper where the plan says so, else `triton_attention.py`'s), the gradient products by cuBLAS from
-`cublas_min_flop` on, as `config.plan` lays them out."""
+"""021's fused backward: four Triton launches (`triton_kernels.py`, `triton_attention.py`), the
+gradient products by cuBLAS from `cublas_min_flop` on, as `config.plan` lays them out."""
 
 from __future__ import annotations
 
 from ...kernels import buffers
-from ...kernels.gluon.host import fp16_descriptor
 from ...kernels.launch import FastKernel
 from ...kernels.schedule import flat
 from ..prelude import begin, cublas_products, fits_int32
 from .config import CONFIG, FORWARD_REGIONS, INTERPRETER_CONFIG, plan
-from .gluon_attention import attention_kernel as gluon_attention_kernel
-from .spec import HEAD_DIM, HEADS, HIDDEN, PROBLEM
+from .spec import HEADS, HIDDEN, PROBLEM
 from .triton_attention import attention_kernel
 from .triton_kernels import forward_products_kernel, gradient_products_kernel, pack_kernel
 
 PACK = FastKernel(pack_kernel)
 FORWARD_PRODUCTS = FastKernel(forward_products_kernel)
 ATTENTION = FastKernel(attention_kernel)
-GLUON_ATTENTION = FastKernel(gluon_attention_kernel)
 GRADIENT_PRODUCTS = FastKernel(gradient_products_kernel)
 
 
@@ -47,7 +43,7 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
     axes = dict(batch_size=batch, num_video_tokens=nv, num_text_tokens=nt)
     call = begin(video.device, sms, config, (CONFIG, INTERPRETER_CONFIG), ranges,
                  lambda cfg, host: plan(cfg, axes, host.sms, gpu=host.gpu, products=products, needs=needs,
-                                        gluon=host.gluon, deterministic=deterministic))
+                                        deterministic=deterministic))
     host, cfg, p = call.host, call.cfg, call.plan
     f16, f32 = host.f16, host.f32
     # The forward products' operands, stacked so that one TMA descriptor each covers them.
@@ -85,8 +81,12 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
                 *(p.ranges[1].base(name) for name in FORWARD_REGIONS),
                 BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=fw.warps,
                 num_stages=fw.stages, launch_pdl=pdl),
-            _attention(p, at, q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, call.ranges_of(2),
-                       nv, nt, tt, float(scale), deterministic),
+            ATTENTION.prepare(
+                (p.attention_programs,),
+                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, call.ranges_of(2),
+                nv, nt, tt, p.per_program, *p.ranges[2].bases, float(scale),
+                BM=p.block_rows, BN=p.text_tile, BN_TAIL=p.text_tail, ONE_TILE=p.one_tile, ALONE=p.runs == 1,
+                DETERMINISTIC=deterministic, PDL=pdl, num_warps=p.block_warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (p.gradient_programs,),
                 dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
@@ -104,24 +104,3 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
                              (dq16.T, video16, grad_wq, p.wanted[2]), (go16.T, ctx16, grad_wo, p.wanted[2]),
                              (dkv16.T, text16, grad_wkv, p.wanted[2])])
     return grad_video, grad_text, grad_wq, grad_bq, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo
-
-
-def _attention(p, at, q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges, nv, nt, tt, scale,
-               deterministic):
-    """Launch 3, the attention, prepared: the Gluon kernel's or the `tl` kernel's, as the plan says."""
-    pdl = p.pdl
-    if p.attention == "gluon":
-        rows, head, tail = p.block_rows, p.text_tile, p.text_tail
-        descriptors = (fp16_descriptor(q16, [rows, HEAD_DIM]), fp16_descriptor(dc16, [rows, HEAD_DIM]),
-                       fp16_descriptor(kv16, [head, HEAD_DIM]), fp16_descriptor(kv16, [tail or head, HEAD_DIM]))
-        return GLUON_ATTENTION.prepare(
-            (p.attention_programs,),
-            *descriptors, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
-            nv, nt, p.per_program, *p.ranges[2].bases, scale,
-            ALONE=p.runs == 1, PDL=pdl, num_warps=p.block_warps, launch_pdl=pdl)
-    return ATTENTION.prepare(
-        (p.attention_programs,),
-        q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
-        nv, nt, tt, p.per_program, *p.ranges[2].bases, scale,
-        BM=p.block_rows, BN=p.text_tile, BN_TAIL=p.text_tail, ONE_TILE=p.one_tile, ALONE=p.runs == 1,
-        DETERMINISTIC=deterministic, PDL=pdl, num_warps=p.block_warps, num_stages=at.stages, launch_pdl=pdl)

@@ -43,19 +43,6 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GluonAttentionConfig:
-    """The Hopper attention (`gluon_attention.py`): blocks of bm video tokens at 4 warps (one
-    warpgroup), the text as a head tile of `head` tokens and a tail of at most max_tail; runs of
-    blocks sized so that the grid has programs_per_sm programs per SM (two fit: 255 registers a
-    thread; 021.md row 37 measured the best run lengths at about 2 x 132 programs)."""
-
-    bm: int = 64
-    head: int = 64
-    max_tail: int = 32
-    programs_per_sm: float = 2.0
-
-
-@dataclass(frozen=True, kw_only=True)
 class Config:
     # Pack: grad_output in tiles of `rows` tokens, `cols` columns per step; Wo^T in `tile`-side tiles.
     pack: PackConfig = PackConfig(rows=16, cols=1024, tile=64, block=8192, iters=1, warps=4)
@@ -64,8 +51,6 @@ class Config:
     # Forward tiles when those of `forward` would not fill the GPU once (forward_tiles).
     forward_small: TileConfig = TileConfig(bm=128, bn=128, bk=64, warps=8, stages=3)
     attention: AttentionConfig = AttentionConfig()
-    # On sm_90, where the text fits its tiles and the call is not deterministic (None: never).
-    gluon_attention: GluonAttentionConfig | None = GluonAttentionConfig()
     # 4 warps: 2 programs per SM (8 warps need 144 registers a thread, which allows one)
     gradients: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
     sums: SumConfig = SumConfig(rows=32, cols=64)  # bias gradients from per-program partial rows
@@ -97,15 +82,6 @@ def text_tiles(nt: int, split: bool = True) -> tuple:
     return whole, 0
 
 
-def gluon_text_tiles(g: GluonAttentionConfig, nt: int) -> tuple | None:
-    """(head, tail) of the Gluon attention's text tiles (tail 0: none; wgmma needs dK's 64 rows, so
-    the head is never narrower), or None when nt does not fit head + max_tail."""
-    if nt <= g.head:
-        return g.head, 0
-    tail = max(16, next_power_of_2(nt - g.head))
-    return (g.head, tail) if tail <= g.max_tail else None
-
-
 def video_blocks(at: AttentionConfig, nv: int, one_tile: bool) -> tuple:
     """(rows, warps) of the attention's blocks of video tokens: lone_block when a head's video
     tokens fit one block of bm and the text one tile (a program then loops over two half blocks,
@@ -113,12 +89,12 @@ def video_blocks(at: AttentionConfig, nv: int, one_tile: bool) -> tuple:
     return at.lone_block if one_tile and nv <= at.bm and at.lone_block else (at.bm, at.warps)
 
 
-def blocks_per_run(programs_per_sm: float, m_blocks: int, heads: int, sms: int, one_tile: bool) -> int:
+def blocks_per_run(at: AttentionConfig, m_blocks: int, heads: int, sms: int, one_tile: bool) -> int:
     """Blocks of one head per attention program. With one text tile, long runs (fewer fp32 partial
     sums of dK/dV) while the grid still has programs_per_sm programs per SM; else 1."""
     if not one_tile:
         return 1
-    runs = min(m_blocks, max(1, int(programs_per_sm * sms) // heads))
+    runs = min(m_blocks, max(1, int(at.programs_per_sm * sms) // heads))
     return cdiv(m_blocks, runs)
 
 
@@ -144,7 +120,6 @@ class Plan:
     forward: TileConfig  # the forward products' tiles
     forward_programs: int  # persistent ones; the launch adds the grad_bo sums' programs
     forward_bounds: tuple  # the forward's tiles [start, end) of Q, [K | V] and dC, in its loop's order
-    attention: str  # "gluon" (gluon_attention.py, Hopper) or "triton" (triton_attention.py)
     one_tile: bool  # all text tokens in one tile (else text tiles of AttentionConfig.bn)
     text_tile: int
     text_tail: int  # 0: none
@@ -202,33 +177,24 @@ def pack_layout(cfg: Config, tv: int, tt: int, splits, zero_kv_partials: bool) -
     ))
 
 
-def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, products: str | None = None,
-         needs=None, deterministic: bool = False) -> Plan:
+def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None = None, needs=None,
+         deterministic: bool = False) -> Plan:
     """The launches of one call at `axes` on `sms` processors.
 
     needs: one bool per output (None: all); without input gradients (grad_video, grad_text) or
     without weight gradients (the four grad_W) their products are skipped; the bias gradients are
-    column sums taken along the way. gluon: the GPU runs our Gluon kernels (Hopper): the attention is
-    `gluon_attention.py`'s where the text fits its tiles (gluon_text_tiles) and the call is not
-    deterministic. deterministic: no K splits, and the attention's partial dK/dV
+    column sums taken along the way. deterministic: no K splits, and the attention's partial dK/dV
     stored per run and added in order instead of by atomics. products: "triton", "cublas", or None
     (by size on a GPU: `cublas_min_flop` of gradient-product work).
     """
     batch, nv, nt = axes["batch_size"], axes["num_video_tokens"], axes["num_text_tokens"]
     tv, tt = batch * nv, batch * nt
     at, gr = cfg.attention, cfg.gradients
-    ga = cfg.gluon_attention
-    gluon_tiles = gluon_text_tiles(ga, nt) if gluon and ga and not deterministic else None
-    if gluon_tiles:
-        attention, one_tile, (text_tile, text_tail) = "gluon", True, gluon_tiles
-        block_rows, block_warps, programs_per_sm = ga.bm, 4, ga.programs_per_sm
-    else:
-        attention, one_tile = "triton", nt <= at.one_tile
-        block_rows, block_warps = video_blocks(at, nv, one_tile)
-        text_tile, text_tail = text_tiles(nt, at.split_text) if one_tile else (at.bn, 0)
-        programs_per_sm = at.programs_per_sm
+    one_tile = nt <= at.one_tile
+    block_rows, block_warps = video_blocks(at, nv, one_tile)
     m_blocks = cdiv(nv, block_rows)
-    per_program = blocks_per_run(programs_per_sm, m_blocks, batch * HEADS, sms, one_tile)
+    text_tile, text_tail = text_tiles(nt, at.split_text) if one_tile else (at.bn, 0)
+    per_program = blocks_per_run(at, m_blocks, batch * HEADS, sms, one_tile)
     runs = cdiv(m_blocks, per_program)
 
     gemms = gradient_shapes(tv, tt)
@@ -259,7 +225,7 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
     )
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
                 forward_programs=min(forward_tile_count(fw, tv, tt), sms), forward_bounds=forward_bounds,
-                attention=attention, one_tile=one_tile, text_tile=text_tile,
+                one_tile=one_tile, text_tile=text_tile,
                 text_tail=text_tail, block_rows=block_rows, block_warps=block_warps, per_program=per_program, runs=runs,
                 attention_programs=attention_programs,
                 kv_partial_rows=(runs if deterministic else 1) * tt if runs > 1 else 1, splits=tuple(splits),
