@@ -128,6 +128,18 @@ def test_wan_xattn_attention_rules():
     assert small and all(p.forward_programs <= SMS for p in plans)
 
 
+def test_wan_xattn_attention_counters_and_hand_off():
+    """The attention's counters: one per head, then `done` (target: every program) and `kv_done`
+    (target: every head), zeroed by the pack; the last run's dK/dV hand-off in one step of text rows
+    where the text is one tile (021.md row 38)."""
+    for p, w in zip(_plans("021") + _plans("021", deterministic=True), backfuse.problem("021").workloads * 2):
+        c = p.counters
+        assert (c.heads, c.programs) == (w.axes["batch_size"] * 16, p.attention_programs)
+        assert (c.done, c.kv_done, c.total) == (c.heads, c.heads + 1, c.heads + 2)
+        assert p.finish_rows == (128 if p.one_tile else wan_xattn.CONFIG.attention.bn)
+        assert p.pack.size("zero attention counters") == 1
+
+
 @pytest.mark.parametrize("nt, tiles", [(1, (16, 0)), (19, (32, 0)), (33, (32, 16)), (77, (64, 16)), (100, (128, 0))])
 def test_text_tiles_pad_least(nt, tiles):
     assert wan_xattn.text_tiles(nt) == tiles

@@ -56,6 +56,7 @@ def report(name: str, kernel) -> str:
 
 
 def wan_021_kernels(cfg=None):
+    from backfuse.kernels.schedule import next_power_of_2
     from backfuse.ops.wan_xattn import config, triton_attention, triton_kernels
 
     cfg = cfg or config.CONFIG
@@ -63,7 +64,7 @@ def wan_021_kernels(cfg=None):
     yield "021 pack", compile_sm90(
         triton_kernels.pack_kernel, {},
         dict(ROWS=p.rows, COLS=p.cols, T=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1,
-        int_pointers=("arrivals",))
+        int_pointers=("counters",))
     yield "021 forward products", compile_sm90(
         triton_kernels.forward_products_kernel, {},
         dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), fw.warps, fw.stages)
@@ -76,12 +77,14 @@ def wan_021_kernels(cfg=None):
             yield (f"021 attention {'one tile' if one_tile else 'tiles'} {bm}x{bn}+{tail}"
                    f"{' det' if deterministic else ''}{' alone' if alone else ''}",
                    compile_sm90(triton_attention.attention_kernel, {"scale": "fp32"},
-                                dict(BM=bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile, ALONE=alone,
+                                dict(BM=bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile,
+                                     FINISH=next_power_of_2(bn + tail) if one_tile else bn, ALONE=alone,
                                      DETERMINISTIC=deterministic, PDL=pdl), warps, at.stages,
-                                int_pointers=("arrivals",)))
+                                int_pointers=("counters",)))
     yield "021 gradient products", compile_sm90(
         triton_kernels.gradient_products_kernel, {},
-        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages)
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages,
+        int_pointers=("counters",))
 
 
 def qkv_gqa_072_kernels(cfg=None):

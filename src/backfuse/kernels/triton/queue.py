@@ -46,6 +46,14 @@ def field(row, at):
     return tl.load(row + at)
 
 
+@triton.jit
+def wait_at_least(counter, target):
+    """Spin until the int32 at `counter` reaches `target` (acquire, GPU scope)."""
+    seen = tl.atomic_add(counter, 0, sem="acquire")
+    while seen < target:
+        seen = tl.atomic_add(counter, 0, sem="acquire")
+
+
 @triton.jit(noinline=True)
 def wait_for(row, counters, GPU: tl.constexpr):
     """Spin until each of the item's counters has reached its target (acquire at GPU scope).
@@ -55,9 +63,7 @@ def wait_for(row, counters, GPU: tl.constexpr):
         slot = tl.load(row + WAIT0 + 2 * w)
         target = tl.load(row + WAIT0 + 2 * w + 1)
         if target > 0:
-            seen = tl.atomic_add(counters + slot, 0, sem="acquire")
-            while seen < target:
-                seen = tl.atomic_add(counters + slot, 0, sem="acquire")
+            wait_at_least(counters + slot, target)
     if GPU:
         tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)

@@ -8,7 +8,7 @@ from ...kernels.launch import FastKernel
 from ...kernels.schedule import flat
 from ..prelude import begin, cublas_products, fits_int32
 from .config import CONFIG, FORWARD_REGIONS, INTERPRETER_CONFIG, plan
-from .spec import HEADS, HIDDEN, PROBLEM
+from .spec import HIDDEN, PROBLEM
 from .triton_attention import attention_kernel
 from .triton_kernels import forward_products_kernel, gradient_products_kernel, pack_kernel
 
@@ -55,7 +55,7 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
     go_tiles = p.pack.size("grad_output")  # one row of column sums each
     colsum_parts = f32(go_tiles, HIDDEN)
     dkv32 = f32(p.kv_partial_rows, 2 * HIDDEN)  # unused by lone runs
-    arrivals = host.i32(batch * HEADS)
+    counters = host.i32(p.counters.total)
     bias_parts = f32(batch * p.runs, 3 * HIDDEN)
     grad_video, grad_text = f32(batch, nv, HIDDEN), f32(batch, nt, HIDDEN)
     # grad_Wk and grad_Wv are the row blocks of one tensor, which one cuBLAS product writes.
@@ -70,8 +70,8 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
                 (p.pack.programs,),
                 go, video, text, wq, wk, wv, wo,
                 go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts, call.ranges_of(0),
-                dkv32, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
-                tv, tt, batch * HEADS, *p.pack.ends[:-1],
+                dkv32, counters, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
+                tv, tt, p.counters.total, *p.pack.ends[:-1],
                 ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps),
             FORWARD_PRODUCTS.prepare(
                 (p.forward_programs + HIDDEN // sums.cols,),
@@ -83,16 +83,17 @@ def backward(go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, *, needs=No
                 num_stages=fw.stages, launch_pdl=pdl),
             ATTENTION.prepare(
                 (p.attention_programs,),
-                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, call.ranges_of(2),
-                nv, nt, tt, p.per_program, *p.ranges[2].bases, float(scale),
-                BM=p.block_rows, BN=p.text_tile, BN_TAIL=p.text_tail, ONE_TILE=p.one_tile, ALONE=p.runs == 1,
+                q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, counters, call.ranges_of(2),
+                nv, nt, tt, p.per_program, *p.ranges[2].bases, p.counters.done, p.counters.kv_done, float(scale),
+                BM=p.block_rows, BN=p.text_tile, BN_TAIL=p.text_tail, ONE_TILE=p.one_tile, FINISH=p.finish_rows,
+                ALONE=p.runs == 1,
                 DETERMINISTIC=deterministic, PDL=pdl, num_warps=p.block_warps, num_stages=at.stages, launch_pdl=pdl),
             GRADIENT_PRODUCTS.prepare(
                 (p.gradient_programs,),
-                dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
+                dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts, counters,
                 grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
                 tv, tt, p.splits[2], p.splits[4], p.splits[0], p.splits[1], *flat(p.bounds), p.sums_start,
-                batch * p.runs,
+                batch * p.runs, p.counters.done, p.counters.programs, p.counters.kv_done, p.counters.heads,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
                 num_stages=gr.stages, launch_pdl=pdl),
         ]

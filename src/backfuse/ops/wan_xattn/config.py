@@ -111,6 +111,29 @@ def forward_tile_count(t: TileConfig, tv: int, tt: int) -> int:
 
 
 @dataclass(frozen=True)
+class AttentionCounters:
+    """The attention's int32 counters, one buffer zeroed by the pack: one per (batch, head) from slot 0,
+    counting the head's finished runs (the last converts dK/dV); `done`, counting programs whose C
+    and dQ are stored (target: every program); `kv_done`, counting heads whose dK, dV are in fp16
+    (target: every head). The gradient launch's tiles wait on the last two."""
+
+    heads: int
+    programs: int
+
+    @property
+    def done(self) -> int:
+        return self.heads
+
+    @property
+    def kv_done(self) -> int:
+        return self.heads + 1
+
+    @property
+    def total(self) -> int:
+        return self.heads + 2
+
+
+@dataclass(frozen=True)
 class Plan:
     """Every launch of one 021 call (grids in programs)."""
 
@@ -125,9 +148,11 @@ class Plan:
     text_tail: int  # 0: none
     block_rows: int  # video tokens per block
     block_warps: int
+    finish_rows: int  # text rows per step of the last run's dK/dV hand-off (one step for one tile)
     per_program: int  # blocks per attention program
     runs: int  # attention programs per head
     attention_programs: int
+    counters: AttentionCounters
     kv_partial_rows: int  # of the fp32 dK/dV partial sums (1: unused)
     splits: tuple  # K splits of grad_video, grad_text, grad_Wq, grad_Wo, grad_Wk, grad_Wv (0: skipped/cuBLAS)
     bounds: tuple  # programs [start, end) of grad_video, grad_text, grad_Wq + grad_Wo, grad_Wk + grad_Wv
@@ -149,7 +174,7 @@ def gradient_shapes(tv: int, tt: int) -> list:
 
 def pack_layout(cfg: Config, tv: int, tt: int, splits, zero_kv_partials: bool) -> Layout:
     """The pack's programs: grad_output row tiles, flat casts of video, text, Wq, Wk, Wv, the Wo^T
-    tiles (those converting), one program zeroing the attention's arrival counters, then zero fills
+    tiles (those converting), one program zeroing the attention's counters, then zero fills
     of the attention's fp32 dK/dV and of the split-K products' outputs."""
     pk = cfg.pack
 
@@ -166,7 +191,7 @@ def pack_layout(cfg: Config, tv: int, tt: int, splits, zero_kv_partials: bool) -
         Segment("key_weight", weight, end="e_wk"),
         Segment("value_weight", weight, end="e_wv"),
         Segment("output_weight", (HIDDEN // pk.tile) ** 2, end="e_wo"),
-        Segment("zero arrival counters", 1, ranged=False, end="e_small"),
+        Segment("zero attention counters", 1, ranged=False, end="e_small"),
         Segment("zero dK/dV partial sums", zero_kv_partials * flat(tt * 2 * HIDDEN), ranged=False, end="e_dkv"),
         Segment("zero grad_query_weight", split_wv * weight, ranged=False, end="e_zwq"),
         Segment("zero grad_output_weight", split_wv * weight, ranged=False, end="e_zwo"),
@@ -226,8 +251,9 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
                 forward_programs=min(forward_tile_count(fw, tv, tt), sms), forward_bounds=forward_bounds,
                 one_tile=one_tile, text_tile=text_tile,
-                text_tail=text_tail, block_rows=block_rows, block_warps=block_warps, per_program=per_program, runs=runs,
-                attention_programs=attention_programs,
+                text_tail=text_tail, finish_rows=next_power_of_2(text_tile + text_tail) if one_tile else at.bn,
+                block_rows=block_rows, block_warps=block_warps, per_program=per_program, runs=runs,
+                attention_programs=attention_programs, counters=AttentionCounters(batch * HEADS, attention_programs),
                 kv_partial_rows=(runs if deterministic else 1) * tt if runs > 1 else 1, splits=tuple(splits),
                 bounds=bounds, sums_start=sum(tiles), gradient_programs=sum(tiles) + 3 * HIDDEN // cfg.sums.cols,
                 wanted=wanted,

@@ -29,9 +29,11 @@ def _kv_tile(kv16, h, rn, NT, column0):
 
 @triton.jit
 def _finish_kv_grads(dkv32, dkv16, h, NT, TT, runs, BN: tl.constexpr, DETERMINISTIC: tl.constexpr):
-    """dK, dV of head h (dkv32, dkv16 at the batch's first row): the runs' fp32 sums (read from L2, bypassing L1) to fp16; returns
-    their column sums and largest |value|s. DETERMINISTIC: one partial per run, added in run order;
-    else one atomic sum."""
+    """dK, dV of head h (dkv32, dkv16 at the batch's first row): the runs' fp32 sums (read from L2,
+    bypassing L1) to fp16, BN text rows a step (the plan's `finish_rows`: one step where the text is
+    one tile, since each step is a round trip to L2 on the call's critical path); returns their
+    column sums and largest |value|s. DETERMINISTIC: one partial per run, added in run order; else
+    one atomic sum."""
     d = tl.arange(0, _HEAD_DIM)
     sum_dk = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
     sum_dv = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
@@ -231,10 +233,11 @@ def _text_tiles_block(q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT,
 
 
 @triton.jit
-def attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrival, ranges, b, h, run, first, last,
+def attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrival, done, kv_done, ranges, b, h, run,
+                   first, last,
                    slot_dq, slot_dk, slot_dv, NV, NT, TT, runs, scale,
                    BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr,
-                   ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr):
+                   FINISH: tl.constexpr, ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr):
     """One (batch b, head h, run of video blocks [first, last) of BM tokens): C, dQ and the run's
     share of dK and dV.
 
@@ -244,6 +247,9 @@ def attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arriv
     the padded width): _one_tile_run; else (runs of one block) _text_tiles_block. ALONE (one run per
     head: runs == 1) writes dK, dV in fp16; otherwise runs add fp32 partial sums and the last to
     arrive on the head's `arrival` counter converts them (_finish_kv_grads).
+    Once C, dQ and this item's bias and range entries are stored, it adds 1 to `done`; once the
+    head's dK, dV are in fp16 (with their sums and ranges), the item that wrote them adds 1 to
+    `kv_done`: the gradient launch's tiles wait on those instead of this whole launch.
     Column sums of dQ, dK, dV (the bias gradients) go to the run's row b * runs + run of bias_parts
     ([batch * runs, 3 * 1024]), summed later in a fixed order. The largest |value| of the dQ, dK and
     dV this item rounds to fp16 goes to ranges[slot_dq], ranges[slot_dk], ranges[slot_dv] (0 for dK,
@@ -278,32 +284,38 @@ def attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arriv
     if ALONE:
         tl.store(row + _HIDDEN, sum_dk)
         tl.store(row + 2 * _HIDDEN, sum_dv)
+        tl.debug_barrier()  # every thread's stores before the counts (release)
+        tl.atomic_add(done, 1, sem="release")
+        tl.atomic_add(kv_done, 1, sem="release")
     else:
         # dK, dV column sums come from the run that converts the head's sums; the others leave 0.
         tl.store(row + _HIDDEN, tl.zeros((_HEAD_DIM,), dtype=tl.float32))
         tl.store(row + 2 * _HIDDEN, tl.zeros((_HEAD_DIM,), dtype=tl.float32))
         # Publish this run's sums; the last run of the head to arrive converts them all.
         tl.debug_barrier()
+        tl.atomic_add(done, 1, sem="release")
         if tl.atomic_add(arrival, 1, sem="acq_rel") == runs - 1:
-            sum_dk, sum_dv, dk_largest, dv_largest = _finish_kv_grads(dkv32, dkv16, h, NT, TT, runs, BN,
+            sum_dk, sum_dv, dk_largest, dv_largest = _finish_kv_grads(dkv32, dkv16, h, NT, TT, runs, FINISH,
                                                                       DETERMINISTIC)
             tl.store(row + _HIDDEN, sum_dk)
             tl.store(row + 2 * _HIDDEN, sum_dv)
             tl.store(ranges + slot_dk, dk_largest)
             tl.store(ranges + slot_dv, dv_largest)
+            tl.debug_barrier()
+            tl.atomic_add(kv_done, 1, sem="release")
 
 
-@triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "r_dq", "r_dk", "r_dv", "scale"])
+@triton.jit(do_not_specialize=["NV", "NT", "TT", "per_program", "r_dq", "r_dk", "r_dv", "c_done", "c_kv", "scale"])
 def attention_kernel(
-    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals, ranges,
-    NV, NT, TT, per_program, r_dq, r_dk, r_dv, scale,
-    BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr, ALONE: tl.constexpr,
-    DETERMINISTIC: tl.constexpr,
-    PDL: tl.constexpr,
+    q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, counters, ranges,
+    NV, NT, TT, per_program, r_dq, r_dk, r_dv, c_done, c_kv, scale,
+    BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr, FINISH: tl.constexpr,
+    ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr, PDL: tl.constexpr,
 ):
     """attention_item for program (batch, head, run of `per_program` blocks of BM video tokens),
-    batch-major then head then run; the head's arrival counter is arrivals[batch * 16 + head], its
-    range slots ranges[r + pid] past the first slots r_dq, r_dk, r_dv of the dQ, dK, dV regions."""
+    batch-major then head then run; the head's arrival counter is counters[batch * 16 + head], the
+    launch's `done` and `kv_done` counters[c_done] and counters[c_kv] (`config.AttentionCounters`),
+    its range slots ranges[r + pid] past the first slots r_dq, r_dk, r_dv of the dQ, dK, dV regions."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     m_blocks = (NV + BM - 1) // BM
@@ -311,6 +323,7 @@ def attention_kernel(
     bh = pid // runs
     run = pid % runs
     first = run * per_program
-    attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arrivals + bh, ranges, bh // _HEADS,
+    attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, counters + bh, counters + c_done,
+                   counters + c_kv, ranges, bh // _HEADS,
                    bh % _HEADS, run, first, tl.minimum(first + per_program, m_blocks), pid + r_dq, pid + r_dk,
-                   pid + r_dv, NV, NT, TT, runs, scale, BM, BN, BN_TAIL, ONE_TILE, ALONE, DETERMINISTIC)
+                   pid + r_dv, NV, NT, TT, runs, scale, BM, BN, BN_TAIL, ONE_TILE, FINISH, ALONE, DETERMINISTIC)

@@ -17,6 +17,7 @@ import triton.language as tl
 from ...kernels.triton.elementwise import cast_chunk, column_sums, max_abs, transpose_tile, zero_chunk
 from ...kernels.triton.gemm import gemm_tile, tma_tile
 from ...kernels.triton.pdl import after_previous_launch
+from ...kernels.triton.queue import wait_at_least
 from .spec import HIDDEN
 
 _HIDDEN = tl.constexpr(HIDDEN)
@@ -40,19 +41,19 @@ def _grad_output_tile(go, go16, colsum_parts, tile, TV, ROWS: tl.constexpr, COLS
     return largest
 
 
-@triton.jit(do_not_specialize=["TV", "TT", "n_heads", "e_go", "e_video", "e_text", "e_wq", "e_wk", "e_wv", "e_wo",
+@triton.jit(do_not_specialize=["TV", "TT", "n_counters", "e_go", "e_video", "e_text", "e_wq", "e_wk", "e_wv", "e_wo",
                                 "e_small", "e_dkv", "e_zwq", "e_zwo", "e_zwk", "e_zwv", "e_zgv"])
 def pack_kernel(
     go, video, text, wq, wk, wv, wo,
     go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts, ranges,
-    dkv32, arrivals, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
-    TV, TT, n_heads, e_go, e_video, e_text, e_wq, e_wk, e_wv, e_wo, e_small, e_dkv, e_zwq, e_zwo, e_zwk, e_zwv, e_zgv,
+    dkv32, counters, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
+    TV, TT, n_counters, e_go, e_video, e_text, e_wq, e_wk, e_wv, e_wo, e_small, e_dkv, e_zwq, e_zwo, e_zwk, e_zwv, e_zgv,
     ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """go16 = fp16(grad_output) with per-tile column sums (_grad_output_tile); video16, text16, Wq16,
-    [Wk; Wv]16 = fp16 casts; wo_t16 = fp16(Wo^T) in T x T tiles; the attention's n_heads arrival
-    counters zeroed (one program); zeros in the attention's fp32 dK/dV and in the split-K products'
+    [Wk; Wv]16 = fp16 casts; wo_t16 = fp16(Wo^T) in T x T tiles; the attention's n_counters
+    counters zeroed (one program: `config.AttentionCounters`); zeros in the attention's fp32 dK/dV and in the split-K products'
     outputs where used. The program segments are `config.pack_layout`'s, in its order; e_* is the
     end of each but the last. Each converting program (before e_wo) stores the largest |value| it
     converted in ranges[pid]."""
@@ -79,8 +80,8 @@ def pack_kernel(
         largest = transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, T)
     elif pid < e_small:
         c = tl.arange(0, _HIDDEN)
-        for c0 in range(0, n_heads, _HIDDEN):
-            tl.store(arrivals + c0 + c, tl.zeros((_HIDDEN,), dtype=tl.int32), mask=c0 + c < n_heads)
+        for c0 in range(0, n_counters, _HIDDEN):
+            tl.store(counters + c0 + c, tl.zeros((_HIDDEN,), dtype=tl.int32), mask=c0 + c < n_counters)
     elif pid < e_dkv:
         zero_chunk(dkv32, n_dkv, pid - e_small, BLOCK, ITERS)
     elif pid < e_zwq:
@@ -151,12 +152,13 @@ def forward_products_kernel(
 
 
 @triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "start_gv", "end_gv",
-                                "start_gt", "end_gt", "start_wv", "end_wv", "start_wt", "end_wt", "sums_start", "n_parts"])
+                                "start_gt", "end_gt", "start_wv", "end_wv", "start_wt", "end_wt", "sums_start", "n_parts",
+                                "c_done", "n_done", "c_kv", "n_kv"])
 def gradient_products_kernel(
-    dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts,
+    dq16, dkv16, go16, video16, text16, ctx16, wq16, wkv16, bias_parts, counters,
     grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
     TV, TT, split_wv, split_wt, split_gv, split_gt, start_gv, end_gv, start_gt, end_gt, start_wv, end_wv,
-    start_wt, end_wt, sums_start, n_parts,
+    start_wt, end_wt, sums_start, n_parts, c_done, n_done, c_kv, n_kv,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -168,13 +170,26 @@ def gradient_products_kernel(
     over text tokens. The four groups of tiles (grad_video; grad_text; grad_Wq and grad_Wo, the
     pair's halves alike; grad_Wk and grad_Wv) are the programs [start_*, end_*) (the plan's bounds,
     longest tiles first, so that short tiles fill the last wave). From program sums_start on,
-    3 * 1024 / SUM_COLS programs sum the attention's bias_parts into grad_bq, grad_bk, grad_bv."""
-    after_previous_launch(PDL)
+    3 * 1024 / SUM_COLS programs sum the attention's bias_parts into grad_bq, grad_bk, grad_bv.
+
+    PDL: launched while the attention runs, this launch does not wait for it to end. Each tile waits
+    for what it reads: those of dQ and C for counters[c_done] to reach n_done (every attention
+    program's C and dQ stored), those of dK, dV for counters[c_kv] to reach n_kv (every head's dK, dV
+    in fp16), the bias sums for both (`config.AttentionCounters`). So the tiles of dQ and C run
+    beside the attention's last runs converting dK, dV. The launch can still not wait on anything
+    that waits on it: its programs are scheduled only once every attention program has started
+    (PDL's rule), after that one's own wait for the forward products."""
     pid = tl.program_id(0)
     in_gv = (pid >= start_gv) & (pid < end_gv)
     in_gt = (pid >= start_gt) & (pid < end_gt)
     in_wv = (pid >= start_wv) & (pid < end_wv)
     in_wt = (pid >= start_wt) & (pid < end_wt)
+    if PDL:
+        sums = pid >= sums_start
+        if in_gv | in_wv | sums:
+            wait_at_least(counters + c_done, n_done)
+        if in_gt | in_wt | sums:
+            wait_at_least(counters + c_kv, n_kv)
     if in_gv | in_gt:
         depth = tl.multiple_of(tl.where(in_gv, _HIDDEN, 2 * _HIDDEN), 1024)
         gemm_tile(
