@@ -123,3 +123,31 @@ def check_deterministic(prob, axes, fn):
     inputs, outs = check_fused(prob, axes, seed=8, fn=fn)
     for a, b in zip(outs, fn(*inputs)):
         assert torch.equal(a, b)
+
+
+def check_beside_busy_stream(pid, axes, seed=21, calls=3):
+    """Calls whose later launches start early (PDL) and wait on counters the earlier ones signal still
+    complete, right, while another stream keeps the SMs busy; every call starts from counters its pack
+    zeroed (`calls` in a row). GPU only."""
+    import time
+
+    prob = backfuse.problem(pid)
+    inputs = prob.make_inputs(axes, seed=seed, device=DEVICE)
+    refs = prob.reference(*inputs)
+    busy = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device=DEVICE)
+    torch.cuda.synchronize()
+    for _ in range(calls):
+        with torch.cuda.stream(busy):  # ≈ 40 matrix products of 137 GFLOP each, queued before the call
+            for _ in range(40):
+                a = torch.tanh(a @ a * 1e-2)
+        with buffers.poisoned():
+            outs = prob.fused(*inputs, sms=132)
+        done = torch.cuda.Event()
+        done.record()
+        limit = time.monotonic() + 60
+        while not done.query():
+            assert time.monotonic() < limit, "the call did not finish beside a busy stream"
+            time.sleep(0.01)
+        assert_official_pass(prob, outs, refs)
+    torch.cuda.synchronize()

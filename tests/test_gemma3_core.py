@@ -12,6 +12,7 @@ from conftest import DEVICE
 from helpers import (
     FP16_REL_ERR,
     assert_official_pass,
+    check_beside_busy_stream,
     check_deterministic,
     check_fused,
     check_needs,
@@ -66,29 +67,31 @@ def test_cublas_products(needs):
 
 
 def test_norm_rope_pass():
-    """The forward launch without products (the cuBLAS path's norm and RoPE pass, which on the CPU
-    no other test reaches): rot = RoPE(RMSNorm(q) (1 + w)), q heads times scaling / |cap|, from fp32
-    projections, every slot of rot and of its range regions written."""
+    """The forward launch without products (the cuBLAS path's pass after its one [q | k | v] product,
+    which on the CPU no other test reaches): rot = RoPE(RMSNorm(q) (1 + w)), q heads times scaling /
+    |cap|, from fp32 projections, v copied to fp16, every slot of rot, v and the range regions written."""
     prob = backfuse.problem("037")
-    _, hidden, cos, sin, wq, wk, _, _, qnw, knw, scaling, cap, eps = prob.make_inputs(
+    _, hidden, cos, sin, wq, wk, wv, _, qnw, knw, scaling, cap, eps = prob.make_inputs(
         dict(batch_size=2, seq_len=19), seed=4, device=DEVICE)
     tokens = hidden.shape[0] * hidden.shape[1]
     x2 = hidden.reshape(tokens, spec.HIDDEN)
-    qk32 = torch.cat([x2 @ wq.T, x2 @ wk.T], 1)
+    qkv32 = torch.cat([x2 @ wq.T, x2 @ wk.T, x2 @ wv.T], 1)  # the plan's qk_width on this path: QKV
     cfg = (config.CONFIG if DEVICE == "cuda" else config.INTERPRETER_CONFIG).norm_rope
     row_blocks = -(-tokens // cfg.bm)
     unused = torch.empty(1, dtype=torch.float16, device=DEVICE)  # operands of the products path
     rot16 = torch.full((tokens, spec.QK), float("nan"), dtype=torch.float16, device=DEVICE)
+    v16 = torch.full((tokens, spec.KV_OUT), float("nan"), dtype=torch.float16, device=DEVICE)
     ranges = torch.full(((spec.HEADS + spec.KV_HEADS) * row_blocks,), float("nan"), device=DEVICE)
     qkv_tiles = row_blocks * spec.QKV // spec.HEAD_DIM  # the whole grid: no dA tiles without PRODUCTS
     FORWARD_PRODUCTS((qkv_tiles,), unused, unused, unused, unused, cos, sin, qnw, knw,
-                     qk32, unused, rot16, unused, ranges, tokens, qkv_tiles, float(eps), float(scaling) / abs(float(cap)),
-                     BM=cfg.bm, BK=cfg.bk, PRODUCTS=False, PDL=False, num_warps=cfg.warps)
+                     qkv32, v16, rot16, unused, ranges, tokens, qkv_tiles, float(eps), float(scaling) / abs(float(cap)),
+                     BM=cfg.bm, BK=cfg.bk, PRODUCTS=False, QK_WIDTH=spec.QKV, PDL=False, num_warps=cfg.warps)
 
     _, q, k, _ = prob._project(hidden, cos, sin, wq, wk, wk, qnw, knw, eps)
     expected = torch.cat([q["rotated"] * (scaling / abs(cap)), k["rotated"]], 1)  # [batch, heads, seq, 128]
     expected = expected.transpose(1, 2).reshape(tokens, spec.QK)
     assert rel_err(rot16.float(), expected) < FP16_REL_ERR
+    assert torch.equal(v16, qkv32[:, spec.QK:].half())
     largest = rot16.float().abs().max()  # the slots hold maxima before the rounding to fp16
     assert torch.isfinite(ranges).all() and abs(ranges.max() - largest) <= 1e-3 * largest
 
@@ -134,3 +137,12 @@ def test_deterministic_mode():
 def test_deterministic_mode_head_split():
     check_deterministic(backfuse.problem("037"), dict(batch_size=1, seq_len=77),
                         fused_with("037", sms=132, deterministic=True, config=_head_split_config()))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="PDL and its early-started gradient launch run on the GPU only")
+@pytest.mark.parametrize("axes", [dict(batch_size=1, seq_len=300), dict(batch_size=4, seq_len=128)])
+def test_gradient_launch_waiting_on_the_attention_survives_a_busy_stream(axes):
+    """With PDL the gradient launch starts before the attention backward ends: its tiles that read G
+    and its norm-weight sums wait on the attention's `done` counter (helpers.check_beside_busy_stream;
+    300 tokens at batch 1 also splits the dK/dV programs by query head)."""
+    check_beside_busy_stream("037", axes)

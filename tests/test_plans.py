@@ -276,7 +276,15 @@ def test_product_launches_take_the_plans_tile_bounds():
                  for (m, n, _), s in zip(gemma3_core.gradient_shapes(tokens), p.splits)]
         assert [end - start for start, end in p.gradient_bounds] == tiles
         assert [start for start, _ in p.gradient_bounds] == [0, tiles[0], tiles[0] + tiles[1]]  # the kernel's order
-        assert p.gradient_programs == sum(tiles) + 2 * gemma3_core.HEAD_DIM // gemma3_core.CONFIG.sums.cols
+        assert p.sum_programs == 2 * gemma3_core.HEAD_DIM // gemma3_core.CONFIG.sums.cols
+        # the norm-weight sums: in the gradient launch after its tiles, or the attention backward's
+        # last programs where no gradient launch of ours follows (the cuBLAS path: no launch for them)
+        assert p.sums_in_attention == (p.products == "cublas" or sum(tiles) == 0)
+        assert p.gradient_programs == (0 if p.sums_in_attention else sum(tiles) + p.sum_programs)
+        assert p.attention_backward_programs == p.kv_programs + p.q_programs + p.sums_in_attention * p.sum_programs
+        assert p.done == p.arrivals and p.counters == p.arrivals + 1  # zeroed by the pack
+        assert p.pack.size("zero attention counters") >= 1
+        assert p.qk_width == (gemma3_core.QKV if p.products == "cublas" else gemma3_core.QK)
         (q0, q1), (a0, a1) = p.forward_bounds
         assert q0 == 0 and q1 == a0 == gemma3_core.tile_count(tokens, gemma3_core.QKV, 1, p.forward.bm, p.forward.bn)
         assert a1 == p.forward_programs and (a1 == a0) == (p.products == "cublas")

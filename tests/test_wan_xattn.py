@@ -10,6 +10,7 @@ from helpers import (
     FP16_REL_ERR,
     NEAR_ZERO,
     assert_official_pass,
+    check_beside_busy_stream,
     check_deterministic,
     check_fused,
     check_needs,
@@ -76,29 +77,5 @@ def test_deterministic_mode():
 @pytest.mark.parametrize("axes", [SHARED_HEADS, dict(batch_size=2, num_video_tokens=512, num_text_tokens=77)])
 def test_gradient_launch_waiting_on_the_attention_survives_a_busy_stream(axes):
     """With PDL the gradient launch starts before the attention ends and its tiles wait on the
-    attention's counters: calls made while another stream keeps the SMs busy still complete, with the
-    right outputs, and every call starts from counters the pack zeroed (three calls in a row)."""
-    import time
-
-    import torch
-
-    prob = backfuse.problem("021")
-    inputs = prob.make_inputs(axes, seed=21, device=DEVICE)
-    refs = prob.reference(*inputs)
-    busy = torch.cuda.Stream()
-    a = torch.randn(4096, 4096, device=DEVICE)
-    torch.cuda.synchronize()
-    for _ in range(3):
-        with torch.cuda.stream(busy):  # ≈ 40 matrix products of 137 GFLOP each, queued before the call
-            for _ in range(40):
-                a = torch.tanh(a @ a * 1e-2)
-        with buffers.poisoned():
-            outs = prob.fused(*inputs, sms=132)
-        done = torch.cuda.Event()
-        done.record()
-        limit = time.monotonic() + 60
-        while not done.query():
-            assert time.monotonic() < limit, "the call did not finish beside a busy stream"
-            time.sleep(0.01)
-        assert_official_pass(prob, outs, refs)
-    torch.cuda.synchronize()
+    attention's counters (helpers.check_beside_busy_stream)."""
+    check_beside_busy_stream("021", axes)

@@ -30,13 +30,11 @@ from torch.profiler import ProfilerActivity, profile
 from backfuse.kernels.launch import FastKernel
 from backfuse.kernels.triton.gemm import tma_tile
 
-K = 1024
-K_DIM = tl.constexpr(K)
-
 
 @triton.jit(do_not_specialize=["M", "N"])
-def x_wt_kernel(x, w, bias, out16, M, N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out16[M, N] = fp16(x[M, 1024] @ w[N, 1024]^T + bias), one program per BM x BN tile (n fastest);
+def x_wt_kernel(x, w, bias, out16, M, N, K_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
+    """out16[M, N] = fp16(x[M, K_DIM] @ w[N, K_DIM]^T + bias), one program per BM x BN tile (n fastest);
     x, w fp16 or fp32 (TF32 products)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
@@ -79,9 +77,9 @@ def compile_only():
     for name, (dtype, bk, warps, stages) in VARIANTS.items():
         p = "*fp16" if dtype == torch.float16 else "*fp32"
         sig = {"x": p, "w": p, "bias": "*fp32", "out16": "*fp16", "M": "i32", "N": "i32"} | \
-            {c: "constexpr" for c in ("BM", "BN", "BK")}
+            {c: "constexpr" for c in ("K_DIM", "BM", "BN", "BK")}
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
-        src = ASTSource(x_wt_kernel, sig, constexprs=dict(BM=128, BN=128, BK=bk), attrs=attrs)
+        src = ASTSource(x_wt_kernel, sig, constexprs=dict(K_DIM=1024, BM=128, BN=128, BK=bk), attrs=attrs)
         kernel = triton.compile(src, target=SM90, options=dict(num_warps=warps, num_stages=stages))
         print(f"{name:40s}", usage(kernel), flush=True)
 
@@ -90,6 +88,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="512,1024,2048,4096")
     ap.add_argument("--n", type=int, default=1024, help="output features (the [K | V] product: 2048)")
+    ap.add_argument("--k", type=int, default=1024, help="depth (037's forward X [Wq; Wk; Wv]^T: 3072, N 5120)")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 here and print its resources")
     args = ap.parse_args()
     if args.compile_only:
@@ -97,6 +96,7 @@ def main():
         return
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m in (int(t) for t in args.tokens.split(",")):
+        K = args.k
         x = torch.randn(m, K, device="cuda", generator=gen)
         w = torch.randn(args.n, K, device="cuda", generator=gen) * K ** -0.5
         b = torch.randn(args.n, device="cuda", generator=gen)
@@ -110,7 +110,7 @@ def main():
             grid = (triton.cdiv(m, 128) * triton.cdiv(args.n, 128),)
 
             def run(xs=xs, ws=ws, out=out, grid=grid, bk=bk, warps=warps, stages=stages):
-                KERNEL(grid, xs, ws, b, out, m, args.n, BM=128, BN=128, BK=bk, num_warps=warps, num_stages=stages)
+                KERNEL(grid, xs, ws, b, out, m, args.n, K_DIM=K, BM=128, BN=128, BK=bk, num_warps=warps, num_stages=stages)
 
             t = kernel_us(run, "x_wt_kernel")
             err = ((out.double() - ref).norm() / ref.norm()).item()

@@ -111,7 +111,8 @@ def gemma3_037_kernels(cfg=None):
     for products, fw in ((True, cfg.forward), (False, cfg.norm_rope)):
         yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
             triton_kernels.forward_products_kernel, {"eps": "fp32", "q_scale": "fp32"},
-            dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, PDL=pdl), fw.warps, fw.stages)
+            dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, QK_WIDTH=spec.QK if products else spec.QKV, PDL=pdl),
+            fw.warps, fw.stages)
     for bn in (at.fwd_bn, at.short_fwd_bn):
         yield f"037 attention forward BN={bn}", compile_sm90(
             triton_kernels.attention_forward_kernel, {"cap": "fp32"},
@@ -119,11 +120,13 @@ def gemma3_037_kernels(cfg=None):
     for kv_bn, split in ((at.kv_bn, 1), (at.few_kv_bn, 1), (at.few_kv_bn, spec.GROUP)):
         yield f"037 attention backward KV_BN={kv_bn} split {split}", compile_sm90(
             triton_kernels.attention_backward_kernel, {"scaling": "fp32", "cap": "fp32", "eps": "fp32"},
-            dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=split,
-                 APPROX_TANH=at.approx_tanh, PDL=pdl), at.warps, at.stages, int_pointers=("arrivals",))
+            dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=split, QK_WIDTH=spec.QK,
+                 SUM_ROWS=sums.rows, SUM_COLS=sums.cols, APPROX_TANH=at.approx_tanh, PDL=pdl), at.warps, at.stages,
+            int_pointers=("counters",))
     yield "037 gradient products", compile_sm90(
         triton_kernels.gradient_products_kernel, {},
-        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages)
+        dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages,
+        int_pointers=("counters",))
 
 
 KERNELS = {"072": qkv_gqa_072_kernels, "021": wan_021_kernels, "037": gemma3_037_kernels}

@@ -57,9 +57,11 @@ def transpose_tile(w, wt16, tile, N: tl.constexpr, T: tl.constexpr):
 @triton.jit
 def column_sums(parts, n_parts, width, cols, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr):
     """Column sums over the n_parts rows of parts[n_parts, width] for columns cols ([SUM_COLS]), in a
-    fixed order (so the result is the same every call), SUM_ROWS rows at a time."""
+    fixed order (so the result is the same every call), SUM_ROWS rows at a time. The rows are read
+    from L2 (.cg): other programs of the same launch may have written them (after a counter said so)."""
     total = tl.zeros((SUM_ROWS, SUM_COLS), dtype=tl.float32)
     for part in range(0, n_parts, SUM_ROWS):
         rows = part + tl.arange(0, SUM_ROWS)
-        total += tl.load(parts + rows[:, None] * width + cols[None, :], mask=rows[:, None] < n_parts, other=0.0)
+        total += tl.load(parts + rows[:, None] * width + cols[None, :], mask=rows[:, None] < n_parts, other=0.0,
+                         cache_modifier=".cg")
     return tl.sum(total, 0)

@@ -1,5 +1,5 @@
-"""037's fused backward: five Triton launches (`triton_kernels.py`), cuBLAS products around them
-from `cublas_min_flop` on, as `config.plan` lays them out."""
+"""037's fused backward: five Triton launches (`triton_kernels.py`); from `cublas_min_flop` on, four
+of them and five cuBLAS products (two forward, three gradient), as `config.plan` lays them out."""
 
 from __future__ import annotations
 
@@ -63,13 +63,13 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
     host, cfg, p = call.host, call.cfg, call.plan
     f16, f32 = host.f16, host.f32
     go16, x16, d_attn16, attn16 = (f16(tokens, HIDDEN) for _ in range(4))
-    qk32, v16, rot16, g16 = f32(tokens, QK), f16(tokens, KV_OUT), f16(tokens, QK), f16(tokens, QKV)
+    qk32, v16, rot16, g16 = f32(tokens, p.qk_width), f16(tokens, KV_OUT), f16(tokens, QK), f16(tokens, QKV)
     wqkv16, wo_t16 = f16(QKV, HIDDEN), f16(HIDDEN, Q_OUT)
     lse, delta = f32(batch * HEADS * seq), f32(batch * HEADS * seq)
     q_norm_parts, k_norm_parts = f32(p.q_programs, HEAD_DIM), f32(p.kv_slots, HEAD_DIM)
-    # the split programs' fp32 dK, dV partials and arrival counters (placeholders when unsplit)
+    # the split programs' fp32 dK, dV partials (a placeholder when unsplit); the attention backward's counters
     kv_parts = f32(p.head_split * tokens if p.head_split > 1 else 1, 2 * KV_OUT)
-    arrivals = host.i32(p.arrivals or 1)
+    counters = host.i32(p.counters)
     grad_x = f32(batch, seq, HIDDEN)
     # grad_Wq, grad_Wk, grad_Wv are row blocks of one tensor, which one product writes.
     grad_wqkv, grad_wo = f32(QKV, HIDDEN), f32(HIDDEN, Q_OUT)
@@ -79,8 +79,9 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
     # cap tanh(z / cap) depends on |cap| only; the kernels take cap > 0.
     cap = abs(float(cap))
     # cuBLAS products: operand views made before the first launch, so they add no gaps. The forward
-    # ones write q, k in fp32 and v, dA in fp16 (their fp32 sums rounded once, as our tiles do).
-    cublas_forward = [(x16, wqkv16[:QK].T, qk32), (x16, wqkv16[QK:].T, v16), (go16, wo_t16.T, d_attn16)]
+    # ones write [q | k | v] in fp32 (launch 2 copies v to fp16) and dA in fp16 (its fp32 sums
+    # rounded once, as our tiles do).
+    cublas_forward = [(x16, wqkv16.T, qk32), (go16, wo_t16.T, d_attn16)]
     cublas_gradients = [(g16, wqkv16, grad_x.view(tokens, HIDDEN)), (g16.T, x16, grad_wqkv), (go16.T, attn16, grad_wo)]
     pk, fw, at, gr, sums, pdl = cfg.pack, p.forward, cfg.attention, cfg.gradients, cfg.sums, p.pdl
 
@@ -88,8 +89,8 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
         pack = PACK.prepare(
             (p.pack.programs,),
             go, x, wq, wk, wv, wo,
-            go16, x16, wqkv16, wo_t16, call.ranges_of(0), grad_x, grad_wqkv, grad_wo, arrivals,
-            tokens, p.arrivals, *p.pack.ends[:-1],
+            go16, x16, wqkv16, wo_t16, call.ranges_of(0), grad_x, grad_wqkv, grad_wo, counters,
+            tokens, p.counters, *p.pack.ends[:-1],
             TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps)
         launches = [
             FORWARD_PRODUCTS.prepare(
@@ -97,7 +98,7 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
                 x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
                 qk32, v16, rot16, d_attn16, call.ranges_of(1),
                 tokens, p.forward_bounds[0][1], float(eps), float(scaling) / cap,
-                BM=fw.bm, BK=fw.bk, PRODUCTS=p.products == "triton", PDL=pdl, num_warps=fw.warps,
+                BM=fw.bm, BK=fw.bk, PRODUCTS=p.products == "triton", QK_WIDTH=p.qk_width, PDL=pdl, num_warps=fw.warps,
                 num_stages=fw.stages, launch_pdl=pdl),
             ATTENTION_FORWARD.prepare(
                 (p.attention_forward_programs,),
@@ -106,20 +107,24 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
                 BM=at.fwd_bm, BN=p.attention_forward_keys, APPROX_TANH=at.approx_tanh, PDL=pdl,
                 num_warps=at.fwd_warps, num_stages=at.fwd_stages, launch_pdl=pdl),
             ATTENTION_BACKWARD.prepare(
-                (p.kv_programs + p.q_programs,),
+                (p.attention_backward_programs,),
                 rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-                g16, q_norm_parts, k_norm_parts, call.ranges_of(3), kv_parts, arrivals,
-                seq, p.kv_programs, *p.ranges[3].bases, float(scaling), cap, float(eps),
+                g16, q_norm_parts, k_norm_parts, call.ranges_of(3), kv_parts, counters, grad_q_norm_w, grad_k_norm_w,
+                seq, p.kv_programs, p.q_programs, p.done, p.kv_slots, *p.ranges[3].bases, float(scaling), cap,
+                float(eps),
                 KV_BN=p.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=p.head_split,
-                APPROX_TANH=at.approx_tanh, PDL=pdl, num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
-            GRADIENT_PRODUCTS.prepare(
-                (p.gradient_programs,),
-                g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
-                grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
-                tokens, *p.splits, *(end for _, end in p.gradient_bounds), p.q_programs, p.kv_slots,
-                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
-                num_stages=gr.stages, launch_pdl=pdl),
+                QK_WIDTH=p.qk_width, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, APPROX_TANH=at.approx_tanh, PDL=pdl,
+                num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
         ]
+        if p.gradient_programs:
+            launches.append(GRADIENT_PRODUCTS.prepare(
+                (p.gradient_programs,),
+                g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts, counters,
+                grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
+                tokens, *p.splits, *(end for _, end in p.gradient_bounds), p.done, p.kv_programs + p.q_programs,
+                p.q_programs, p.kv_slots,
+                BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
+                num_stages=gr.stages, launch_pdl=pdl))
         pack()
         if p.products == "cublas":
             with fp32_sums_in_fp16_products():

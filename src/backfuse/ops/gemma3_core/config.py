@@ -1,6 +1,7 @@
 """037's launch shapes (`Config`), the rules that pick among them, and the plan of one call (`plan`):
-pack, forward products (or, after cuBLAS's, only norm and RoPE), attention forward, attention
-backward, gradient products (or, after cuBLAS's, only the norm-weight sums).
+pack, forward products (or, after cuBLAS's, only norm, RoPE and v's fp16 copy), attention forward,
+attention backward, gradient products with the norm-weight sums (after cuBLAS's, no such launch:
+the attention backward's sums them).
 
 Plain Python: a plan can be checked on any machine without launching anything.
 """
@@ -22,7 +23,7 @@ from ...kernels.schedule import (
     chunks,
     tile_count,
 )
-from .spec import GROUP, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT, QKV
+from .spec import GROUP, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT, QK, QKV
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,9 +119,10 @@ class Plan:
     head_split: int  # dK/dV programs per key block
     kv_slots: int  # (batch, KV head, key block)s
     q_programs: int  # dQ programs
+    sum_programs: int  # programs that sum the norm-weight partials (in the last launch of ours: sums_in_attention)
     splits: tuple  # K splits of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo (0: skipped or on cuBLAS)
     gradient_bounds: tuple  # programs [start, end) of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo, in that order
-    gradient_programs: int  # our gradient products' tiles, then the norm-weight sums
+    gradient_programs: int  # our gradient products' tiles, then the sums (0: no launch)
     wanted: tuple  # whether grad_hidden, grad_[Wq; Wk; Wv], grad_Wo are needed (cuBLAS runs those)
     ranges: tuple  # Regions of the pack, forward, attention forward and attention backward launches
 
@@ -129,9 +131,40 @@ class Plan:
         return self.kv_slots * self.head_split
 
     @property
+    def sums_in_attention(self) -> bool:
+        """Whether the attention backward's launch sums the norm-weight partials (its last programs,
+        waiting for `done`): when no gradient products of ours follow (cuBLAS's, or none needed),
+        so that no launch exists for the sums alone. Else the gradient launch's last programs do,
+        beside its tiles."""
+        return not any(self.splits)
+
+    @property
+    def attention_backward_programs(self) -> int:
+        """dK/dV programs, dQ programs, then the norm-weight sums where they are this launch's."""
+        return self.kv_programs + self.q_programs + self.sums_in_attention * self.sum_programs
+
+    @property
     def arrivals(self) -> int:
-        """Arrival counters of split dK/dV programs (zeroed by the pack), one per key block."""
+        """Arrival counters of split dK/dV programs, one per key block (none unsplit)."""
         return self.kv_slots if self.head_split > 1 else 0
+
+    @property
+    def done(self) -> int:
+        """The counter slot after the arrivals: every dK/dV and dQ program adds 1 once its G rows and
+        norm-weight partial row are stored; the sums, and with PDL the gradient tiles that read G,
+        wait for kv_programs + q_programs."""
+        return self.arrivals
+
+    @property
+    def counters(self) -> int:
+        """The attention backward's int32 counters (arrivals, then done), zeroed by the pack."""
+        return self.arrivals + 1
+
+    @property
+    def qk_width(self) -> int:
+        """Row width of the fp32 projections buffer: [q | k] after our products (v goes to fp16
+        directly), [q | k | v] after cuBLAS's (one product writes all three; launch 2 copies v to fp16)."""
+        return QKV if self.products == "cublas" else QK
 
 
 def gradient_shapes(tokens: int) -> list:
@@ -139,9 +172,9 @@ def gradient_shapes(tokens: int) -> list:
     return [(tokens, HIDDEN, QKV), (QKV, HIDDEN, tokens), (Q_OUT, HIDDEN, tokens)]
 
 
-def pack_layout(cfg: Config, tokens: int, splits, arrivals: int) -> Layout:
+def pack_layout(cfg: Config, tokens: int, splits, counters: int) -> Layout:
     """The pack's programs: flat casts of grad_output, X, Wq, Wk, Wv, the Wo^T tiles (those
-    converting), then zero fills of split-K outputs and of the attention backward's arrival counters."""
+    converting), then zero fills of split-K outputs and of the attention backward's counters."""
     pk = cfg.pack
 
     def flat(n):
@@ -158,7 +191,7 @@ def pack_layout(cfg: Config, tokens: int, splits, arrivals: int) -> Layout:
         Segment("zero grad_hidden_states", split_gx * flat(tokens * HIDDEN), ranged=False, end="e_gx"),
         Segment("zero grad_[q; k; v]_weight", split_wqkv * flat(QKV * HIDDEN), ranged=False, end="e_zwqkv"),
         Segment("zero grad_o_weight", split_wo * flat(Q_OUT * HIDDEN), ranged=False, end="e_zwo"),
-        Segment("zero arrival counters", flat(arrivals), ranged=False),
+        Segment("zero attention counters", flat(counters), ranged=False),
     ))
 
 
@@ -182,7 +215,7 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     on_cublas = backend == "cublas"
     needs = needs or (True,) * 7
     wanted = (needs[0], any(needs[1:4]), needs[4])
-    if on_cublas:  # our launch only sums the norm-weight partials
+    if on_cublas:
         splits = [0] * 3
     else:
         splits = [1] * 3 if deterministic else choose_splits(gemms, gr.bm, gr.bn, gr.bk, sms)
@@ -202,7 +235,7 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     forward_bounds = ((0, qkv_tiles), (qkv_tiles, qkv_tiles + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm, fw.bn)))
     forward_programs = forward_bounds[1][1]
     attention_forward_programs = batch * HEADS * cdiv(seq, at.fwd_bm)
-    pack = pack_layout(cfg, tokens, splits, kv_slots if split > 1 else 0)
+    pack = pack_layout(cfg, tokens, splits, (kv_slots if split > 1 else 0) + 1)
     vanishing = Holds.VANISHING
     ranges = (
         pack.regions,
@@ -215,6 +248,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw, forward_programs=forward_programs,
                 forward_bounds=forward_bounds,
                 attention_forward_programs=attention_forward_programs, attention_forward_keys=forward_keys(at, seq),
-                kv_bn=kv_bn, head_split=split, kv_slots=kv_slots, q_programs=q_programs, splits=tuple(splits),
-                gradient_bounds=tuple(gradient_bounds), gradient_programs=at_tile + 2 * HEAD_DIM // cfg.sums.cols,
+                kv_bn=kv_bn, head_split=split, kv_slots=kv_slots, q_programs=q_programs,
+                sum_programs=2 * HEAD_DIM // cfg.sums.cols, splits=tuple(splits),
+                gradient_bounds=tuple(gradient_bounds),
+                gradient_programs=at_tile and at_tile + 2 * HEAD_DIM // cfg.sums.cols,
                 wanted=wanted, ranges=ranges)

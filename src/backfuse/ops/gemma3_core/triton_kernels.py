@@ -7,11 +7,12 @@
    and delta = rowsum(A * dA);
 4. attention backward: dK/dV programs per (batch, KV head, key block) looping over the group's 3
    query heads, dQ programs per (batch, head, query block); RoPE and RMSNorm backward in their
-   epilogues write G = [dq | dk | dv] token-major, plus partial norm-weight gradients;
+   epilogues write G = [dq | dk | dv] token-major, plus partial norm-weight gradients, which the
+   launch's last programs sum once every other program has stored its own;
 5. gradient products: grad_hidden = G [Wq; Wk; Wv], grad_[Wq; Wk; Wv] = G^T X, grad_Wo =
-   grad_output^T A, and the norm-weight gradients from their partials.
-On the cuBLAS path cuBLAS does the products of 2 and 5: launch 2 then only norms and rotates,
-launch 5 only sums the norm-weight partials.
+   grad_output^T A.
+On the cuBLAS path cuBLAS does the products of 2 and 5: launch 2 then only norms and rotates q, k
+and copies v to fp16, and there is no launch 5.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 from ...kernels.triton.elementwise import cast_chunk, column_sums, max_abs, transpose_tile, zero_chunk
 from ...kernels.triton.gemm import gemm_tile, mma_tile, store_tile, tile_coords
 from ...kernels.triton.pdl import after_previous_launch
+from ...kernels.triton.queue import wait_at_least
 from .spec import GROUP, HALF, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT, QK, QKV
 
 _HIDDEN = tl.constexpr(HIDDEN)
@@ -37,18 +39,18 @@ _QK = tl.constexpr(QK)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit(do_not_specialize=["T", "n_arrivals", "e_go", "e_x", "e_wq", "e_wk", "e_wv", "e_wo", "e_gx", "e_zwqkv",
+@triton.jit(do_not_specialize=["T", "n_counters", "e_go", "e_x", "e_wq", "e_wk", "e_wv", "e_wo", "e_gx", "e_zwqkv",
                                 "e_zwo"])
 def pack_kernel(
     go, x, wq, wk, wv, wo,
-    go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wqkv, grad_wo, arrivals,
-    T, n_arrivals, e_go, e_x, e_wq, e_wk, e_wv, e_wo, e_gx, e_zwqkv, e_zwo,
+    go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wqkv, grad_wo, counters,
+    T, n_counters, e_go, e_x, e_wq, e_wk, e_wv, e_wo, e_gx, e_zwqkv, e_zwo,
     TILE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """go16, x16 = fp16 of grad_output and X; wqkv16 = fp16 of [Wq; Wk; Wv]; wo_t16 = fp16(Wo^T) in
     TILE x TILE tiles; zeros in grad_x, grad_[Wq; Wk; Wv], grad_Wo where their product is split, and
-    in the attention backward's n_arrivals counters. The program segments are `config.pack_layout`'s,
+    in the attention backward's n_counters counters. The program segments are `config.pack_layout`'s,
     in its order; e_* is the end of each but the last. Each converting program (before e_wo) stores
     the largest |value| it converted in ranges[pid]."""
     after_previous_launch(PDL)
@@ -76,7 +78,7 @@ def pack_kernel(
     elif pid < e_zwo:
         zero_chunk(grad_wo, WQ, pid - e_zwqkv, BLOCK, ITERS)
     else:
-        zero_chunk(arrivals, n_arrivals, pid - e_zwo, BLOCK, ITERS)
+        zero_chunk(counters, n_counters, pid - e_zwo, BLOCK, ITERS)
     if pid < e_wo:
         tl.store(ranges + pid, largest)
 
@@ -108,14 +110,16 @@ def forward_products_kernel(
     x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
     qk32, v16, rot16, d_attn16, ranges,
     T, end_qkv, eps, q_scale,
-    BM: tl.constexpr, BK: tl.constexpr, PRODUCTS: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, PRODUCTS: tl.constexpr, QK_WIDTH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One head (128 columns) per tile. PRODUCTS: [q | k | v] = X [Wq; Wk; Wv]^T (q, k in fp32 to
     qk32: the norm backward's sums over every token need them more exact than fp16; v in fp16 to
     v16) and dA = grad_output Wo (fp16); both read a row-major A and a [N, 3072] B^T (hence Wo
     transposed in the pack), so they share one call site and one shared-memory ring. Without
-    PRODUCTS (cuBLAS made qk32 and v16; the grid covers [q | k | v] only) just the epilogue runs.
+    PRODUCTS (one cuBLAS product made all of [q | k | v] in fp32 in qk32; the grid covers its heads
+    only) the epilogue runs and v's heads are copied to v16. qk32's rows are QK_WIDTH wide (the
+    plan's qk_width).
     Programs [0, end_qkv) make [q | k | v]'s tiles, the rest dA's (the plan's forward_bounds).
     Epilogue of a q or k head: rot16 = RoPE(RMSNorm(q) * (1 + w)), q heads times q_scale = scaling /
     cap (so that the attention's products give z / cap, the tanh's argument, with no multiply per
@@ -133,22 +137,26 @@ def forward_products_kernel(
     d = tl.arange(0, _HEAD_DIM)
     rows = tok[:, None].to(tl.int64)
     on_qk = on_qkv & (off_n < _QK)
+    on_v = on_qkv & (off_n >= _QK)
     if PRODUCTS:
         acc = mma_tile(
             tl.where(on_qkv, x16, go16), tl.where(on_qkv, wqkv16, wo_t16),
             off_m, off_n, T, width, 0, _HIDDEN, _HIDDEN, 1, 1, _HIDDEN, BM, _HEAD_DIM, BK,
         )
         if on_qk:
-            tl.store(qk32 + rows * _QK + off_n + d[None, :], acc, mask=ok)
+            tl.store(qk32 + rows * QK_WIDTH + off_n + d[None, :], acc, mask=ok)
         elif on_qkv:
             tl.store(v16 + rows * _KV_OUT + off_n - _QK + d[None, :], acc.to(tl.float16), mask=ok)
         else:
             tl.store(d_attn16 + rows * _Q_OUT + off_n + d[None, :], acc.to(tl.float16), mask=ok)
+    elif on_v:
+        v = tl.load(qk32 + rows * QK_WIDTH + off_n + d[None, :], mask=ok, other=0.0)
+        tl.store(v16 + rows * _KV_OUT + off_n - _QK + d[None, :], v.to(tl.float16), mask=ok)
     if on_qk:
         if PRODUCTS:
             raw = acc
         else:
-            raw = tl.load(qk32 + rows * _QK + off_n + d[None, :], mask=ok, other=0.0)
+            raw = tl.load(qk32 + rows * QK_WIDTH + off_n + d[None, :], mask=ok, other=0.0)
         row_blocks = (T + BM - 1) // BM
         r = tl.rsqrt(tl.sum(raw * raw, 1) / _HEAD_DIM + eps)
         w = tl.load(tl.where(off_n < _Q_OUT, q_norm_w, k_norm_w) + d)
@@ -236,7 +244,7 @@ def attention_forward_kernel(
 
 
 @triton.jit
-def _rope_norm_backward(d_rot, qk32, cos, sin, norm_w, g16, tok, ok, column, eps):
+def _rope_norm_backward(d_rot, qk32, cos, sin, norm_w, g16, tok, ok, column, eps, QK_WIDTH: tl.constexpr):
     """RoPE, then RMSNorm backward of one head's rows: writes d(raw projection) to G in fp16 and
     returns this tile's share of the norm-weight gradient, sum over rows of d(qhat) * qn, and the
     tile's largest |d(raw)|."""
@@ -244,7 +252,7 @@ def _rope_norm_backward(d_rot, qk32, cos, sin, norm_w, g16, tok, ok, column, eps
     cos_lo, cos_hi = _rope_table(cos, tok, ok)
     sin_lo, sin_hi = _rope_table(sin, tok, ok)
     d_hat = _whole(lo * cos_lo + hi * sin_hi, hi * cos_hi - lo * sin_lo)
-    raw = _head_rows(qk32, _QK, column, tok, ok)
+    raw = _head_rows(qk32, QK_WIDTH, column, tok, ok)
     r = tl.rsqrt(tl.sum(raw * raw, 1) / _HEAD_DIM + eps)
     normed = raw * r[:, None]
     m = d_hat * (1 + tl.load(norm_w + tl.arange(0, _HEAD_DIM)))[None, :]
@@ -279,7 +287,8 @@ def _group_sum(kv_parts, arrivals, slot, g, dk, dv, key_tok, col_ok, kv, tokens,
 @triton.jit
 def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
                      kv_parts, arrivals, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN: tl.constexpr,
-                     KV_BM: tl.constexpr, HEAD_SPLIT: tl.constexpr, APPROX_TANH: tl.constexpr):
+                     KV_BM: tl.constexpr, HEAD_SPLIT: tl.constexpr, QK_WIDTH: tl.constexpr,
+                     APPROX_TANH: tl.constexpr):
     """dK, dV of one (batch, KV head, block of KV_BN keys), summed over the group's query heads and
     the causal query blocks (KV_BM at a time); RoPE and RMSNorm backward of dK into G. HEAD_SPLIT >
     1: each of that many programs takes GROUP / HEAD_SPLIT of the query heads and the last to finish
@@ -322,7 +331,7 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
     if last:
         # dK = scaling * sum dS^T q = cap * sum dS^T (q scaling / cap)
         part, dk_largest = _rope_norm_backward(dk * cap, qk32, cos, sin, k_norm_w, g16, key_tok, col_ok,
-                                               _Q_OUT + kv * _HEAD_DIM, eps)
+                                               _Q_OUT + kv * _HEAD_DIM, eps, QK_WIDTH)
         tl.store(k_norm_parts + slot * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
         d = tl.arange(0, _HEAD_DIM)
         tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
@@ -335,7 +344,7 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
 @triton.jit
 def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, g16, q_norm_parts,
                        ranges, S, r_dq, scaling, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
-                       APPROX_TANH: tl.constexpr):
+                       QK_WIDTH: tl.constexpr, APPROX_TANH: tl.constexpr):
     """dQ of one (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time), heaviest
     blocks first; RoPE and RMSNorm backward into G."""
     b, h, bh, block, rows = _query_block(local, q_programs, S, Q_BM)
@@ -359,44 +368,71 @@ def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta
         ds = p * (dp - row_delta[:, None]) * (1.0 - t * t)  # dS / scaling
         dq = tl.dot(ds.to(tl.float16), k, dq)
     part, dq_largest = _rope_norm_backward(dq * scaling, qk32, cos, sin, q_norm_w, g16, tok, row_ok[:, None],
-                                           h * _HEAD_DIM, eps)
+                                           h * _HEAD_DIM, eps, QK_WIDTH)
     tl.store(q_norm_parts + local * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
     tl.store(ranges + r_dq + local, dq_largest)
 
 
-@triton.jit(do_not_specialize=["S", "kv_programs", "r_v", "r_dk", "r_dv", "r_dq"])
+@triton.jit
+def _norm_weight_sums(strip, counters, done, n_done, q_norm_parts, k_norm_parts, n_q_parts, n_k_parts, grad_q_norm_w,
+                      grad_k_norm_w, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr):
+    """Strip `strip` of the norm-weight gradients (SUM_COLS columns of q's, then of k's): once
+    counters[done] has reached n_done (every attention-backward program's partial row stored), the
+    column sums of its partial rows in a fixed order."""
+    wait_at_least(counters + done, n_done)
+    on_q = strip < _HEAD_DIM // SUM_COLS
+    cols = (strip % (_HEAD_DIM // SUM_COLS)) * SUM_COLS + tl.arange(0, SUM_COLS)
+    total = column_sums(tl.where(on_q, q_norm_parts, k_norm_parts), tl.where(on_q, n_q_parts, n_k_parts),
+                        _HEAD_DIM, cols, SUM_ROWS, SUM_COLS)
+    tl.store(tl.where(on_q, grad_q_norm_w, grad_k_norm_w) + cols, total)
+
+
+@triton.jit(do_not_specialize=["S", "kv_programs", "q_programs", "done", "n_k_parts", "r_v", "r_dk", "r_dv", "r_dq"])
 def attention_backward_kernel(
     rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-    g16, q_norm_parts, k_norm_parts, ranges, kv_parts, arrivals,
-    S, kv_programs, r_v, r_dk, r_dv, r_dq, scaling, cap, eps,
+    g16, q_norm_parts, k_norm_parts, ranges, kv_parts, counters, grad_q_norm_w, grad_k_norm_w,
+    S, kv_programs, q_programs, done, n_k_parts, r_v, r_dk, r_dv, r_dq, scaling, cap, eps,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, HEAD_SPLIT: tl.constexpr,
-    APPROX_TANH: tl.constexpr, PDL: tl.constexpr,
+    QK_WIDTH: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr, APPROX_TANH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """The first kv_programs programs: dK, dV of a key block; the rest: dQ of a query block (one
-    launch of both kinds beat two launches: benchmarks/notes/037.md). P is recomputed from the
-    forward's log-sum-exp; dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included
-    (the factor scaling is applied to dK and dQ once, after the sums; rot q arrives scaled by
-    scaling / cap, so dK's factor is cap).
+    """Programs [0, kv_programs): dK, dV of a key block; the next q_programs: dQ of a query block (one
+    launch of both kinds beat two launches: benchmarks/notes/037.md); the rest, if any: the
+    norm-weight gradients, column sums of the q_programs rows of q_norm_parts and the n_k_parts of
+    k_norm_parts in a fixed order. P is recomputed from the forward's log-sum-exp; dS = P (dP - delta) (1 - t^2)
+    scaling, the soft cap's derivative included (the factor scaling is applied to dK and dQ once,
+    after the sums; rot q arrives scaled by scaling / cap, so dK's factor is cap).
     The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to its
-    slot in ranges past the region's first slot r_v, r_dk, r_dv, r_dq (the plan's layout)."""
+    slot in ranges past the region's first slot r_v, r_dk, r_dv, r_dq (the plan's layout).
+
+    counters (zeroed by the pack): the split dK/dV programs' arrivals, then at `done` the count of
+    dK/dV and dQ programs past their stores, which the sums wait to reach kv_programs + q_programs
+    (here and in the gradient launch). Here they are the grid's last programs and a few: spinning,
+    they can never hold every slot the others need."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    if pid < kv_programs:
-        _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
-                         kv_parts, arrivals, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN, KV_BM,
-                         HEAD_SPLIT, APPROX_TANH)
-    else:
-        _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, qk32, v16, d_attn16, lse,
-                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, r_dq, scaling, cap, eps, Q_BM,
-                           Q_BN, APPROX_TANH)
+    if pid < kv_programs + q_programs:
+        if pid < kv_programs:
+            _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts,
+                             ranges, kv_parts, counters, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN,
+                             KV_BM, HEAD_SPLIT, QK_WIDTH, APPROX_TANH)
+        else:
+            _query_block_grads(pid - kv_programs, q_programs, rot16, qk32, v16, d_attn16, lse, delta, cos, sin,
+                               q_norm_w, g16, q_norm_parts, ranges, S, r_dq, scaling, cap, eps, Q_BM, Q_BN, QK_WIDTH,
+                               APPROX_TANH)
+        tl.debug_barrier()  # every thread's stores before the (one-thread) release below
+        tl.atomic_add(counters + done, 1, sem="release")
+    else:  # the norm-weight sums, where this launch has them (the plan's sums_in_attention)
+        _norm_weight_sums(pid - kv_programs - q_programs, counters, done, kv_programs + q_programs, q_norm_parts,
+                          k_norm_parts, q_programs, n_k_parts, grad_q_norm_w, grad_k_norm_w, SUM_ROWS, SUM_COLS)
 
 
-@triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "end_gx", "end_wqkv", "end_wo", "n_q_parts",
-                                "n_k_parts"])
+@triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "end_gx", "end_wqkv", "end_wo", "done", "n_done",
+                                "n_q_parts", "n_k_parts"])
 def gradient_products_kernel(
-    g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts,
+    g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts, counters,
     grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
-    T, split_gx, split_wqkv, split_wo, end_gx, end_wqkv, end_wo, n_q_parts, n_k_parts,
+    T, split_gx, split_wqkv, split_wo, end_gx, end_wqkv, end_wo, done, n_done, n_q_parts, n_k_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -404,10 +440,18 @@ def gradient_products_kernel(
     gradients grad_[Wq; Wk; Wv] = G^T X (one output; its row blocks are the three) and grad_Wo =
     grad_output^T A. K splits per product (outputs pre-zeroed when split; 0 skips the product).
     Their tiles are the programs [0, end_gx), [end_gx, end_wqkv), [end_wqkv, end_wo) (the plan's
-    gradient_bounds); the 2 * 128 / SUM_COLS programs after them sum the norm-weight partials in a
-    fixed order (many short sums: on the cuBLAS path they are the whole launch, and its latency)."""
-    after_previous_launch(PDL)
+    gradient_bounds); the programs after them sum the norm-weight partials (_norm_weight_sums).
+
+    PDL: launched while the attention backward runs, this launch does not wait for its end. The
+    tiles that read G (grad_hidden's, grad_[Wq; Wk; Wv]'s) and the sums wait for counters[done] to
+    reach n_done, every attention-backward program's stores made; grad_Wo's read what earlier
+    launches wrote and start at once. Its programs are scheduled only once every attention-backward
+    program has started (PDL's rule), past its own wait for the launches before: nothing this launch
+    waits on can wait on it (benchmarks/notes/hardening.md, "Session 23")."""
     pid = tl.program_id(0)
+    if PDL:
+        if pid < end_wqkv:
+            wait_at_least(counters + done, n_done)
     if pid < end_gx:
         gemm_tile(pid, g16, wqkv16, grad_x, T, _HIDDEN, _QKV, _QKV, 1, _HIDDEN, 1, _HIDDEN, split_gx, BM, BN, BK)
     elif pid < end_wo:
@@ -421,9 +465,5 @@ def gradient_products_kernel(
         store_tile(tl.where(on_qkv, grad_wqkv, grad_wo), acc, off_m, off_n, rows, _HIDDEN, _HIDDEN, 1, splits > 1,
                    BM, BN)
     else:
-        strip = pid - end_wo
-        on_q = strip < _HEAD_DIM // SUM_COLS
-        cols = (strip % (_HEAD_DIM // SUM_COLS)) * SUM_COLS + tl.arange(0, SUM_COLS)
-        total = column_sums(tl.where(on_q, q_norm_parts, k_norm_parts), tl.where(on_q, n_q_parts, n_k_parts),
-                            _HEAD_DIM, cols, SUM_ROWS, SUM_COLS)
-        tl.store(tl.where(on_q, grad_q_norm_w, grad_k_norm_w) + cols, total)
+        _norm_weight_sums(pid - end_wo, counters, done, n_done, q_norm_parts, k_norm_parts, n_q_parts, n_k_parts,
+                          grad_q_norm_w, grad_k_norm_w, SUM_ROWS, SUM_COLS)
