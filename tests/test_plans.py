@@ -275,7 +275,10 @@ def test_product_launches_take_the_plans_tile_bounds():
         tiles = [gemma3_core.tile_count(m, n, s, g.bm, g.bn)
                  for (m, n, _), s in zip(gemma3_core.gradient_shapes(tokens), p.splits)]
         assert [end - start for start, end in p.gradient_bounds] == tiles
-        assert [start for start, _ in p.gradient_bounds] == [0, tiles[0], tiles[0] + tiles[1]]  # the kernel's order
+        order = gemma3_core.GRADIENT_ORDER  # grad_Wo's tiles first: they need not wait for the attention backward
+        assert sorted(order) == [0, 1, 2] and order[0] == 2
+        assert [p.gradient_bounds[g][0] for g in order] == [0, tiles[order[0]], tiles[order[0]] + tiles[order[1]]]
+        assert p.sums_start == sum(tiles)
         assert p.sum_programs == 2 * gemma3_core.HEAD_DIM // gemma3_core.CONFIG.sums.cols
         # the norm-weight sums: in the gradient launch after its tiles, or the attention backward's
         # last programs where no gradient launch of ours follows (the cuBLAS path: no launch for them)

@@ -9,6 +9,7 @@ import torch
 
 from ...kernels import buffers
 from ...kernels.launch import FastKernel
+from ...kernels.schedule import flat
 from ..prelude import begin, cublas_products, fits_int32
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HEAD_DIM, HEADS, HIDDEN, KV_OUT, PROBLEM, Q_OUT, QK, QKV
@@ -121,7 +122,7 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
                 (p.gradient_programs,),
                 g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts, counters,
                 grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
-                tokens, *p.splits, *(end for _, end in p.gradient_bounds), p.done, p.kv_programs + p.q_programs,
+                tokens, *p.splits, *flat(p.gradient_bounds), p.sums_start, p.done, p.kv_programs + p.q_programs,
                 p.q_programs, p.kv_slots,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
                 num_stages=gr.stages, launch_pdl=pdl))

@@ -121,7 +121,7 @@ class Plan:
     q_programs: int  # dQ programs
     sum_programs: int  # programs that sum the norm-weight partials (in the last launch of ours: sums_in_attention)
     splits: tuple  # K splits of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo (0: skipped or on cuBLAS)
-    gradient_bounds: tuple  # programs [start, end) of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo, in that order
+    gradient_bounds: tuple  # programs [start, end) of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo (GRADIENT_ORDER)
     gradient_programs: int  # our gradient products' tiles, then the sums (0: no launch)
     wanted: tuple  # whether grad_hidden, grad_[Wq; Wk; Wv], grad_Wo are needed (cuBLAS runs those)
     ranges: tuple  # Regions of the pack, forward, attention forward and attention backward launches
@@ -129,6 +129,11 @@ class Plan:
     @property
     def kv_programs(self) -> int:
         return self.kv_slots * self.head_split
+
+    @property
+    def sums_start(self) -> int:
+        """The gradient launch's first program that sums the norm-weight partials: after every tile."""
+        return max(end for _, end in self.gradient_bounds)
 
     @property
     def sums_in_attention(self) -> bool:
@@ -170,6 +175,13 @@ class Plan:
 def gradient_shapes(tokens: int) -> list:
     """(M, N, K) of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo."""
     return [(tokens, HIDDEN, QKV), (QKV, HIDDEN, tokens), (Q_OUT, HIDDEN, tokens)]
+
+
+# The gradient launch's programs take the products' tiles in this order (indices into
+# gradient_shapes): grad_Wo first, since it reads only what earlier launches wrote (A, grad_output),
+# so with PDL its tiles run on the SMs the attention backward leaves idle while the tiles that read
+# G wait for it; then grad_hidden, grad_[Wq; Wk; Wv].
+GRADIENT_ORDER = (2, 0, 1)
 
 
 def pack_layout(cfg: Config, tokens: int, splits, counters: int) -> Layout:
@@ -220,10 +232,11 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     else:
         splits = [1] * 3 if deterministic else choose_splits(gemms, gr.bm, gr.bn, gr.bk, sms)
         splits = [s * w for s, w in zip(splits, wanted)]  # 0: skipped
-    gradient_bounds, at_tile = [], 0
-    for (m, n, _), s in zip(gemms, splits):
-        gradient_bounds.append((at_tile, at_tile + tile_count(m, n, s, gr.bm, gr.bn)))
-        at_tile = gradient_bounds[-1][1]
+    gradient_bounds, at_tile = [None] * 3, 0
+    for g in GRADIENT_ORDER:
+        (m, n, _), s = gemms[g], splits[g]
+        gradient_bounds[g] = (at_tile, at_tile + tile_count(m, n, s, gr.bm, gr.bn))
+        at_tile = gradient_bounds[g][1]
 
     kv_bn = key_block(at, batch, seq, sms)
     kv_slots = batch * KV_HEADS * cdiv(seq, kv_bn)  # one per (batch, KV head, key block)

@@ -427,43 +427,48 @@ def attention_backward_kernel(
                           k_norm_parts, q_programs, n_k_parts, grad_q_norm_w, grad_k_norm_w, SUM_ROWS, SUM_COLS)
 
 
-@triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "end_gx", "end_wqkv", "end_wo", "done", "n_done",
-                                "n_q_parts", "n_k_parts"])
+@triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "start_gx", "end_gx", "start_wqkv", "end_wqkv",
+                                "start_wo", "end_wo", "sums_start", "done", "n_done", "n_q_parts", "n_k_parts"])
 def gradient_products_kernel(
     g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts, counters,
     grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
-    T, split_gx, split_wqkv, split_wo, end_gx, end_wqkv, end_wo, done, n_done, n_q_parts, n_k_parts,
+    T, split_gx, split_wqkv, split_wo, start_gx, end_gx, start_wqkv, end_wqkv, start_wo, end_wo, sums_start, done,
+    n_done, n_q_parts, n_k_parts,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """grad_hidden = G [Wq; Wk; Wv] (A row-major); then, A read feature-contiguous, the weight
     gradients grad_[Wq; Wk; Wv] = G^T X (one output; its row blocks are the three) and grad_Wo =
     grad_output^T A. K splits per product (outputs pre-zeroed when split; 0 skips the product).
-    Their tiles are the programs [0, end_gx), [end_gx, end_wqkv), [end_wqkv, end_wo) (the plan's
-    gradient_bounds); the programs after them sum the norm-weight partials (_norm_weight_sums).
+    Their tiles are the programs [start_*, end_*) (the plan's gradient_bounds, in its
+    GRADIENT_ORDER); the programs from sums_start on sum the norm-weight partials (_norm_weight_sums).
 
     PDL: launched while the attention backward runs, this launch does not wait for its end. The
     tiles that read G (grad_hidden's, grad_[Wq; Wk; Wv]'s) and the sums wait for counters[done] to
     reach n_done, every attention-backward program's stores made; grad_Wo's read what earlier
-    launches wrote and start at once. Its programs are scheduled only once every attention-backward
-    program has started (PDL's rule), past its own wait for the launches before: nothing this launch
-    waits on can wait on it (benchmarks/notes/hardening.md, "Session 23")."""
+    launches wrote and start at once, beside the attention. This launch's programs are scheduled
+    only once every attention-backward program has started (PDL's rule), past its own wait for the
+    launches before: nothing this launch waits on can wait on it (benchmarks/notes/hardening.md,
+    "Session 23")."""
     pid = tl.program_id(0)
+    in_gx = (pid >= start_gx) & (pid < end_gx)
+    in_wqkv = (pid >= start_wqkv) & (pid < end_wqkv)
+    in_wo = (pid >= start_wo) & (pid < end_wo)
     if PDL:
-        if pid < end_wqkv:
+        if in_gx | in_wqkv:
             wait_at_least(counters + done, n_done)
-    if pid < end_gx:
-        gemm_tile(pid, g16, wqkv16, grad_x, T, _HIDDEN, _QKV, _QKV, 1, _HIDDEN, 1, _HIDDEN, split_gx, BM, BN, BK)
-    elif pid < end_wo:
-        on_qkv = pid < end_wqkv
-        rows = tl.where(on_qkv, _QKV, _Q_OUT)
-        splits = tl.where(on_qkv, split_wqkv, split_wo)
-        off_m, off_n, k_lo, k_hi = tile_coords(pid - tl.where(on_qkv, end_gx, end_wqkv), rows, _HIDDEN, T, splits,
-                                               BM, BN, BK)
-        acc = mma_tile(tl.where(on_qkv, g16, go16), tl.where(on_qkv, x16, attn16), off_m, off_n, rows, _HIDDEN,
+    if in_gx:
+        gemm_tile(pid - start_gx, g16, wqkv16, grad_x, T, _HIDDEN, _QKV, _QKV, 1, _HIDDEN, 1, _HIDDEN, split_gx, BM,
+                  BN, BK)
+    elif in_wqkv | in_wo:
+        rows = tl.where(in_wqkv, _QKV, _Q_OUT)
+        splits = tl.where(in_wqkv, split_wqkv, split_wo)
+        off_m, off_n, k_lo, k_hi = tile_coords(pid - tl.where(in_wqkv, start_wqkv, start_wo), rows, _HIDDEN, T,
+                                               splits, BM, BN, BK)
+        acc = mma_tile(tl.where(in_wqkv, g16, go16), tl.where(in_wqkv, x16, attn16), off_m, off_n, rows, _HIDDEN,
                        k_lo, k_hi, 1, tl.multiple_of(rows, 1024), _HIDDEN, 1, BM, BN, BK)
-        store_tile(tl.where(on_qkv, grad_wqkv, grad_wo), acc, off_m, off_n, rows, _HIDDEN, _HIDDEN, 1, splits > 1,
+        store_tile(tl.where(in_wqkv, grad_wqkv, grad_wo), acc, off_m, off_n, rows, _HIDDEN, _HIDDEN, 1, splits > 1,
                    BM, BN)
-    else:
-        _norm_weight_sums(pid - end_wo, counters, done, n_done, q_norm_parts, k_norm_parts, n_q_parts, n_k_parts,
+    elif pid >= sums_start:
+        _norm_weight_sums(pid - sums_start, counters, done, n_done, q_norm_parts, k_norm_parts, n_q_parts, n_k_parts,
                           grad_q_norm_w, grad_k_norm_w, SUM_ROWS, SUM_COLS)
