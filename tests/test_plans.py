@@ -280,11 +280,8 @@ def test_product_launches_take_the_plans_tile_bounds():
         assert [p.gradient_bounds[g][0] for g in order] == [0, tiles[order[0]], tiles[order[0]] + tiles[order[1]]]
         assert p.sums_start == sum(tiles)
         assert p.sum_programs == 2 * gemma3_core.HEAD_DIM // gemma3_core.CONFIG.sums.cols
-        # the norm-weight sums: in the gradient launch after its tiles, or the attention backward's
-        # last programs where no gradient launch of ours follows (the cuBLAS path: no launch for them)
-        assert p.sums_in_attention == (p.products == "cublas" or sum(tiles) == 0)
-        assert p.gradient_programs == (0 if p.sums_in_attention else sum(tiles) + p.sum_programs)
-        assert p.attention_backward_programs == p.kv_programs + p.q_programs + p.sums_in_attention * p.sum_programs
+        assert p.gradient_programs == sum(tiles) + p.sum_programs  # the norm-weight sums after the tiles
+        assert p.attention_backward_programs == p.kv_programs + p.q_programs
         assert p.done == p.arrivals and p.counters == p.arrivals + 1  # zeroed by the pack
         assert p.pack.size("zero attention counters") >= 1
         assert p.qk_width == (gemma3_core.QKV if p.products == "cublas" else gemma3_core.QK)

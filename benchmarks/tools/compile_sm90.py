@@ -121,7 +121,7 @@ def gemma3_037_kernels(cfg=None):
         yield f"037 attention backward KV_BN={kv_bn} split {split}", compile_sm90(
             triton_kernels.attention_backward_kernel, {"scaling": "fp32", "cap": "fp32", "eps": "fp32"},
             dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=split, QK_WIDTH=spec.QK,
-                 SUM_ROWS=sums.rows, SUM_COLS=sums.cols, APPROX_TANH=at.approx_tanh, PDL=pdl), at.warps, at.stages,
+                 APPROX_TANH=at.approx_tanh, PDL=pdl), at.warps, at.stages,
             int_pointers=("counters",))
     yield "037 gradient products", compile_sm90(
         triton_kernels.gradient_products_kernel, {},

@@ -1,5 +1,5 @@
-"""037's fused backward: five Triton launches (`triton_kernels.py`); from `cublas_min_flop` on, four
-of them and five cuBLAS products (two forward, three gradient), as `config.plan` lays them out."""
+"""037's fused backward: five Triton launches (`triton_kernels.py`), and from `cublas_min_flop` on five
+cuBLAS products around them (two forward, three gradient), as `config.plan` lays them out."""
 
 from __future__ import annotations
 
@@ -110,22 +110,20 @@ def backward(go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, 
             ATTENTION_BACKWARD.prepare(
                 (p.attention_backward_programs,),
                 rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-                g16, q_norm_parts, k_norm_parts, call.ranges_of(3), kv_parts, counters, grad_q_norm_w, grad_k_norm_w,
-                seq, p.kv_programs, p.q_programs, p.done, p.kv_slots, *p.ranges[3].bases, float(scaling), cap,
-                float(eps),
+                g16, q_norm_parts, k_norm_parts, call.ranges_of(3), kv_parts, counters,
+                seq, p.kv_programs, p.done, *p.ranges[3].bases, float(scaling), cap, float(eps),
                 KV_BN=p.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=p.head_split,
-                QK_WIDTH=p.qk_width, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, APPROX_TANH=at.approx_tanh, PDL=pdl,
-                num_warps=at.warps, num_stages=at.stages, launch_pdl=pdl),
-        ]
-        if p.gradient_programs:
-            launches.append(GRADIENT_PRODUCTS.prepare(
+                QK_WIDTH=p.qk_width, APPROX_TANH=at.approx_tanh, PDL=pdl, num_warps=at.warps, num_stages=at.stages,
+                launch_pdl=pdl),
+            GRADIENT_PRODUCTS.prepare(
                 (p.gradient_programs,),
                 g16, wqkv16, x16, go16, attn16, q_norm_parts, k_norm_parts, counters,
                 grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
                 tokens, *p.splits, *flat(p.gradient_bounds), p.sums_start, p.done, p.kv_programs + p.q_programs,
                 p.q_programs, p.kv_slots,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
-                num_stages=gr.stages, launch_pdl=pdl))
+                num_stages=gr.stages, launch_pdl=pdl),
+        ]
         pack()
         if p.products == "cublas":
             with fp32_sums_in_fp16_products():

@@ -1,7 +1,6 @@
 """037's launch shapes (`Config`), the rules that pick among them, and the plan of one call (`plan`):
 pack, forward products (or, after cuBLAS's, only norm, RoPE and v's fp16 copy), attention forward,
-attention backward, gradient products with the norm-weight sums (after cuBLAS's, no such launch:
-the attention backward's sums them).
+attention backward, gradient products (or, before cuBLAS's, only the norm-weight sums).
 
 Plain Python: a plan can be checked on any machine without launching anything.
 """
@@ -119,10 +118,10 @@ class Plan:
     head_split: int  # dK/dV programs per key block
     kv_slots: int  # (batch, KV head, key block)s
     q_programs: int  # dQ programs
-    sum_programs: int  # programs that sum the norm-weight partials (in the last launch of ours: sums_in_attention)
+    sum_programs: int  # the gradient launch's last programs, which sum the norm-weight partials
     splits: tuple  # K splits of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo (0: skipped or on cuBLAS)
     gradient_bounds: tuple  # programs [start, end) of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo (GRADIENT_ORDER)
-    gradient_programs: int  # our gradient products' tiles, then the sums (0: no launch)
+    gradient_programs: int  # our gradient products' tiles, then the sums
     wanted: tuple  # whether grad_hidden, grad_[Wq; Wk; Wv], grad_Wo are needed (cuBLAS runs those)
     ranges: tuple  # Regions of the pack, forward, attention forward and attention backward launches
 
@@ -136,17 +135,9 @@ class Plan:
         return max(end for _, end in self.gradient_bounds)
 
     @property
-    def sums_in_attention(self) -> bool:
-        """Whether the attention backward's launch sums the norm-weight partials (its last programs,
-        waiting for `done`): when no gradient products of ours follow (cuBLAS's, or none needed),
-        so that no launch exists for the sums alone. Else the gradient launch's last programs do,
-        beside its tiles."""
-        return not any(self.splits)
-
-    @property
     def attention_backward_programs(self) -> int:
-        """dK/dV programs, dQ programs, then the norm-weight sums where they are this launch's."""
-        return self.kv_programs + self.q_programs + self.sums_in_attention * self.sum_programs
+        """dK/dV programs, then dQ programs."""
+        return self.kv_programs + self.q_programs
 
     @property
     def arrivals(self) -> int:
@@ -264,5 +255,5 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
                 kv_bn=kv_bn, head_split=split, kv_slots=kv_slots, q_programs=q_programs,
                 sum_programs=2 * HEAD_DIM // cfg.sums.cols, splits=tuple(splits),
                 gradient_bounds=tuple(gradient_bounds),
-                gradient_programs=at_tile and at_tile + 2 * HEAD_DIM // cfg.sums.cols,
+                gradient_programs=at_tile + 2 * HEAD_DIM // cfg.sums.cols,
                 wanted=wanted, ranges=ranges)

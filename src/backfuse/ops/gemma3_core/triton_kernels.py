@@ -7,12 +7,11 @@
    and delta = rowsum(A * dA);
 4. attention backward: dK/dV programs per (batch, KV head, key block) looping over the group's 3
    query heads, dQ programs per (batch, head, query block); RoPE and RMSNorm backward in their
-   epilogues write G = [dq | dk | dv] token-major, plus partial norm-weight gradients, which the
-   launch's last programs sum once every other program has stored its own;
-5. gradient products: grad_hidden = G [Wq; Wk; Wv], grad_[Wq; Wk; Wv] = G^T X, grad_Wo =
-   grad_output^T A.
+   epilogues write G = [dq | dk | dv] token-major, plus partial norm-weight gradients;
+5. gradient products: grad_Wo = grad_output^T A, grad_hidden = G [Wq; Wk; Wv], grad_[Wq; Wk; Wv] =
+   G^T X, and the norm-weight gradients from their partials.
 On the cuBLAS path cuBLAS does the products of 2 and 5: launch 2 then only norms and rotates q, k
-and copies v to fp16, and there is no launch 5.
+and copies v to fp16, launch 5 only sums the norm-weight partials.
 """
 
 from __future__ import annotations
@@ -373,58 +372,36 @@ def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta
     tl.store(ranges + r_dq + local, dq_largest)
 
 
-@triton.jit
-def _norm_weight_sums(strip, counters, done, n_done, q_norm_parts, k_norm_parts, n_q_parts, n_k_parts, grad_q_norm_w,
-                      grad_k_norm_w, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr):
-    """Strip `strip` of the norm-weight gradients (SUM_COLS columns of q's, then of k's): once
-    counters[done] has reached n_done (every attention-backward program's partial row stored), the
-    column sums of its partial rows in a fixed order."""
-    wait_at_least(counters + done, n_done)
-    on_q = strip < _HEAD_DIM // SUM_COLS
-    cols = (strip % (_HEAD_DIM // SUM_COLS)) * SUM_COLS + tl.arange(0, SUM_COLS)
-    total = column_sums(tl.where(on_q, q_norm_parts, k_norm_parts), tl.where(on_q, n_q_parts, n_k_parts),
-                        _HEAD_DIM, cols, SUM_ROWS, SUM_COLS)
-    tl.store(tl.where(on_q, grad_q_norm_w, grad_k_norm_w) + cols, total)
-
-
-@triton.jit(do_not_specialize=["S", "kv_programs", "q_programs", "done", "n_k_parts", "r_v", "r_dk", "r_dv", "r_dq"])
+@triton.jit(do_not_specialize=["S", "kv_programs", "done", "r_v", "r_dk", "r_dv", "r_dq"])
 def attention_backward_kernel(
     rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
-    g16, q_norm_parts, k_norm_parts, ranges, kv_parts, counters, grad_q_norm_w, grad_k_norm_w,
-    S, kv_programs, q_programs, done, n_k_parts, r_v, r_dk, r_dv, r_dq, scaling, cap, eps,
+    g16, q_norm_parts, k_norm_parts, ranges, kv_parts, counters,
+    S, kv_programs, done, r_v, r_dk, r_dv, r_dq, scaling, cap, eps,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, HEAD_SPLIT: tl.constexpr,
-    QK_WIDTH: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr, APPROX_TANH: tl.constexpr,
-    PDL: tl.constexpr,
+    QK_WIDTH: tl.constexpr, APPROX_TANH: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Programs [0, kv_programs): dK, dV of a key block; the next q_programs: dQ of a query block (one
-    launch of both kinds beat two launches: benchmarks/notes/037.md); the rest, if any: the
-    norm-weight gradients, column sums of the q_programs rows of q_norm_parts and the n_k_parts of
-    k_norm_parts in a fixed order. P is recomputed from the forward's log-sum-exp; dS = P (dP - delta) (1 - t^2)
-    scaling, the soft cap's derivative included (the factor scaling is applied to dK and dQ once,
-    after the sums; rot q arrives scaled by scaling / cap, so dK's factor is cap).
+    """Programs [0, kv_programs): dK, dV of a key block; the rest: dQ of a query block (one launch of
+    both kinds beat two launches: benchmarks/notes/037.md). P is recomputed from the forward's
+    log-sum-exp; dS = P (dP - delta) (1 - t^2) scaling, the soft cap's derivative included (the
+    factor scaling is applied to dK and dQ once, after the sums; rot q arrives scaled by
+    scaling / cap, so dK's factor is cap).
     The largest |value| of each tile of v, dk, dv (dK/dV programs) and dq (dQ programs) goes to its
     slot in ranges past the region's first slot r_v, r_dk, r_dv, r_dq (the plan's layout).
 
     counters (zeroed by the pack): the split dK/dV programs' arrivals, then at `done` the count of
-    dK/dV and dQ programs past their stores, which the sums wait to reach kv_programs + q_programs
-    (here and in the gradient launch). Here they are the grid's last programs and a few: spinning,
-    they can never hold every slot the others need."""
+    programs past their stores (G, the norm-weight partials), which the gradient launch waits on."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    if pid < kv_programs + q_programs:
-        if pid < kv_programs:
-            _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts,
-                             ranges, kv_parts, counters, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN,
-                             KV_BM, HEAD_SPLIT, QK_WIDTH, APPROX_TANH)
-        else:
-            _query_block_grads(pid - kv_programs, q_programs, rot16, qk32, v16, d_attn16, lse, delta, cos, sin,
-                               q_norm_w, g16, q_norm_parts, ranges, S, r_dq, scaling, cap, eps, Q_BM, Q_BN, QK_WIDTH,
-                               APPROX_TANH)
-        tl.debug_barrier()  # every thread's stores before the (one-thread) release below
-        tl.atomic_add(counters + done, 1, sem="release")
-    else:  # the norm-weight sums, where this launch has them (the plan's sums_in_attention)
-        _norm_weight_sums(pid - kv_programs - q_programs, counters, done, kv_programs + q_programs, q_norm_parts,
-                          k_norm_parts, q_programs, n_k_parts, grad_q_norm_w, grad_k_norm_w, SUM_ROWS, SUM_COLS)
+    if pid < kv_programs:
+        _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
+                         kv_parts, counters, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN, KV_BM,
+                         HEAD_SPLIT, QK_WIDTH, APPROX_TANH)
+    else:
+        _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, qk32, v16, d_attn16, lse,
+                           delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, r_dq, scaling, cap, eps, Q_BM,
+                           Q_BN, QK_WIDTH, APPROX_TANH)
+    tl.debug_barrier()  # every thread's stores before the (one-thread) release below
+    tl.atomic_add(counters + done, 1, sem="release")
 
 
 @triton.jit(do_not_specialize=["T", "split_gx", "split_wqkv", "split_wo", "start_gx", "end_gx", "start_wqkv", "end_wqkv",
@@ -441,7 +418,8 @@ def gradient_products_kernel(
     gradients grad_[Wq; Wk; Wv] = G^T X (one output; its row blocks are the three) and grad_Wo =
     grad_output^T A. K splits per product (outputs pre-zeroed when split; 0 skips the product).
     Their tiles are the programs [start_*, end_*) (the plan's gradient_bounds, in its
-    GRADIENT_ORDER); the programs from sums_start on sum the norm-weight partials (_norm_weight_sums).
+    GRADIENT_ORDER); the programs from sums_start on sum the norm-weight partials in a fixed order
+    (many short sums: on the cuBLAS path they are the whole launch, and its latency).
 
     PDL: launched while the attention backward runs, this launch does not wait for its end. The
     tiles that read G (grad_hidden's, grad_[Wq; Wk; Wv]'s) and the sums wait for counters[done] to
@@ -470,5 +448,11 @@ def gradient_products_kernel(
         store_tile(tl.where(in_wqkv, grad_wqkv, grad_wo), acc, off_m, off_n, rows, _HIDDEN, _HIDDEN, 1, splits > 1,
                    BM, BN)
     elif pid >= sums_start:
-        _norm_weight_sums(pid - sums_start, counters, done, n_done, q_norm_parts, k_norm_parts, n_q_parts, n_k_parts,
-                          grad_q_norm_w, grad_k_norm_w, SUM_ROWS, SUM_COLS)
+        if PDL:
+            wait_at_least(counters + done, n_done)
+        strip = pid - sums_start
+        on_q = strip < _HEAD_DIM // SUM_COLS
+        cols = (strip % (_HEAD_DIM // SUM_COLS)) * SUM_COLS + tl.arange(0, SUM_COLS)
+        total = column_sums(tl.where(on_q, q_norm_parts, k_norm_parts), tl.where(on_q, n_q_parts, n_k_parts),
+                            _HEAD_DIM, cols, SUM_ROWS, SUM_COLS)
+        tl.store(tl.where(on_q, grad_q_norm_w, grad_k_norm_w) + cols, total)
