@@ -108,6 +108,11 @@ VARIANTS = {
         "fwd_64x4_s4": dict(config=C37(forward=T(64, 128, 64, 4, 4))),
         "fwd_64x4_s3": dict(config=C37(forward=T(64, 128, 64, 4, 3))),
         "fwd_128x4": dict(config=C37(forward=T(128, 128, 64, 4, 3))),
+        # More bytes in flight per forward program (session 24, prepared, not yet run): at 128-512 tokens
+        # the forward's 128-512 programs each stream a 128-row weight slab over K = 3072 at ≈ 40 GB/s
+        # (notes/037.md row 30); 96 KB of ring today, 144 KB with 128-deep steps or 6 stages.
+        "fwd_64x4_k128_s3": dict(config=C37(forward=T(64, 128, 128, 4, 3))),
+        "fwd_64x4_s6": dict(config=C37(forward=T(64, 128, 64, 4, 6))),
         "grad_64x128": dict(config=C37(gradients=T(64, 128, 32, 4, 6))),
         "grad_128x128x64_w8": dict(config=C37(gradients=T(128, 128, 64, 8, 3))),
     },
