@@ -223,6 +223,7 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     else:
         splits = [1] * 3 if deterministic else choose_splits(gemms, gr.bm, gr.bn, gr.bk, sms)
         splits = [s * w for s, w in zip(splits, wanted)]  # 0: skipped
+    sum_programs = 2 * HEAD_DIM // cfg.sums.cols  # the q and k norm weights' columns in strips
     gradient_bounds, at_tile = [None] * 3, 0
     for g in GRADIENT_ORDER:
         (m, n, _), s = gemms[g], splits[g]
@@ -252,8 +253,6 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw, forward_programs=forward_programs,
                 forward_bounds=forward_bounds,
                 attention_forward_programs=attention_forward_programs, attention_forward_keys=forward_keys(at, seq),
-                kv_bn=kv_bn, head_split=split, kv_slots=kv_slots, q_programs=q_programs,
-                sum_programs=2 * HEAD_DIM // cfg.sums.cols, splits=tuple(splits),
-                gradient_bounds=tuple(gradient_bounds),
-                gradient_programs=at_tile + 2 * HEAD_DIM // cfg.sums.cols,
+                kv_bn=kv_bn, head_split=split, kv_slots=kv_slots, q_programs=q_programs, sum_programs=sum_programs,
+                splits=tuple(splits), gradient_bounds=tuple(gradient_bounds), gradient_programs=at_tile + sum_programs,
                 wanted=wanted, ranges=ranges)
