@@ -46,6 +46,33 @@ def test_cpu_without_interpreter_falls_back_to_reference():
         "assert 'triton' not in sys.modules\n", env)
 
 
+@pytest.mark.parametrize("name", ["072", "037", "021"])
+def test_every_fused_path_has_one_interface_and_one_driver(name, monkeypatch):
+    """Each operator's launcher is a `FusedPath` whose `backward` is the shared driver, and that
+    driver sends a call whose element counts pass int32 to the fp32 reference (here with the limit
+    lowered, so that a small call crosses it), without planning or launching anything."""
+    import importlib
+
+    from backfuse.ops import fused
+
+    prob = backfuse.problem(name)
+    module = importlib.import_module(type(prob).__module__.rpartition(".")[0] + ".backward")
+    path = module.backward.__self__
+    assert isinstance(path, fused.FusedPath) and module.backward.__func__ is fused.FusedPath.backward
+    assert path.problem is prob
+    x = prob.make_inputs(SMALL[name], seed=0, device=DEVICE)
+    monkeypatch.setattr(fused, "INT32_ELEMENTS", min(path.indexed(x)))
+    monkeypatch.setattr(path, "plan", lambda *a, **k: pytest.fail("planned past the int32 limit"))
+    sentinel = (torch.zeros(1),)
+    monkeypatch.setattr(prob, "fp32_backward", lambda *inputs: sentinel)
+    assert prob.fused(*x) is sentinel
+
+
+SMALL = {"072": dict(batch_size=1, seq_len_dec=2, seq_len_enc=3),
+         "037": dict(batch_size=1, seq_len=3),
+         "021": dict(batch_size=1, num_video_tokens=2, num_text_tokens=3)}
+
+
 def test_deterministic_algorithms_flag_reaches_the_kernels(monkeypatch):
     prob = backfuse.problem("072")
     seen = {}

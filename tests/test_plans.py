@@ -218,7 +218,7 @@ def test_qkv_gqa_gluon_window():
         assert c.gq == len(qkv_gqa.GLUON_FIXED_COUNTERS)
         assert [b - a for a, b in zip(runs, runs[1:])] == [-(-td // 128)] * 2 + [-(-te // 128)] * 2
         assert p.gluon.tiles >= p.gluon.starts[-1] >= p.gluon.starts[0] and p.pack is None
-        assert p.ranges == (p.gluon.regions,)  # the one block `ops/prelude.begin` reserves is the kernel's
+        assert p.ranges == (p.gluon.regions,)  # the one block `ops/fused.begin` reserves is the kernel's
     det = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[4].axes, SMS, gluon=True, deterministic=True)
     assert det.products == "gluon" and det.splits == (1, 1, 1, 1)
     frozen = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[4].axes, SMS, gluon=True,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from backfuse.fp16_guard import RangeSlots
 from backfuse.kernels import buffers
 from backfuse.kernels.launch import FastKernel
-from backfuse.ops.prelude import Host, fits_int32
+from backfuse.ops.fused import Host, fits_int32
 from backfuse.ops.wan_xattn.spec import HIDDEN, PROBLEM
 
 from .kernel import backward_kernel

@@ -1,5 +1,5 @@
-"""The three operators, one package each: spec, config and plan, kernels, launcher; `prelude`, the host
-side every operator's fused backward starts with."""
+"""The three operators, one package each: spec, config and plan, kernels, launcher; `fused`, the interface
+every operator's fused backward implements (`FusedPath`) and its one driver."""
 
 from . import gemma3_core, qkv_gqa, wan_xattn
 

@@ -138,10 +138,12 @@ class Plan:
     """Every launch of one 021 call (grids in programs)."""
 
     products: str  # "triton" (our gradient products) or "cublas"
+    deterministic: bool  # the attention's partial dK/dV stored per run and added in order
     pdl: bool
     pack: Layout
     forward: TileConfig  # the forward products' tiles
-    forward_programs: int  # persistent ones; the launch adds the grad_bo sums' programs
+    forward_programs: int  # persistent ones (product tiles)
+    forward_grid: int  # forward_programs, then the grad_bo sums' programs
     forward_bounds: tuple  # the forward's tiles [start, end) of Q, [K | V] and dC, in its loop's order
     one_tile: bool  # all text tokens in one tile (else text tiles of AttentionConfig.bn)
     text_tile: int
@@ -237,6 +239,7 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
                             (tiles[2] + tiles[3], tv, split_wv), (tiles[4] + tiles[5], tt, split_wt)])
 
     fw = forward_tiles(cfg, tv, tt, sms)
+    forward_programs = min(forward_tile_count(fw, tv, tt), sms)
     attention_programs = batch * HEADS * runs
     pack = pack_layout(cfg, tv, tt, splits, runs > 1 and not deterministic)
     q_tiles, k_tiles = tile_count(tv, HIDDEN, 1, fw.bm, fw.bn), tile_count(tt, HIDDEN, 1, fw.bm, fw.bn)
@@ -248,8 +251,9 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
         Regions(tuple(Region(g, attention_programs, Holds.VANISHING)
                       for g in ("gradient of queries", "gradient of keys", "gradient of values"))),
     )
-    return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
-                forward_programs=min(forward_tile_count(fw, tv, tt), sms), forward_bounds=forward_bounds,
+    return Plan(products=backend, deterministic=deterministic, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
+                forward_programs=forward_programs, forward_grid=forward_programs + HIDDEN // cfg.sums.cols,
+                forward_bounds=forward_bounds,
                 one_tile=one_tile, text_tile=text_tile,
                 text_tail=text_tail, finish_rows=next_power_of_2(text_tile + text_tail) if one_tile else at.bn,
                 block_rows=block_rows, block_warps=block_warps, per_program=per_program, runs=runs,

@@ -1,0 +1,161 @@
+"""The interface every operator's fused backward implements, and the host work they share (here,
+above `kernels/`, since it also reserves the fp16 range guard's slots).
+
+A fused path (`FusedPath`) says four things about its operator: the element counts its kernels
+index (`indexed`), the plan of a call (`plan`), the buffers that plan needs (`allocate`), and its
+launches in order, each prepared before the first runs (`launches`). `FusedPath.backward` is the
+one driver:
+
+    if not fits_int32(*path.indexed(inputs)):   # then the fp32 reference instead
+        return problem.fp32_backward(*inputs)
+    call = begin(...)                           # device, SM count, config, plan, fp16-range slots
+    bufs = path.allocate(call, inputs)
+    for launch in path.launches(call, inputs, bufs):   # Triton launches, cuBLAS products
+        launch()
+    return path.outputs(bufs)
+
+Every operator package's `backward.py` holds one `FusedPath` and exports its `backward`; launch i
+of the plan writes the fp16-range slots `call.ranges_of(i)`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ..fp16_guard import RangeSlots
+from ..kernels import buffers
+from ..kernels.launch import FAST_LAUNCH
+
+INT32_ELEMENTS = 2**31  # the kernels count elements in int32
+
+
+def fits_int32(*counts: int) -> bool:
+    """Whether every element count the kernels index (tensors, stacked buffers) stays below 2^31."""
+    return max(counts) < INT32_ELEMENTS
+
+
+class Host:
+    """A fused call's device: on a GPU its processor count (what K splits and grids balance over),
+    on the CPU (the Triton interpreter) 1; `sms` overrides it (tests force a GPU's splits on the CPU).
+    `gluon`: the device runs our Gluon kernels (a Hopper GPU, sm_90, under the Triton they are
+    written for; FastKernel launches them)."""
+
+    def __init__(self, device: torch.device, sms: int | None = None):
+        self.device = device
+        self.gpu = device.type == "cuda"
+        if sms is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if self.gpu else 1
+        self.sms = sms
+        self.gluon = self.gpu and FAST_LAUNCH and torch.cuda.get_device_capability(device) == (9, 0)
+
+    def config(self, given, gpu, interpreter):
+        """`given`, else the GPU's config on a GPU and the Triton interpreter's on the CPU."""
+        return given or (gpu if self.gpu else interpreter)
+
+    def f16(self, *shape) -> torch.Tensor:
+        return buffers.empty(shape, torch.float16, self.device)
+
+    def f32(self, *shape) -> torch.Tensor:
+        return buffers.empty(shape, torch.float32, self.device)
+
+    def i32(self, *shape) -> torch.Tensor:
+        return buffers.empty(shape, torch.int32, self.device)
+
+
+@dataclass
+class FusedCall:
+    """One fused call's host side: its device, config and plan, and the fp16-range slots with one
+    block per launch the plan lists (`plan.ranges`, in launch order)."""
+
+    host: Host
+    cfg: object
+    plan: object
+    ranges: RangeSlots
+    offsets: tuple  # of each launch's block in ranges
+
+    def ranges_of(self, launch: int) -> torch.Tensor:
+        """The range slots of the plan's launch `launch`."""
+        return self.ranges.block(self.offsets[launch])
+
+
+def begin(device: torch.device, sms, config, configs: tuple, ranges, make_plan) -> FusedCall:
+    """The start of a fused call: Host(device, sms); `config`, else configs[0] on a GPU and
+    configs[1] (the interpreter's) on the CPU; make_plan(cfg, host); the range slots of every launch
+    of the plan reserved in `ranges` (a fresh RangeSlots when None) and allocated."""
+    host = Host(device, sms)
+    cfg = host.config(config, *configs)
+    p = make_plan(cfg, host)
+    ranges = ranges or RangeSlots()
+    offsets = tuple(r.reserve(ranges) for r in p.ranges)
+    ranges.allocate(host.device)
+    return FusedCall(host, cfg, p, ranges, offsets)
+
+
+def cublas_products(products) -> Callable[[], None]:
+    """A launch step: out = a @ b by cuBLAS (torch.mm on our fp16 operands, fp32 sums and output)
+    for every (a, b, out, needed) that is needed. The operand views are made here, before the
+    call's first launch, so the step adds no host work but the products' own."""
+    products = [(a, b, out) for a, b, out, needed in products if needed]
+
+    def run():
+        for a, b, out in products:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return run
+
+
+class FusedPath(ABC):
+    """One operator's fused backward. `problem`: its `Problem` (the fp32 fallback); `configs`:
+    (the GPU's config, the Triton interpreter's)."""
+
+    problem = None
+    configs: tuple = ()
+
+    @abstractmethod
+    def indexed(self, inputs) -> tuple[int, ...]:
+        """The element counts the kernels index in int32 (tensors, stacked buffers)."""
+
+    @abstractmethod
+    def plan(self, cfg, inputs, host: Host, **options):
+        """The frozen plan of a call on `host`; options: products, needs, deterministic."""
+
+    @abstractmethod
+    def allocate(self, call: FusedCall, inputs) -> SimpleNamespace:
+        """Every buffer the plan's launches read or write, outputs included (none written yet)."""
+
+    @abstractmethod
+    def launches(self, call: FusedCall, inputs, bufs) -> list[Callable[[], None]]:
+        """The call's launches in order, each prepared (no host work left but the launch itself)."""
+
+    @abstractmethod
+    def outputs(self, bufs) -> tuple:
+        """The official outputs, in order."""
+
+    def backward(self, *inputs, needs=None, deterministic=False, ranges=None, config=None, products=None, sms=None):
+        """The operator's outputs from the official inputs (validated by the caller).
+
+        needs: one bool per output (None: all); the products only unneeded outputs read are skipped.
+        deterministic: the same outputs bit for bit on every call (no K splits, no atomics whose
+        order varies; cuBLAS products are reproducible on one GPU model as they are). ranges: a
+        RangeSlots that receives the largest |value| of every tensor rounded to fp16. config: the
+        operator's `config.Config` (None: the GPU's on a GPU, the interpreter's on the CPU).
+        products: the projection products' backend as the operator's plan names them (None: by
+        size on a GPU). sms: processors to balance K splits and grids over (the GPU's count; on
+        the CPU interpreter, 1).
+        """
+        if not fits_int32(*self.indexed(inputs)):
+            return self.problem.fp32_backward(*inputs)
+        device = next(x for x in inputs if isinstance(x, torch.Tensor)).device
+        call = begin(device, sms, config, self.configs, ranges,
+                     lambda cfg, host: self.plan(cfg, inputs, host, products=products, needs=needs,
+                                                 deterministic=deterministic))
+        bufs = self.allocate(call, inputs)
+        with buffers.on_device(call.host.device):
+            launches = list(self.launches(call, inputs, bufs))  # all prepared before the first runs
+            for launch in launches:
+                launch()
+        return self.outputs(bufs)
