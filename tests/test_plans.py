@@ -109,9 +109,14 @@ def test_gemma3_core_attention_rules():
     assert _cases(plans, lambda p: p.head_split == 3) == [9, 11]
     assert all(p.attention_forward_keys == (32 if w.axes["seq_len"] <= 256 else 64)
                for p, w in zip(plans, backfuse.problem("037").workloads))
-    # the cuBLAS path's forward launch only norms and rotates, with its own tiles
-    assert all(p.forward == (gemma3_core.CONFIG.norm_rope if p.products == "cublas" else gemma3_core.CONFIG.forward)
-               for p in plans)
+    # the cuBLAS path's forward launch only norms and rotates, with its own tiles; our products take
+    # the deep ring where their programs fit one wave (128 tokens: 128 programs; 037.md row 33)
+    cfg = gemma3_core.CONFIG
+    assert _cases(plans, lambda p: p.forward == cfg.forward_one_wave) == [8]
+    assert all(p.forward == (cfg.norm_rope if p.products == "cublas" else cfg.forward)
+               for i, p in enumerate(plans) if i != 8)
+    assert plans[8].forward_programs == 128 <= SMS
+    assert gemma3_core.plan(cfg, dict(batch_size=1, seq_len=128), 127).forward == cfg.forward  # not one wave
 
 
 def test_wan_xattn_attention_rules():
@@ -176,9 +181,10 @@ def test_interpreter_configs_are_keyword_built_variants():
 
 
 def test_gemma3_core_forward_tiles_are_one_head():
-    cfg = dataclasses.replace(gemma3_core.CONFIG, forward=dataclasses.replace(gemma3_core.CONFIG.forward, bn=64))
-    with pytest.raises(ValueError, match="one head"):
-        gemma3_core.plan(cfg, dict(batch_size=1, seq_len=8), SMS)
+    for field in ("forward", "forward_one_wave", "norm_rope"):
+        cfg = dataclasses.replace(gemma3_core.CONFIG, **{field: dataclasses.replace(getattr(gemma3_core.CONFIG, field), bn=64)})
+        with pytest.raises(ValueError, match="one head"):
+            gemma3_core.plan(cfg, dict(batch_size=1, seq_len=8), SMS)
 
 
 def test_layout_keeps_converting_segments_first():

@@ -108,8 +108,10 @@ def gemma3_037_kernels(cfg=None):
     yield "037 pack", compile_sm90(
         triton_kernels.pack_kernel, {},
         dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
-    for products, fw in ((True, cfg.forward), (False, cfg.norm_rope)):
-        yield f"037 forward {'products' if products else 'norm+rope'}", compile_sm90(
+    forwards = [("products", True, cfg.forward), ("products, one wave", True, cfg.forward_one_wave),
+                ("norm+rope", False, cfg.norm_rope)]
+    for name, products, fw in (f for f in forwards if f[2] is not None):
+        yield f"037 forward {name}", compile_sm90(
             triton_kernels.forward_products_kernel, {"eps": "fp32", "q_scale": "fp32"},
             dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, QK_WIDTH=spec.QK if products else spec.QKV, PDL=pdl),
             fw.warps, fw.stages)

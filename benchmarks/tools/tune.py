@@ -113,6 +113,13 @@ VARIANTS = {
         # (notes/037.md row 30); 96 KB of ring today, 144 KB with 128-deep steps or 6 stages.
         "fwd_64x4_k128_s3": dict(config=C37(forward=T(64, 128, 128, 4, 3))),
         "fwd_64x4_s6": dict(config=C37(forward=T(64, 128, 64, 4, 6))),
+        # Where the forward fits one wave at one program per SM (`forward_one_wave`; session 25: 6
+        # stages −6.8 us on case 8, +2..11 us where 256-512 programs then ran one per SM): never; 5 or
+        # 8 stages; 128-row tiles (then case 11's 256 tokens fit one wave too; 192 KB).
+        "one_wave_off": dict(config=C37(forward_one_wave=None)),
+        "one_wave_s5": dict(config=C37(forward_one_wave=T(64, 128, 64, 4, 5))),
+        "one_wave_s8": dict(config=C37(forward_one_wave=T(64, 128, 64, 4, 8))),
+        "one_wave_128x6": dict(config=C37(forward_one_wave=T(128, 128, 64, 4, 6))),
         "grad_64x128": dict(config=C37(gradients=T(64, 128, 32, 4, 6))),
         "grad_128x128x64_w8": dict(config=C37(gradients=T(128, 128, 64, 8, 3))),
     },

@@ -58,6 +58,10 @@ class Config:
     # bn: one head per tile (the norm is per head). Products run here below cublas_min_flop only:
     # 64-row tiles at 4 warps, so that 128 tokens still give 128 programs, not 64.
     forward: TileConfig = TileConfig(bm=64, bn=HEAD_DIM, bk=64, warps=4, stages=4)
+    # The forward's tiles where its programs at these tiles fit one wave at one program per SM (128
+    # tokens: 128 programs): a deeper ring (144 KB) keeps more of each program's weight slab in
+    # flight, which a second program per SM cannot then (notes/037.md row 33). None: never.
+    forward_one_wave: TileConfig | None = TileConfig(bm=64, bn=HEAD_DIM, bk=64, warps=4, stages=6)
     # The forward launch when cuBLAS made the projections and it only norms and rotates: a pass over
     # memory, so small tiles and few registers (71 at 32 rows, 4 warps) for many programs per SM.
     norm_rope: TileConfig = TileConfig(bm=32, bn=HEAD_DIM, bk=64, warps=4, stages=1)
@@ -75,7 +79,7 @@ CONFIG = Config()
 # The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
 INTERPRETER_CONFIG = Config(
     pack=PackConfig(tile=1024, block=1 << 20, iters=1, warps=4),
-    forward=TileConfig(bm=128, bn=HEAD_DIM, bk=1024, warps=4, stages=1),
+    forward=TileConfig(bm=128, bn=HEAD_DIM, bk=1024, warps=4, stages=1), forward_one_wave=None,
     norm_rope=TileConfig(bm=128, bn=HEAD_DIM, bk=1024, warps=4, stages=1),
     attention=AttentionConfig(fwd_bm=32, fwd_bn=16, fwd_warps=4, fwd_stages=1, kv_bn=32, kv_bm=16, q_bm=32, q_bn=16,
                               warps=4, stages=1, approx_tanh=False, short_fwd_bn=16),
@@ -109,7 +113,8 @@ class Plan:
     products: str  # "triton" (our tiles) or "cublas" (the forward and gradient products)
     pdl: bool
     pack: Layout
-    forward: TileConfig  # the forward launch's tiles: `Config.forward`, or `norm_rope` on cuBLAS
+    forward: TileConfig  # the forward launch's tiles: `Config.forward` (`forward_one_wave` where it fits one
+    # wave), or `norm_rope` on cuBLAS
     forward_programs: int
     forward_bounds: tuple  # the forward launch's programs [start, end) of [q | k | v] and (our products only) dA
     attention_forward_programs: int
@@ -198,6 +203,11 @@ def pack_layout(cfg: Config, tokens: int, splits, counters: int) -> Layout:
     ))
 
 
+def forward_tiles(tokens: int, t: TileConfig) -> int:
+    """The forward launch's programs with our products at tiles t: [q | k | v], then dA."""
+    return tile_count(tokens, QKV, 1, t.bm, t.bn) + tile_count(tokens, Q_OUT, 1, t.bm, t.bn)
+
+
 def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None = None, needs=None,
          deterministic: bool = False) -> Plan:
     """The launches of one call at `axes` on `sms` processors.
@@ -207,9 +217,9 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     (nothing else uses atomics). products: "triton", "cublas", or None (by size on a GPU:
     `cublas_min_flop` of gradient-product work).
     """
-    if HEAD_DIM != cfg.forward.bn or HEAD_DIM != cfg.norm_rope.bn:
-        raise ValueError(f"037 forward launch: tile width must be one head ({HEAD_DIM}), got "
-                         f"{cfg.forward.bn} and {cfg.norm_rope.bn}")
+    widths = [t.bn for t in (cfg.forward, cfg.forward_one_wave, cfg.norm_rope) if t is not None]
+    if any(w != HEAD_DIM for w in widths):
+        raise ValueError(f"037 forward launch: tile width must be one head ({HEAD_DIM}), got {widths}")
     batch, seq = axes["batch_size"], axes["seq_len"]
     tokens = batch * seq
     at, gr = cfg.attention, cfg.gradients
@@ -235,6 +245,9 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     split = head_split(at, kv_slots, seq, sms)
     q_programs = batch * HEADS * cdiv(seq, at.q_bm)
     fw = cfg.norm_rope if on_cublas else cfg.forward
+    deep = cfg.forward_one_wave
+    if not on_cublas and deep is not None and forward_tiles(tokens, deep) <= sms:
+        fw = deep
     row_blocks = cdiv(tokens, fw.bm)
     qkv_tiles = tile_count(tokens, QKV, 1, fw.bm, fw.bn)
     forward_bounds = ((0, qkv_tiles), (qkv_tiles, qkv_tiles + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm, fw.bn)))
