@@ -103,10 +103,12 @@ def test_product_backends_follow_the_notes():
 
 def test_gemma3_core_attention_rules():
     """32-key dK/dV programs where 64-key ones would not fill the GPU once (037.md row 25: cases 0,
-    3, 8, 9, 11, 14, 15); programs split by query head at batch 1 from 256 tokens (row 27: cases 9, 11)."""
+    3, 8, 9, 11, 14, 15); programs split by query head at batch 1 from 256 tokens (row 27: cases 9,
+    11), and below where the split grid fits one wave (row 34: case 8's 96 programs)."""
     plans = _plans("037")
     assert _cases(plans, lambda p: p.kv_bn == 32) == [0, 3, 8, 9, 11, 14, 15]
-    assert _cases(plans, lambda p: p.head_split == 3) == [9, 11]
+    assert _cases(plans, lambda p: p.head_split == 3) == [8, 9, 11]
+    assert plans[8].kv_slots * 3 <= SMS < plans[0].kv_slots * 3
     assert all(p.attention_forward_keys == (32 if w.axes["seq_len"] <= 256 else 64)
                for p, w in zip(plans, backfuse.problem("037").workloads))
     # the cuBLAS path's forward launch only norms and rotates, with its own tiles; our products take

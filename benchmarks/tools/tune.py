@@ -103,6 +103,7 @@ VARIANTS = {
         # dK/dV programs split by query head: never, or also below 256 tokens.
         "no_head_split": dict(config=C37(attention=A37(head_split_per_sm=0))),
         "head_split_short": dict(config=C37(attention=A37(head_split_min_seq=0))),
+        "no_one_wave_split": dict(config=C37(attention=A37(head_split_one_wave=False))),
         # Our product tiles run below 512 tokens only (cases 8, 11): 128-token tiles leave 64 forward
         # programs for 132 SMs at 128 tokens.
         "fwd_64x4_s4": dict(config=C37(forward=T(64, 128, 64, 4, 4))),

@@ -50,6 +50,7 @@ class AttentionConfig:
     # dK/dV programs split by query head (head_split); head_split_per_sm 0: never.
     head_split_per_sm: float = 3.0
     head_split_min_seq: int = 256
+    head_split_one_wave: bool = True  # also below head_split_min_seq where the split grid fits one wave
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,8 +103,15 @@ def head_split(at: AttentionConfig, kv_slots: int, seq: int, sms: int) -> int:
     """dK/dV programs per key block: one per query head of the group (summed by the last of them)
     while the split grid has at most head_split_per_sm programs per SM, from head_split_min_seq
     tokens: at batch 1 the first key blocks' programs (three heads times every later query) are the
-    launch's critical path; shorter loops gain nothing (benchmarks/notes/037.md row 27). Else 1."""
-    return GROUP if kv_slots * GROUP <= at.head_split_per_sm * sms and seq >= at.head_split_min_seq else 1
+    launch's critical path (benchmarks/notes/037.md row 27). Shorter sequences split only where the
+    split grid still fits one wave (head_split_one_wave; row 34: 128 tokens at batch 1, while at
+    batch 4 three programs per SM lose). Else 1."""
+    programs = kv_slots * GROUP
+    if not at.head_split_per_sm:
+        return 1
+    if at.head_split_one_wave and programs <= sms:
+        return GROUP
+    return GROUP if programs <= at.head_split_per_sm * sms and seq >= at.head_split_min_seq else 1
 
 
 @dataclass(frozen=True)
