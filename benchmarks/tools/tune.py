@@ -66,6 +66,10 @@ VARIANTS = {
         "fwd_s4": dict(config=C21(forward=T(128, 256, 64, 8, 4))),
         # 4 stages: fp32_tma_operand.py measured 128 x 128 tiles at 580 TFLOP/s with 4, 534 with 3.
         "fwd_small_s4": dict(config=C21(forward_small=T(128, 128, 64, 8, 4))),
+        # A deeper ring where the small tiles' programs are one wave at one per SM (037's rule of
+        # session 25: 6 stages −6 us on its 128-token case): 192 KB.
+        "fwd_small_s6": dict(config=C21(forward_small=T(128, 128, 64, 8, 6))),
+        "fwd_small_s5": dict(config=C21(forward_small=T(128, 128, 64, 8, 5))),
         "fwd_128x128_s4": dict(config=C21(forward=T(128, 128, 64, 8, 4), forward_small=T(128, 128, 64, 8, 4))),
         # Narrower tiles where 128 x 128 ones leave a ragged last round (wave quantization: 160 tiles on
         # 132 SMs take two tile times): 128 x 64 at 4 warps.
