@@ -75,10 +75,12 @@ def test_call_spans_group_kernels_by_launch():
         close(900),
         close(950),  # the profiler's own
     ]
-    spans, counts, launches, kernel_ms = call_spans(events, 2)
+    spans, counts, launches, kernel_ms, busy = call_spans(events, 2)
     assert counts == [2, 2] and launches == [2, 2]
     assert kernel_ms == {"k1": pytest.approx(100 / 2e6), "k2": pytest.approx(80 / 2e6), "side-stream": pytest.approx(60 / 2e6)}
     assert spans == [pytest.approx(200 / 1e6), pytest.approx(70 / 1e6)]
+    # busy: the union of a call's activities (call 0 idles 200..250 between k1 and k2; call 1's overlap once)
+    assert busy == [pytest.approx(150 / 1e6), pytest.approx(70 / 1e6)]
 
 
 def test_call_spans_with_a_sync_inside_the_call():
@@ -96,8 +98,9 @@ def test_call_spans_with_a_sync_inside_the_call():
         FakeEvent("kernel", "k1", 95, 105, corr=3),
         FakeEvent("cuda_runtime", CLOSE_API, 110, 111),
     ]
-    spans, counts, launches, _ = call_spans(events, 2)
+    spans, counts, launches, _, busy = call_spans(events, 2)
     assert counts == [2, 1] and spans == [pytest.approx(43 / 1e6), pytest.approx(10 / 1e6)]
+    assert busy == spans  # the copy follows the kernel with no gap
     assert launches == [1, 1]  # the copy is a device activity of the call, not a kernel launch
 
 
@@ -113,7 +116,7 @@ def test_call_spans_by_host_ranges():
         FakeEvent("kernel", "k2", 250, 330, corr=3),
         FakeEvent("kernel", "flush", 450, 480),
     ]
-    spans, counts, launches, _ = call_spans(events, 1)
+    spans, counts, launches, _, _ = call_spans(events, 1)
     assert counts == launches == [1] and spans == [pytest.approx(80 / 1e6)]
 
 
@@ -215,9 +218,17 @@ def test_cli_bench_without_gpu_checks_reduced_shapes(tmp_path):
     assert set(entry) == {"sol_h200_mean_ms", "impls"}
     assert list(entry["impls"]) == ["backfuse"] and set(entry["impls"]["backfuse"]) == {"mean_ms", "gmean_ms", "cases"}
     case = entry["impls"]["backfuse"]["cases"][0]
-    assert set(case) == {"uuid", "axes", "latency_ms", "passed", "min_matched"} | {"index", "launches"}
+    assert set(case) == {"uuid", "axes", "latency_ms", "passed", "min_matched"} | {"index", "launches", "busy_ms"}
     assert case["passed"] and case["latency_ms"] is None and case["axes"]["batch_size"] == 2 and case["index"] == 12
     assert case["launches"] is None and doc["triton_interpret"] is True  # the kernels ran in the interpreter
+
+
+def test_case_table_shows_launches_and_idle_share():
+    from backfuse.bench.report import _launches
+
+    assert _launches({"launches": 4, "latency_ms": 0.1, "busy_ms": 0.08}) == "4 idle 20%"
+    assert _launches({"launches": 5, "latency_ms": 0.1, "busy_ms": None}) == "5"
+    assert _launches({"launches": None}) == "?"
 
 
 def test_cli_merge_keeps_other_entries(tmp_path):

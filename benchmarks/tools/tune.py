@@ -163,7 +163,7 @@ def main():
                 print(f"case {i} {name}: {type(e).__name__}: {e}", flush=True)
                 continue
             row["variants"][name] = {"ms": t.median_ms, "event_ms": t.event_median_ms, "passed": ok,
-                                     "min_matched": worst, "kernel_ms": t.kernel_ms,
+                                     "min_matched": worst, "kernel_ms": t.kernel_ms, "busy_ms": t.busy_median_ms,
                                      "kernels": statistics.median(t.kernels_per_call)}
             del x
         rows.append(row)

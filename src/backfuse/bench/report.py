@@ -108,7 +108,12 @@ FALLBACK_NOTE = ("{names}: the fused kernels did not run (on a CPU they need the
 
 
 def _launches(case: dict) -> str:
-    return "?" if case.get("launches") is None else str(case["launches"])
+    """Kernel launches per call, and where recorded the share of the span in which the device ran
+    nothing of the call (it waited on the host)."""
+    text = "?" if case.get("launches") is None else str(case["launches"])
+    if case.get("busy_ms") is not None and case.get("latency_ms"):
+        text += f" idle {100 * max(0.0, 1 - case['busy_ms'] / case['latency_ms']):.0f}%"
+    return text
 
 
 def case_table(pid: str, entry: dict, *, gpu: str = "h200", baseline: str | None = None, meta: dict | None = None) -> str:
@@ -169,7 +174,7 @@ def case_table(pid: str, entry: dict, *, gpu: str = "h200", baseline: str | None
     if timed:
         calls = f" of {meta['iters']} calls" if meta and meta.get("iters") else ""
         what = (f"latency ms, median of CUPTI spans{calls}; % of {GPUS[gpu].name} fp16 SOL; [kernel launches per call, "
-                "? where not recorded]")
+                "? where not recorded; idle: share of the span the device ran nothing of the call]")
     else:
         what = (f"correctness only, {'reduced' if reduced else 'official'} shapes, no timing; "
                 "ok/FAIL and the worst output's fraction of elements in tolerance")

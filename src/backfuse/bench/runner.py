@@ -33,6 +33,7 @@ class CaseResult:
     event_ms: float | None = None  # median CUDA-event time (cross-check)
     kernels: int | None = None  # device activities per call (kernels, memcpy, memset)
     launches: int | None = None  # kernel launches per call
+    busy_ms: float | None = None  # median time a call keeps the device busy (latency less its idle gaps)
     index: int | None = None  # the case's index among the problem's official workloads
     fallback: str | None = None  # "reference" when the impl ran as the fp32 reference (no fused kernels)
 
@@ -102,6 +103,7 @@ def run_problem(
                 result.latency_ms, result.event_ms = t.median_ms, t.event_median_ms
                 result.kernels = statistics.median(t.kernels_per_call)
                 result.launches = statistics.median_low(t.launches_per_call)
+                result.busy_ms = t.busy_median_ms
                 if result.kernels == 0 or result.event_ms < 0.9 * result.latency_ms:
                     # The events bracket the whole call, so they can't read much less than its span.
                     log(f"{problem.id} {name} case {index}: CUPTI span {result.latency_ms:.4f} ms over "
@@ -159,7 +161,8 @@ def run_info(device, *, timing: bool, rounds: int, warmup: int = WARMUP, iters: 
 def to_json(problem: Problem, results: dict) -> dict:
     """One problem's entry of benchmarks/results/*.json: per impl the arithmetic and geometric means of
     the per-case latencies (None unless every case was timed) and the cases, each with its kernel
-    launches per call (None where untimed) and passed=None where nothing was checked."""
+    launches per call and the device's busy time per call (None where untimed) and passed=None where
+    nothing was checked."""
     axes_list = [c.axes for c in next(iter(results.values()))]
     impls = {}
     for name, cases in results.items():
@@ -174,6 +177,7 @@ def to_json(problem: Problem, results: dict) -> dict:
                     "axes": c.axes,
                     "latency_ms": c.latency_ms,
                     "launches": c.launches,
+                    "busy_ms": c.busy_ms,
                     "passed": c.passed,
                     "min_matched": c.min_matched,
                     **({"index": c.index} if c.index is not None else {}),

@@ -8,7 +8,9 @@ the arithmetic and geometric means of its latencies (null unless every case was 
 ("reference", where the fp32 reference ran in its place) and "cases"; per case: "uuid", "axes" (the
 problem's axes, positive integers), "latency_ms" (null: untimed), "passed" and "min_matched" (null:
 nothing was checked, as for the reference itself), and optionally "index" (the official case, 0..15)
-and (added) "launches" (kernel launches per call; null untimed, absent in older files).
+and (added) "launches" (kernel launches per call) and "busy_ms" (the median time per call that at
+least one of its device activities ran: latency less the idle gaps, e.g. waits on the host), each
+null untimed and absent in older files.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ _CASE = (
     ("min_matched", _or_null(_is_number), "a number or null", True),
     ("index", lambda v: _is_count(0)(v) and v < 16, "an integer 0..15", False),
     ("launches", _or_null(_is_count(0)), "an integer >= 0 or null", False),
+    ("busy_ms", _or_null(_is_number), "a number or null", False),
 )
 
 

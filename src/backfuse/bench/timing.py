@@ -79,6 +79,11 @@ class Timing:
     kernels_per_call: list  # device activities (kernels, memcpy, memset) per timed call
     launches_per_call: list  # kernel launches per timed call (kernels only)
     kernel_ms: dict  # device activity name -> mean time per call, ms
+    busy_ms: list  # per timed call, the time at least one of its device activities ran (span minus idle gaps)
+
+    @property
+    def busy_median_ms(self) -> float:
+        return statistics.median(self.busy_ms)
 
     @property
     def median_ms(self) -> float:
@@ -126,8 +131,8 @@ def _profiled_calls(fn, flush, fresh, device, iters: int, *, annotate: bool) -> 
                 fn(*args)
                 end.record()
                 torch.cuda.synchronize(device)
-    spans, counts, launches, kernel_ms = call_spans(trace_events(prof), iters)
-    return Timing(spans, [s.elapsed_time(e) for s, e in events], counts, launches, kernel_ms)
+    spans, counts, launches, kernel_ms, busy = call_spans(trace_events(prof), iters)
+    return Timing(spans, [s.elapsed_time(e) for s, e in events], counts, launches, kernel_ms, busy)
 
 
 class MissingCallBoundaries(RuntimeError):
@@ -163,8 +168,9 @@ def trace_events(prof) -> list:
 
 def call_spans(events, iters: int) -> tuple:
     """Per timed call: (first device activity start .. last end) in ms, the device activity count and
-    the kernel count (its launches: memcpy and memset are not kernels); and per activity name, its mean
-    time per call in ms.
+    the kernel count (its launches: memcpy and memset are not kernels); per activity name, its mean
+    time per call in ms; and per call the device's busy time in ms (the union of its activities'
+    intervals: the span less the gaps where nothing of the call ran, e.g. waiting on the host).
 
     Call i runs from the end of the stream synchronization that opens it to the next device
     synchronization (or, in a trace with host ranges, over call i's range). A device
@@ -202,6 +208,7 @@ def call_spans(events, iters: int) -> tuple:
     count = [0] * iters
     launches = [0] * iters
     busy_ns = {}
+    intervals = [[] for _ in range(iters)]
     for e in events:
         if e.kind not in DEVICE_ACTIVITIES:
             continue
@@ -212,8 +219,20 @@ def call_spans(events, iters: int) -> tuple:
         count[call] += 1
         launches[call] += e.kind == "kernel"
         busy_ns[e.name] = busy_ns.get(e.name, 0) + e.end_ns - e.start_ns
+        intervals[call].append((e.start_ns, e.end_ns))
         first[call] = e.start_ns if first[call] is None else min(first[call], e.start_ns)
         last[call] = e.end_ns if last[call] is None else max(last[call], e.end_ns)
     spans = [((last[i] - first[i]) / 1e6 if count[i] else 0.0) for i in range(iters)]
     kernel_ms = {name: ns / 1e6 / iters for name, ns in busy_ns.items()}
-    return spans, count, launches, kernel_ms
+    return spans, count, launches, kernel_ms, [_union_ns(i) / 1e6 for i in intervals]
+
+
+def _union_ns(intervals) -> int:
+    """The length of the union of [start, end) intervals."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total
