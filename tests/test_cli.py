@@ -394,12 +394,13 @@ def test_sol_prints_both_means(capsys):
 # ---- the H200 results still load, report and plot; tables and plots by official index ------
 
 def _before_launches(doc: dict) -> dict:
-    """doc as results files were before "gmean_ms" and "launches" existed."""
+    """doc as results files were before "gmean_ms", "launches" and "busy_ms" existed."""
     for entry in doc["problems"].values():
         for impl in entry["impls"].values():
             impl.pop("gmean_ms", None)
             for case in impl["cases"]:
                 case.pop("launches", None)
+                case.pop("busy_ms", None)
     return doc
 
 
@@ -422,12 +423,15 @@ def test_h200_results_are_read_as_before():
 
 
 def test_h200_results_show_launches():
-    """The GPU file as benched since session 18: each case's kernel launches per call, in the report."""
+    """The GPU file as benched since session 18: each case's kernel launches per call, in the report;
+    since session 25 also the share of its span the device sat idle (from "busy_ms")."""
     doc = _h200()
-    launches = [c["launches"] for c in doc["problems"]["021"]["impls"]["backfuse"]["cases"]]
-    assert all(isinstance(n, int) and n >= 1 for n in launches)
+    cases = doc["problems"]["021"]["impls"]["backfuse"]["cases"]
+    assert all(isinstance(c["launches"], int) and c["launches"] >= 1 for c in cases)
+    assert all(0 < c["busy_ms"] <= c["latency_ms"] for c in cases)
     rows = report.case_table("021", doc["problems"]["021"]).splitlines()[2:18]
-    assert all(f"[{n}]" in row for row, n in zip(rows, launches))
+    idle = [round(100 * (1 - c["busy_ms"] / c["latency_ms"])) for c in cases]
+    assert all(f"[{c['launches']} idle {i}%]" in row for row, c, i in zip(rows, cases, idle))
 
 
 def test_subset_tables_and_plots_use_official_indices():
@@ -457,7 +461,7 @@ def test_merged_subset_next_to_full_runs_reports_and_plots(tmp_path):
     impl["cases"] = [dict(impl["cases"][5], index=5), dict(impl["cases"][0], index=0)]
     table = report.case_table("021", doc["problems"]["021"]).splitlines()
     assert [r.split()[0] for r in table[2:18]] == [str(i) for i in range(16)]
-    assert table[3].rstrip().endswith("–") and "%" in table[7].split()[-2]
+    assert table[3].rstrip().endswith("–") and table[7].rsplit("[", 1)[0].split()[-1].endswith("%")
     assert "mean over the cases run" in report.readme_table(doc)
     report.plot(doc, str(tmp_path / "p.png"), only="021")
 
