@@ -29,7 +29,7 @@ CASES = [*ENGINE_CASES, "072 one launch"]
 # (benchmarks/notes/gluon.md: the streamed pack partition that spilled more was 1.9x slower).
 STACK_BUDGET = {name: 0 for name in ENGINE_CASES} | {"072 one launch": 128}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The studies prepared for a device call (benchmarks/experiments: issues 23, 24 and 25; Gluon, and one `tl`), compiled so
+# The studies prepared for a device call (benchmarks/experiments: issues 23, 24 and 25; Gluon, and two `tl`), compiled so
 # that an API change shows before it: each kernel's line of `--compile-only`; those marked must show
 # no stack (the SM-roles study's 128 x 256 product kernel spills 168 bytes today, and 021's attention study
 # 520 bytes where it keeps dK and dV over a run: they are measured as they are).
@@ -38,7 +38,8 @@ STUDIES = {"gluon_attention_forward.py": (["--variants", "base,pingpong+3slots"]
            "sm_roles_072.py": ([], False),
            "gluon_grouped_037.py": ([], True),
            "gluon_attention_021.py": ([], False),
-           "tf32_forward_021.py": ([], True)}
+           "tf32_forward_021.py": ([], True),
+           "persistent_cast.py": ([], True)}
 
 
 def _compile(case: str):
