@@ -33,6 +33,7 @@ def T(bm, bn, bk, warps, stages):  # a TileConfig, briefly
 
 VARIANTS = {
     "072": {
+        "default": dict(config=C72()),
         "triton_1launch": dict(products="triton", config=C72(tiles=T(128, 256, 64, 8, 4))),
         "triton_default": dict(products="triton"),
         "cublas": dict(products="cublas"),
