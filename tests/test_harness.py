@@ -72,15 +72,17 @@ def test_call_spans_group_kernels_by_launch():
         FakeEvent("kernel", "k1", 530, 560, corr=4),
         FakeEvent("kernel", "side-stream", 540, 600, corr=77),  # no launch record: its own start decides
         FakeEvent("cpu_op", "aten::mm", 505, 509),
+        FakeEvent("kernel", "graph node", 901, 920, corr=78),  # no launch record, starts while the host waits
         close(900),
         close(950),  # the profiler's own
     ]
     spans, counts, launches, kernel_ms, busy = call_spans(events, 2)
-    assert counts == [2, 2] and launches == [2, 2]
-    assert kernel_ms == {"k1": pytest.approx(100 / 2e6), "k2": pytest.approx(80 / 2e6), "side-stream": pytest.approx(60 / 2e6)}
-    assert spans == [pytest.approx(200 / 1e6), pytest.approx(70 / 1e6)]
+    assert counts == [2, 3] and launches == [2, 3]
+    assert kernel_ms == {"k1": pytest.approx(100 / 2e6), "k2": pytest.approx(80 / 2e6), "side-stream": pytest.approx(60 / 2e6),
+                         "graph node": pytest.approx(19 / 2e6)}
+    assert spans == [pytest.approx(200 / 1e6), pytest.approx(390 / 1e6)]
     # busy: the union of a call's activities (call 0 idles 200..250 between k1 and k2; call 1's overlap once)
-    assert busy == [pytest.approx(150 / 1e6), pytest.approx(70 / 1e6)]
+    assert busy == [pytest.approx(150 / 1e6), pytest.approx(89 / 1e6)]
 
 
 def test_call_spans_with_a_sync_inside_the_call():

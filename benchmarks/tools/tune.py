@@ -5,7 +5,8 @@ Run on the GPU machine from the checkout: PYTHONPATH=src python benchmarks/tools
 Every variant is checked (official rule, 2 rounds) and timed under the official clock (CUPTI span,
 L2 flushed, fresh addresses). Prints a short table; writes everything to DIR/tune_<problem>.json.
 A variant is the keywords of the operator's fused backward (`ops/<stem>/backward.py`): a `config`
-(its `config.Config`, keyword-built), `products`, ...
+(its `config.Config`, keyword-built), `products`, ...; and `graphs=False` to launch the kernels one
+by one instead of as one CUDA graph (`backfuse.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def T(bm, bn, bk, warps, stages):  # a TileConfig, briefly
 VARIANTS = {
     "072": {
         "default": dict(config=C72()),
+        "direct": dict(config=C72(), graphs=False),
         "triton_1launch": dict(products="triton", config=C72(tiles=T(128, 256, 64, 8, 4))),
         "triton_default": dict(products="triton"),
         "cublas": dict(products="cublas"),
@@ -59,6 +61,7 @@ VARIANTS = {
     },
     "021": {
         "default": dict(config=C21()),
+        "direct": dict(config=C21(), graphs=False),
         "no_pdl": dict(config=C21(pdl=False)),
         "att_half_sm": dict(config=C21(attention=A21(programs_per_sm=0.5))),
         "att_2sm": dict(config=C21(attention=A21(programs_per_sm=2))),
@@ -88,11 +91,13 @@ VARIANTS = {
     },
     "037": {
         "default": dict(config=C37()),
+        "direct": dict(config=C37(), graphs=False),
         "exp2_tanh": dict(config=C37(attention=A37(approx_tanh=False))),
         "no_pdl": dict(config=C37(pdl=False)),
         "norm_rope_128x8": dict(config=C37(norm_rope=T(128, 128, 64, 8, 3))),
         "norm_rope_64x4": dict(config=C37(norm_rope=T(64, 128, 64, 4, 1))),
         "triton": dict(config=C37(), products="triton"),
+        "cublas": dict(config=C37(), products="cublas"),
         "bwd_s2": dict(config=C37(attention=A37(stages=2))),
         "att_fwd_128x64": dict(config=C37(attention=A37(fwd_bm=128, fwd_bn=64, fwd_warps=8))),
         "forward_256": dict(config=C37(forward=T(256, 128, 64, 8, 3))),
@@ -150,7 +155,12 @@ def main():
         a = w.axes
         row = {"case": i, "axes": a, "sol_ms": sol_ms(prob, a), "variants": {}}
         for name, kw in variants.items():
-            fn = lambda *x, kw=kw: backward(*x, **kw)  # noqa: E731
+            kw = dict(kw)
+            graphs = kw.pop("graphs", True)
+
+            def fn(*x, kw=kw, graphs=graphs):
+                with backfuse.cuda_graphs(graphs):
+                    return backward(*x, **kw)
             worst, ok = 1.0, True
             try:
                 for r in range(2):

@@ -2,11 +2,13 @@
 
 from .callsite import BackfuseWarning
 from .fp16_guard import Fp16RangeWarning, fp16_range_check
+from .kernels.graphs import GraphWarning, cuda_graphs
 from .ops import PROBLEMS
 from .problem import Problem
 
 __version__ = "0.1.0"
-__all__ = ["PROBLEM_IDS", "BackfuseWarning", "Fp16RangeWarning", "Problem", "fp16_range_check", "problem"]
+__all__ = ["PROBLEM_IDS", "BackfuseWarning", "Fp16RangeWarning", "GraphWarning", "Problem", "cuda_graphs", "fp16_range_check",
+           "problem"]
 
 PROBLEM_IDS = tuple(PROBLEMS)
 

@@ -175,8 +175,11 @@ def call_spans(events, iters: int) -> tuple:
     Call i runs from the end of the stream synchronization that opens it to the next device
     synchronization (or, in a trace with host ranges, over call i's range). A device
     activity belongs to call i when the API call that launched it (matched by CUPTI correlation id)
-    lies between them; one whose launch is not in the trace goes by its own start time. Flushes
-    and input copies are launched between calls and are dropped.
+    lies between them; one whose launch is not in the trace (the profiler keeps no record of a
+    graph launch through the driver API, `cuGraphLaunch`) goes by its own start time, which may
+    fall while the host already waits in the closing synchronization: up to that wait's end, when
+    the device has finished the call. Flushes and input copies are launched between calls and
+    are dropped.
     """
     def api(name):
         return sorted((e for e in events if e.kind == "cuda_runtime" and e.name == name), key=lambda e: e.start_ns)
@@ -192,10 +195,11 @@ def call_spans(events, iters: int) -> tuple:
             seen.add(after)
             opens.append(o)
     ranges = sorted((e for e in events if e.kind == "user_annotation" and e.name.startswith(CALL_TAG)), key=lambda e: e.start_ns)
-    if len(ranges) == iters:
-        windows = [(r.start_ns, r.end_ns) for r in ranges]
+    if len(ranges) == iters:  # (opens, last launch, last device activity)
+        windows = [(r.start_ns, r.end_ns, r.end_ns) for r in ranges]
     elif len(opens) == iters and all(bisect.bisect(close_starts, o.end_ns) < len(closes) for o in opens):
-        windows = [(o.end_ns, close_starts[bisect.bisect(close_starts, o.end_ns)]) for o in opens]
+        windows = [(o.end_ns, closes[j].start_ns, closes[j].end_ns)
+                   for o in opens for j in [bisect.bisect(close_starts, o.end_ns)]]
     else:
         raise MissingCallBoundaries(
             f"profiler trace holds {len(opens)} stream synchronizations (expected {iters}), "
@@ -212,9 +216,10 @@ def call_spans(events, iters: int) -> tuple:
     for e in events:
         if e.kind not in DEVICE_ACTIVITIES:
             continue
-        t = launch_ns.get(e.correlation, e.start_ns)
+        launched = launch_ns.get(e.correlation)
+        t = e.start_ns if launched is None else launched
         call = bisect.bisect_right(opens, t) - 1
-        if call < 0 or t > windows[call][1]:
+        if call < 0 or t > windows[call][1 if launched is not None else 2]:
             continue
         count[call] += 1
         launches[call] += e.kind == "kernel"

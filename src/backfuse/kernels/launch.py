@@ -56,6 +56,10 @@ if FAST_LAUNCH:
 else:
     _allocation = None
 
+# The raw handle of a device's current stream (what Triton's own launcher asks torch for); absent from
+# CPU-only builds of torch, where no prepared launch runs.
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda device: torch.cuda.current_stream(device).cuda_stream)
+
 
 def _encode_descriptors(run, args):
     """(launch entry, args) with host TMA descriptors encoded now: Triton 3.6 wraps the launcher of a
@@ -137,6 +141,7 @@ class FastKernel:
 
     def prepare(self, grid: tuple, *args, **meta):
         """The launch fn[grid](*args, **meta) as a callable with all host work but the launch done now.
+        A callable whose `graphable` is False must run outside CUDA graphs (it compiles, or allocates).
 
         Preparing every launch of an operator before the first one runs lets them follow each other
         with no host work in between. Tensors go to the launcher as raw addresses, which skips its
@@ -156,6 +161,7 @@ class FastKernel:
                 with scratch_allocator():
                     self.fn[grid](*args, **meta)
 
+            jit_launch.graphable = False  # allocates its scratch per launch
             return jit_launch
         handle = self.handles.get(key)
         if handle is None:  # first launch of this specialization: through the JIT, which compiles it
@@ -165,11 +171,12 @@ class FastKernel:
                 with scratch_allocator():
                     self.handles.setdefault(key, self.fn[grid](*args, **meta))
 
+            first_launch.graphable = False  # compiles: no CUDA graph records it
             return first_launch
         full = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         full += [meta[p.name] for p in self.params[len(args):]]
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        stream = torch.cuda.current_stream().cuda_stream
+        device = tensors[0].device.index
         function, packed, launcher = handle.function, handle.packed_metadata, handle.run
         # What the launcher's __call__ does, with the scratch allocated once: Triton 3.6's CudaLauncher.
         run, full = _encode_descriptors(launcher.launch, full)
@@ -180,7 +187,8 @@ class FastKernel:
                                     torch.int8, tensors[0].device)
 
         def launch(tensors=tensors, args=args):  # keeps the tensors (and descriptors' tensors) alive
-            run(grid[0], grid[1], grid[2], stream, function, cooperative, pdl, scratch, None,
+            # On the stream current when it runs: the caller's, or the one a CUDA graph records from.
+            run(grid[0], grid[1], grid[2], current_stream(device), function, cooperative, pdl, scratch, None,
                 packed, None, None, None, *full)
 
         return launch

@@ -10,8 +10,8 @@ one driver:
         return problem.fp32_backward(*inputs)
     call = begin(...)                           # device, SM count, config, plan, fp16-range slots
     bufs = path.allocate(call, inputs)
-    for launch in path.launches(call, inputs, bufs):   # Triton launches, cuBLAS products
-        launch()
+    launches = path.launches(call, inputs, bufs)    # Triton launches, cuBLAS products
+    run them: as one CUDA graph on a GPU (kernels/graphs.py), else one by one
     return path.outputs(bufs)
 
 Every operator package's `backward.py` holds one `FusedPath` and exports its `backward`; launch i
@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from ..fp16_guard import RangeSlots
-from ..kernels import buffers
+from ..kernels import buffers, graphs
 from ..kernels.launch import FAST_LAUNCH
 
 INT32_ELEMENTS = 2**31  # the kernels count elements in int32
@@ -156,6 +156,9 @@ class FusedPath(ABC):
         bufs = self.allocate(call, inputs)
         with buffers.on_device(call.host.device):
             launches = list(self.launches(call, inputs, bufs))  # all prepared before the first runs
-            for launch in launches:
-                launch()
+            if graphs.enabled(call.host.device, launches):
+                graphs.run((type(self), call.plan), call.host.device, launches)
+            else:
+                for launch in launches:
+                    launch()
         return self.outputs(bufs)

@@ -1,0 +1,184 @@
+"""A fused call's launches as one CUDA graph: one host launch, the kernels back to back on the device.
+
+Each launch costs the host 14-40 us (notes/021.md row 36, PROTOCOL.md); where a call's kernels are
+shorter than that, the device waits between them, and the official clock counts the wait (it times
+from the first kernel's start to the last one's end; host work before the first launch is not
+counted). Here the host records the call's prepared launches into a graph (stream capture on a
+stream of our own: nothing runs while recording), then launches the graph on the caller's stream:
+
+    capture(launches) -> graph            # each launch records a node; our kernels, cuBLAS's
+    exec = update(cached exec, graph)     # new addresses into the nodes (cuGraphExecUpdate), or
+                                          # instantiate where none is cached or the topology changed
+    cuGraphLaunch(exec, caller's stream)  # PDL launches keep their programmatic edges in the graph
+
+What is cached is the executable graph of a plan (its topology, like a compiled kernel); every call
+records its own launches and writes its own addresses into it, so nothing of one call's data or
+work carries to the next. Kernels that wait on device counters keep their residency check (it runs
+when the launch is prepared).
+
+The driver API comes through ctypes from libcuda (torch exposes capture and replay but not
+cuGraphExecUpdate). `enabled(device, launches)` says when a call takes this path: on a CUDA device,
+with graphs on (`cuda_graphs`), more than one launch (recording one saves nothing), the caller not
+capturing a graph itself (its capture then records our launches), every launch graphable (a first
+launch compiles through Triton's JIT, which stays out of captures: `FastKernel.prepare` marks it
+`graphable = False`), and libcuda offering the entry points. A capture that fails is undone, warned
+about once per plan, and the call runs its launches directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .. import callsite
+from ..callsite import BackfuseWarning
+
+CAPTURE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: cuBLAS may allocate its workspace while we record
+EXECS_KEPT = 64  # executable graphs kept (one per plan and stream, most recently used last)
+
+_enabled = True
+_driver = None
+_execs: OrderedDict = OrderedDict()  # (key, device, stream) -> CUgraphExec handle
+_capture_streams: dict = {}  # device index -> torch.cuda.Stream used only for recording
+_failed: set = set()  # keys whose capture failed: they launch directly
+counts: Counter = Counter()  # graphs instantiated, updated and launched, calls launched directly (tests read it)
+
+
+class GraphWarning(BackfuseWarning):
+    """A fused call could not be recorded as a CUDA graph and launched its kernels one by one."""
+
+
+@contextlib.contextmanager
+def cuda_graphs(enabled: bool):
+    """Launch fused calls as one CUDA graph each (the default on a GPU) or kernel by kernel inside the block."""
+    global _enabled
+    saved, _enabled = _enabled, bool(enabled)
+    try:
+        yield
+    finally:
+        _enabled = saved
+
+
+class _UpdateResult(ctypes.Structure):
+    _fields_ = [("result", ctypes.c_int), ("error_node", ctypes.c_void_p), ("error_from_node", ctypes.c_void_p)]
+
+
+class Driver:
+    """The few libcuda entry points a graph needs, each raising RuntimeError with CUDA's message on failure."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        p, u64 = ctypes.c_void_p, ctypes.c_ulonglong
+        for name, args in (("cuStreamBeginCapture_v2", [p, ctypes.c_int]), ("cuStreamEndCapture", [p, ctypes.POINTER(p)]),
+                           ("cuGraphInstantiateWithFlags", [ctypes.POINTER(p), p, u64]),
+                           ("cuGraphExecUpdate_v2", [p, p, ctypes.POINTER(_UpdateResult)]),
+                           ("cuGraphLaunch", [p, p]), ("cuGraphDestroy", [p]), ("cuGraphExecDestroy", [p]),
+                           ("cuGetErrorString", [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+
+    def check(self, code: int, what: str) -> None:
+        if code:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(code, ctypes.byref(msg))
+            raise RuntimeError(f"{what}: CUDA error {code} ({(msg.value or b'?').decode()})")
+
+    def capture(self, stream: int, record: Callable[[], None]) -> int:
+        """The graph that record() builds by launching on `stream` (captured, not run)."""
+        self.check(self.lib.cuStreamBeginCapture_v2(stream, CAPTURE_RELAXED), "cuStreamBeginCapture")
+        graph = ctypes.c_void_p()
+        try:
+            record()
+        except BaseException:  # end the capture, so that the stream is usable again, and drop its graph
+            if self.lib.cuStreamEndCapture(stream, ctypes.byref(graph)) == 0 and graph.value:
+                self.destroy_graph(graph.value)
+            raise
+        self.check(self.lib.cuStreamEndCapture(stream, ctypes.byref(graph)), "cuStreamEndCapture")
+        return graph.value
+
+    def instantiate(self, graph: int) -> int:
+        exec_ = ctypes.c_void_p()
+        self.check(self.lib.cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, 0), "cuGraphInstantiate")
+        return exec_.value
+
+    def update(self, exec_: int, graph: int) -> bool:
+        """Whether exec_ took graph's node parameters (false: another topology; exec_ then unchanged)."""
+        info = _UpdateResult()
+        return self.lib.cuGraphExecUpdate_v2(exec_, graph, ctypes.byref(info)) == 0
+
+    def launch(self, exec_: int, stream: int) -> None:
+        self.check(self.lib.cuGraphLaunch(exec_, stream), "cuGraphLaunch")
+
+    def destroy_graph(self, graph: int) -> None:
+        self.lib.cuGraphDestroy(graph)
+
+    def destroy_exec(self, exec_: int) -> None:  # one in flight is freed once it completes
+        self.lib.cuGraphExecDestroy(exec_)
+
+
+def driver() -> Driver | None:
+    """libcuda's graph entry points, or None where libcuda lacks them (then calls launch directly)."""
+    global _driver
+    if _driver is None:
+        try:
+            _driver = Driver(ctypes.CDLL("libcuda.so.1"))
+        except (OSError, AttributeError):
+            _driver = False
+    return _driver or None
+
+
+def enabled(device: torch.device, launches: Sequence) -> bool:
+    """Whether a call on `device` with these prepared launches runs as a graph (see the module's docstring)."""
+    return (_enabled and device.type == "cuda" and len(launches) > 1 and not torch.cuda.is_current_stream_capturing()
+            and all(getattr(launch, "graphable", True) for launch in launches) and driver() is not None)
+
+
+def run(key, device: torch.device, launches: Sequence[Callable[[], None]]) -> None:
+    """Run the prepared launches on the current stream as one graph; `key` names the plan they follow
+    (equal keys: the same kernels and grids, so a cached executable graph takes the new addresses)."""
+    if key in _failed:
+        counts["direct"] += 1
+        return _direct(launches)
+    drv = driver()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    recorder = _capture_streams.get(index)
+    if recorder is None:
+        recorder = _capture_streams[index] = torch.cuda.Stream(index)
+    try:
+        with torch.cuda.stream(recorder):
+            graph = drv.capture(recorder.cuda_stream, lambda: _direct(launches))
+    except Exception as e:  # noqa: BLE001 - any failure to record leaves the direct launches, which raise real errors
+        _failed.add(key)
+        callsite.warn(f"backfuse: this call's launches could not be recorded as a CUDA graph ({e}); "
+                      "calls of this shape launch their kernels one by one", GraphWarning)
+        counts["direct"] += 1
+        return _direct(launches)
+    slot = (key, index, stream.cuda_stream)
+    try:
+        exec_ = _execs.pop(slot, None)
+        if exec_ is not None:
+            if drv.update(exec_, graph):
+                counts["updated"] += 1
+            else:
+                drv.destroy_exec(exec_)
+                exec_ = None
+        if exec_ is None:
+            exec_ = drv.instantiate(graph)
+            counts["instantiated"] += 1
+    finally:
+        drv.destroy_graph(graph)
+    _execs[slot] = exec_
+    while len(_execs) > EXECS_KEPT:
+        drv.destroy_exec(_execs.popitem(last=False)[1])
+    drv.launch(exec_, stream.cuda_stream)
+    counts["launched"] += 1
+
+
+def _direct(launches) -> None:
+    for launch in launches:
+        launch()

@@ -1,0 +1,85 @@
+"""Fused calls as one CUDA graph (`kernels/graphs.py`): repeated calls at fresh addresses with other
+sizes between, graph and direct launches bit for bit alike, a launch that cannot be recorded, and a
+user's own graph capture around the operator."""
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import ODD_AXES, assert_official_pass
+
+import backfuse
+from backfuse.kernels import buffers, graphs
+
+GPU = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs run on the GPU only")
+
+
+def test_no_graphs_off_the_gpu_or_when_switched_off():
+    assert not graphs.enabled(torch.device("cpu"), [])
+    with backfuse.cuda_graphs(False):
+        assert not graphs.enabled(torch.device("cuda", 0), [])
+
+
+@GPU
+@pytest.mark.parametrize("pid", ["072", "037", "021"])
+def test_repeated_calls_run_as_one_graph_each(pid):
+    """From a shape's second call on, its launches are recorded and launched as one graph whose
+    cached executable takes each call's addresses; another size between calls keeps its own."""
+    prob = backfuse.problem(pid)
+    before = graphs.counts.copy()
+    for seed in range(3):
+        for axes in ODD_AXES[pid]:
+            x = prob.make_inputs(axes, seed=seed, device=DEVICE)
+            with buffers.poisoned():
+                outs = prob.fused(*x)
+            assert_official_pass(prob, outs, prob.reference(*x))
+    new = graphs.counts - before
+    assert new["launched"] >= 4 and new["updated"] >= 2 and not new["direct"], new
+
+
+@GPU
+@pytest.mark.parametrize("pid", ["072", "037", "021"])
+def test_graph_and_direct_launches_agree_bit_for_bit(pid):
+    prob = backfuse.problem(pid)
+    x = prob.make_inputs(ODD_AXES[pid][1], seed=5, device=DEVICE)
+    with backfuse.cuda_graphs(False):
+        direct = prob.fused(*x, deterministic=True)
+    for _ in range(2):  # instantiated, then updated
+        for d, g in zip(direct, prob.fused(*x, deterministic=True)):
+            assert torch.equal(d, g)
+
+
+@GPU
+def test_a_launch_that_cannot_be_recorded_runs_directly_with_a_warning():
+    out = torch.zeros(4, device=DEVICE)
+    key = ("test", "uncapturable")
+
+    def launch():
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("not while recording")
+        out.add_(1)
+
+    with pytest.warns(backfuse.GraphWarning, match="could not be recorded"):
+        graphs.run(key, out.device, [launch])
+    graphs.run(key, out.device, [launch])  # known to fail: direct, no second warning
+    assert out.tolist() == [2.0] * 4
+
+
+@GPU
+@pytest.mark.parametrize("pid", ["072", "021"])
+def test_inside_a_users_own_graph(pid):
+    """A user capturing the operator in torch.cuda.graph (after one call at the shape) records its
+    kernels into their graph; replays give the reference's result for the captured inputs."""
+    prob = backfuse.problem(pid)
+    x = prob.make_inputs(ODD_AXES[pid][0], seed=9, device=DEVICE)
+    prob.fused(*x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = prob.fused(*x)
+    fresh = prob.make_inputs(ODD_AXES[pid][0], seed=10, device=DEVICE)
+    for t, f in zip(x, fresh):
+        if isinstance(t, torch.Tensor):
+            t.copy_(f)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_official_pass(prob, outs, prob.reference(*fresh))
