@@ -20,8 +20,9 @@ def test_no_graphs_off_the_gpu_or_when_switched_off():
 
 
 @GPU
-@pytest.mark.parametrize("pid", ["072", "037", "021"])
-def test_repeated_calls_run_as_one_graph_each(pid):
+@pytest.mark.parametrize("pid,options", [("072", dict(products="triton")), ("072", dict(products="cublas")),
+                                         ("037", {}), ("021", {})])
+def test_repeated_calls_run_as_one_graph_each(pid, options):
     """From a shape's second call on, its launches are recorded and launched as one graph whose
     cached executable takes each call's addresses; another size between calls keeps its own."""
     prob = backfuse.problem(pid)
@@ -30,10 +31,20 @@ def test_repeated_calls_run_as_one_graph_each(pid):
         for axes in ODD_AXES[pid]:
             x = prob.make_inputs(axes, seed=seed, device=DEVICE)
             with buffers.poisoned():
-                outs = prob.fused(*x)
+                outs = prob.fused(*x, **options)
             assert_official_pass(prob, outs, prob.reference(*x))
     new = graphs.counts - before
     assert new["launched"] >= 4 and new["updated"] >= 2 and not new["direct"], new
+
+
+@GPU
+def test_a_call_of_one_launch_launches_it_directly():
+    prob = backfuse.problem("072")  # on Hopper one Gluon launch
+    x = prob.make_inputs(ODD_AXES["072"][0], seed=1, device=DEVICE)
+    before = graphs.counts.copy()
+    for _ in range(2):
+        prob.fused(*x, products="gluon")
+    assert graphs.counts == before
 
 
 @GPU
@@ -41,10 +52,11 @@ def test_repeated_calls_run_as_one_graph_each(pid):
 def test_graph_and_direct_launches_agree_bit_for_bit(pid):
     prob = backfuse.problem(pid)
     x = prob.make_inputs(ODD_AXES[pid][1], seed=5, device=DEVICE)
+    options = dict(deterministic=True, products="triton") if pid == "072" else dict(deterministic=True)
     with backfuse.cuda_graphs(False):
-        direct = prob.fused(*x, deterministic=True)
+        direct = prob.fused(*x, **options)
     for _ in range(2):  # instantiated, then updated
-        for d, g in zip(direct, prob.fused(*x, deterministic=True)):
+        for d, g in zip(direct, prob.fused(*x, **options)):
             assert torch.equal(d, g)
 
 
