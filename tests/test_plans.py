@@ -90,11 +90,12 @@ def test_regions_linear_in_the_upstream_gradients(pid):
 
 
 def test_product_backends_follow_the_notes():
-    """072: cuBLAS from 100 GFLOP (8 Triton cases, 072.md row 21); 037: from 1024 tokens (Triton:
-    cases 0, 8, 9 and 11, 037.md row 29); 021: case 0 only (021.md row 28). No cuBLAS without a GPU."""
+    """072: cuBLAS from 100 GFLOP (8 Triton cases, 072.md row 21); launched as one CUDA graph, 037
+    from 512 tokens (ours: cases 8 and 11, 037.md row 36) and 021 from 35 GFLOP (cases 0, 5, 10, 15;
+    021.md row 42). No cuBLAS without a GPU."""
     assert _cases(_plans("072"), lambda p: p.products == "triton") == [1, 2, 3, 4, 5, 12, 13, 15]
-    assert _cases(_plans("037"), lambda p: p.products == "triton") == [0, 8, 9, 11]
-    assert _cases(_plans("021"), lambda p: p.products == "cublas") == [0]
+    assert _cases(_plans("037"), lambda p: p.products == "triton") == [8, 11]
+    assert _cases(_plans("021"), lambda p: p.products == "cublas") == [0, 5, 10, 15]
     for pid in CONFIGS:
         assert all(p.products == "triton" for p in _plans(pid, gpu=False))
     with pytest.raises(ValueError, match="'triton', 'cublas' or 'gluon'"):

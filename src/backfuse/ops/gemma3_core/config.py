@@ -70,10 +70,11 @@ class Config:
     gradients: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
     sums: SumConfig = SumConfig(rows=256, cols=16)  # the norm-weight gradients from their partial rows
     pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
-    # From this much gradient-product work (FLOP) on, the products go to cuBLAS: from 1024 tokens
-    # (84 GFLOP); at 512 tokens (42 GFLOP) the cuBLAS path's extra launches leave the call waiting on
-    # the host (benchmarks/notes/037.md row 29).
-    cublas_min_flop: float = 60e9
+    # From this much gradient-product work (FLOP) on, the products go to cuBLAS: from 512 tokens
+    # (42 GFLOP). Launched as one CUDA graph, the cuBLAS path's extra launches no longer leave the call
+    # waiting on the host, and at 512 tokens its products win by 23 us; at 256 tokens (21 GFLOP) ours
+    # still do (benchmarks/notes/037.md row 36; row 29 had set 60 GFLOP for launches one by one).
+    cublas_min_flop: float = 30e9
 
 
 CONFIG = Config()

@@ -55,9 +55,11 @@ class Config:
     gradients: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
     sums: SumConfig = SumConfig(rows=32, cols=64)  # bias gradients from per-program partial rows
     pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
-    # From this much gradient-product work (FLOP) on, cuBLAS does those products: below it, the host
-    # time of five torch.mm calls is not hidden (benchmarks/notes/021.md row 28).
-    cublas_min_flop: float = 60e9
+    # From this much gradient-product work (FLOP) on, cuBLAS does those products (cases 0, 15, 10, 5:
+    # 38-93 GFLOP). Launched as one CUDA graph, five torch.mm calls cost no host time on the clock;
+    # below ≈ 35 GFLOP our tiles still win (benchmarks/notes/021.md row 42; row 28 had set 60 GFLOP
+    # for launches one by one).
+    cublas_min_flop: float = 35e9
 
 
 CONFIG = Config()
