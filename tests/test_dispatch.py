@@ -68,6 +68,28 @@ def test_every_fused_path_has_one_interface_and_one_driver(name, monkeypatch):
     assert prob.fused(*x) is sentinel
 
 
+def test_a_plan_is_made_once_per_shape_and_options(monkeypatch):
+    """The driver keeps plans (pure functions of config, host, shapes and options): calls at fresh
+    inputs of one shape plan once; another option, SM count or shape plans anew."""
+    import collections
+    import importlib
+
+    from backfuse.ops import fused
+
+    prob = backfuse.problem("021")
+    path = importlib.import_module("backfuse.ops.wan_xattn.backward").backward.__self__
+    made, real = [], path.plan
+    monkeypatch.setattr(path, "plan", lambda *a, **k: made.append(k) or real(*a, **k))
+    monkeypatch.setattr(fused, "_plans", collections.OrderedDict())
+    other = dict(batch_size=1, num_video_tokens=3, num_text_tokens=2)
+    for seed, axes, options, planned in [(0, SMALL["021"], {}, 1), (1, SMALL["021"], {}, 1),
+                                         (2, SMALL["021"], dict(deterministic=True), 2), (3, SMALL["021"], dict(sms=7), 3),
+                                         (4, other, {}, 4), (5, SMALL["021"], {}, 4)]:
+        x = prob.make_inputs(axes, seed=seed, device=DEVICE)
+        outs = prob.fused(*x, **options)
+        assert len(made) == planned and len(outs) == len(prob.output_names)
+
+
 SMALL = {"072": dict(batch_size=1, seq_len_dec=2, seq_len_enc=3),
          "037": dict(batch_size=1, seq_len=3),
          "021": dict(batch_size=1, num_video_tokens=2, num_text_tokens=3)}

@@ -8,7 +8,7 @@ one driver:
 
     if not fits_int32(*path.indexed(inputs)):   # then the fp32 reference instead
         return problem.fp32_backward(*inputs)
-    call = begin(...)                           # device, SM count, config, plan, fp16-range slots
+    call = begin(...)                           # device, SM count, config, plan (kept per shape), fp16-range slots
     bufs = path.allocate(call, inputs)
     launches = path.launches(call, inputs, bufs)    # Triton launches, cuBLAS products
     run them: as one CUDA graph on a GPU (kernels/graphs.py), else one by one
@@ -21,6 +21,7 @@ of the plan writes the fp16-range slots `call.ranges_of(i)`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -83,13 +84,26 @@ class FusedCall:
         return self.ranges.block(self.offsets[launch])
 
 
-def begin(device: torch.device, sms, config, configs: tuple, ranges, make_plan) -> FusedCall:
+PLANS_KEPT = 64
+_plans: OrderedDict = OrderedDict()  # what a plan depends on -> the frozen plan, most recently used last
+
+
+def begin(device: torch.device, sms, config, configs: tuple, ranges, make_plan, plan_key) -> FusedCall:
     """The start of a fused call: Host(device, sms); `config`, else configs[0] on a GPU and
-    configs[1] (the interpreter's) on the CPU; make_plan(cfg, host); the range slots of every launch
-    of the plan reserved in `ranges` (a fresh RangeSlots when None) and allocated."""
+    configs[1] (the interpreter's) on the CPU; make_plan(cfg, host), unless a call with the same
+    plan_key (what else the plan depends on: the path, the shapes, the options) on the same config
+    and host made it already (a plan is a pure function of these, like a compiled kernel of its
+    constexprs; it holds no data); the range slots of every launch of the plan reserved in `ranges`
+    (a fresh RangeSlots when None) and allocated."""
     host = Host(device, sms)
     cfg = host.config(config, *configs)
-    p = make_plan(cfg, host)
+    key = (plan_key, cfg, host.sms, host.gpu, host.gluon)
+    p = _plans.pop(key, None)
+    if p is None:
+        p = make_plan(cfg, host)
+    _plans[key] = p
+    while len(_plans) > PLANS_KEPT:
+        _plans.popitem(last=False)
     ranges = ranges or RangeSlots()
     offsets = tuple(r.reserve(ranges) for r in p.ranges)
     ranges.allocate(host.device)
@@ -121,7 +135,8 @@ class FusedPath(ABC):
 
     @abstractmethod
     def plan(self, cfg, inputs, host: Host, **options):
-        """The frozen plan of a call on `host`; options: products, needs, deterministic."""
+        """The frozen plan of a call on `host`; options: products, needs, deterministic. It may read
+        only the inputs' shapes (the driver keeps a plan per config, host, shapes and options)."""
 
     @abstractmethod
     def allocate(self, call: FusedCall, inputs) -> SimpleNamespace:
@@ -150,9 +165,11 @@ class FusedPath(ABC):
         if not fits_int32(*self.indexed(inputs)):
             return self.problem.fp32_backward(*inputs)
         device = next(x for x in inputs if isinstance(x, torch.Tensor)).device
+        shapes = tuple(tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor))
         call = begin(device, sms, config, self.configs, ranges,
                      lambda cfg, host: self.plan(cfg, inputs, host, products=products, needs=needs,
-                                                 deterministic=deterministic))
+                                                 deterministic=deterministic),
+                     (type(self), shapes, products, None if needs is None else tuple(needs), deterministic))
         bufs = self.allocate(call, inputs)
         with buffers.on_device(call.host.device):
             launches = list(self.launches(call, inputs, bufs))  # all prepared before the first runs
