@@ -42,9 +42,9 @@ EXECS_KEPT = 64  # executable graphs kept (one per plan and stream, most recentl
 
 _enabled = True
 _driver = None
-_execs: OrderedDict = OrderedDict()  # (key, device, stream) -> CUgraphExec handle
+FAILED = 0  # what _execs holds for a plan whose recording failed: its calls launch directly
+_execs: OrderedDict = OrderedDict()  # _Slot((key, device, stream)) -> CUgraphExec handle, or FAILED
 _capture_streams: dict = {}  # device index -> torch.cuda.Stream used only for recording
-_failed: set = set()  # keys whose capture failed: they launch directly
 counts: Counter = Counter()  # graphs instantiated, updated and launched, calls launched directly (tests read it)
 
 
@@ -137,30 +137,51 @@ def enabled(device: torch.device, launches: Sequence) -> bool:
             and all(getattr(launch, "graphable", True) for launch in launches) and driver() is not None)
 
 
+class _Slot:
+    """A cache key whose hash is computed once (a plan's hash walks every field; the plan object
+    itself is the driver's kept one, so equal keys compare by identity first)."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key):
+        self.key, self.hash = key, hash(key)
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return self.key == other.key
+
+
 def run(key, device: torch.device, launches: Sequence[Callable[[], None]]) -> None:
     """Run the prepared launches on the current stream as one graph; `key` names the plan they follow
     (equal keys: the same kernels and grids, so a cached executable graph takes the new addresses)."""
-    if key in _failed:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    slot = _Slot((key, index, stream.cuda_stream))
+    exec_ = _execs.pop(slot, None)
+    if exec_ == FAILED:
+        _keep(slot, FAILED)
         counts["direct"] += 1
         return _direct(launches)
     drv = driver()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index)
     recorder = _capture_streams.get(index)
     if recorder is None:
         recorder = _capture_streams[index] = torch.cuda.Stream(index)
+    torch.cuda.set_stream(recorder)  # what torch launches (cuBLAS) goes to the recording stream too
     try:
-        with torch.cuda.stream(recorder):
-            graph = drv.capture(recorder.cuda_stream, lambda: _direct(launches))
+        graph = drv.capture(recorder.cuda_stream, lambda: _direct(launches))
     except Exception as e:  # noqa: BLE001 - any failure to record leaves the direct launches, which raise real errors
-        _failed.add(key)
+        if exec_ is not None:
+            drv.destroy_exec(exec_)
+        _keep(slot, FAILED)
         callsite.warn(f"backfuse: this call's launches could not be recorded as a CUDA graph ({e}); "
                       "calls of this shape launch their kernels one by one", GraphWarning)
         counts["direct"] += 1
         return _direct(launches)
-    slot = (key, index, stream.cuda_stream)
+    finally:
+        torch.cuda.set_stream(stream)
     try:
-        exec_ = _execs.pop(slot, None)
         if exec_ is not None:
             if drv.update(exec_, graph):
                 counts["updated"] += 1
@@ -172,11 +193,18 @@ def run(key, device: torch.device, launches: Sequence[Callable[[], None]]) -> No
             counts["instantiated"] += 1
     finally:
         drv.destroy_graph(graph)
-    _execs[slot] = exec_
-    while len(_execs) > EXECS_KEPT:
-        drv.destroy_exec(_execs.popitem(last=False)[1])
+    _keep(slot, exec_)
     drv.launch(exec_, stream.cuda_stream)
     counts["launched"] += 1
+
+
+def _keep(slot, exec_) -> None:
+    """Keep slot's executable graph (or FAILED) as the most recently used; drop the oldest past EXECS_KEPT."""
+    _execs[slot] = exec_
+    while len(_execs) > EXECS_KEPT:
+        old = _execs.popitem(last=False)[1]
+        if old != FAILED:
+            driver().destroy_exec(old)
 
 
 def _direct(launches) -> None:
