@@ -95,3 +95,32 @@ def test_inside_a_users_own_graph(pid):
     g.replay()
     torch.cuda.synchronize()
     assert_official_pass(prob, outs, prob.reference(*fresh))
+
+
+@GPU
+def test_two_threads_on_their_own_streams():
+    """Each thread records on a stream of its own and launches on its caller's stream."""
+    import threading
+
+    prob = backfuse.problem("021")
+    results, errors = {}, []
+
+    def work(name, seed):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for r in range(3):
+                    x = prob.make_inputs(ODD_AXES["021"][1], seed=seed + r, device=DEVICE)
+                    results[name, r] = (x, prob.fused(*x))
+            stream.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(n, 10 * n)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for x, outs in results.values():
+        assert_official_pass(prob, outs, prob.reference(*x))
