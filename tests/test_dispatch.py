@@ -187,8 +187,11 @@ def test_fused_after_triton_was_imported_without_the_interpreter():
 
 
 def test_named_launch_arguments():
-    """prepare_named: runtime arguments by the kernel's parameter names; unknown or missing ones, or
-    runtime parameters after constexprs, are refused with the names."""
+    """prepare_named: runtime arguments by the kernel's parameter names, from dicts and objects (first
+    match wins); a dict key that names no parameter, a missing argument, or a runtime parameter after
+    a constexpr is refused with the names."""
+    import types
+
     import triton
     import triton.language as tl
 
@@ -204,9 +207,15 @@ def test_named_launch_arguments():
     out = torch.zeros_like(x)
     kernel.prepare_named((1,), dict(out=out, n=5, x=x), BLOCK=8)()
     assert out.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
-    with pytest.raises(TypeError, match=r"unknown arguments \['y'\], missing \['n'\]"):
+    out.zero_()
+    buffers = types.SimpleNamespace(x=x, out=out, unrelated=1)  # objects may hold more
+    kernel.prepare_named((1,), dict(n=3), buffers, dict(n=5), BLOCK=8)()
+    assert out.tolist() == [1.0, 2.0, 3.0, 0.0, 0.0]
+    with pytest.raises(TypeError, match=r"unknown arguments \['y'\]"):
         kernel.prepare_named((1,), dict(x=x, out=out, y=1), BLOCK=8)
-    with pytest.raises(TypeError, match="missing \\['BLOCK'\\]"):
+    with pytest.raises(TypeError, match=r"missing arguments \['n'\]"):
+        kernel.prepare_named((1,), buffers, BLOCK=8)
+    with pytest.raises(TypeError, match=r"missing arguments \['BLOCK'\]"):
         kernel.prepare_named((1,), dict(x=x, out=out, n=5))
 
 

@@ -126,18 +126,37 @@ class FastKernel:
         """fn[grid](*args, **meta): positional runtime args, then constexprs and launch options by name."""
         self.prepare(grid, *args, **meta)()
 
-    def prepare_named(self, grid: tuple, args: dict, **meta):
-        """prepare() with the runtime arguments by name (the kernel's parameter names), so that a
-        launcher and its kernel agree on names, not on positions; constexprs and options in meta."""
+    def prepare_named(self, grid: tuple, *pools, **meta):
+        """prepare() with the runtime arguments found by the kernel's parameter names, so that a launcher
+        and its kernel agree on names, not on positions; constexprs and options in meta.
+
+        pools: where the values are, first match wins: dicts (by key; a key that names no runtime
+        parameter is refused, so that a plan's argument list and its kernel stay in step) and other
+        objects (by their attributes, e.g. a call's buffers, which may hold more than one kernel reads)."""
+        names = self._runtime_names(meta)
+        known = set(names)
+        merged = {}
+        for pool in reversed(pools):  # the first pool's values win
+            if isinstance(pool, dict):
+                if not pool.keys() <= known:
+                    raise TypeError(f"{self.fn.__name__}: unknown arguments {sorted(pool.keys() - known)}")
+                merged.update(pool)
+            else:
+                merged.update(vars(pool))
+        missing = [n for n in names if n not in merged]
+        if missing:
+            raise TypeError(f"{self.fn.__name__}: missing arguments {missing}")
+        return self.prepare(grid, *(merged[n] for n in names), **meta)
+
+    def _runtime_names(self, meta) -> list:
+        """The kernel's parameters that meta does not give (its runtime arguments), in order; refused
+        when one follows a parameter given in meta."""
         names = list(self.fn.arg_names)
-        unknown = set(args) - set(names)
-        missing = [n for n in names if n not in args and n not in meta]
-        if unknown or missing:
-            raise TypeError(f"{self.fn.__name__}: unknown arguments {sorted(unknown)}, missing {missing}")
-        order = [n for n in names if n in args]
-        if order != names[:len(order)]:
-            raise TypeError(f"{self.fn.__name__}: runtime parameters must precede the constexprs")
-        return self.prepare(grid, *(args[n] for n in order), **meta)
+        runtime = [n for n in names if n not in meta]
+        if runtime != names[:len(runtime)]:
+            raise TypeError(f"{self.fn.__name__}: runtime parameters must precede the constexprs, "
+                            f"missing {[n for n in runtime if names.index(n) >= len(runtime)]}")
+        return runtime
 
     def prepare(self, grid: tuple, *args, **meta):
         """The launch fn[grid](*args, **meta) as a callable with all host work but the launch done now.

@@ -187,6 +187,11 @@ class Layout:
         return tuple(s.end for s in self.segments[:-1])
 
     @property
+    def end_arguments(self) -> dict:
+        """The kernel's segment-end arguments by parameter name."""
+        return dict(zip(self.end_parameters, self.ends[:-1]))
+
+    @property
     def ends(self) -> tuple:
         """The first program after each segment; the kernel takes all but the last, the grid's size."""
         ends, at = [], 0

@@ -6,9 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from ...kernels.launch import FastKernel
-from ...kernels.schedule import flat
 from ..fused import FusedPath, cublas_products
-from .config import CONFIG, FORWARD_REGIONS, INTERPRETER_CONFIG, plan
+from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HIDDEN, PROBLEM
 from .triton_attention import attention_kernel
 from .triton_kernels import forward_products_kernel, gradient_products_kernel, pack_kernel
@@ -54,7 +53,7 @@ class WanXattn(FusedPath):
         b.colsum_parts = f32(p.pack.size("grad_output"), HIDDEN)  # one row of column sums per grad_output tile
         b.dkv32 = f32(p.kv_partial_rows, 2 * HIDDEN)  # unused by lone runs
         b.counters = host.i32(p.counters.total)
-        b.bias_parts = f32(batch * p.runs, 3 * HIDDEN)
+        b.bias_parts = f32(p.bias_rows, 3 * HIDDEN)
         b.grad_video, b.grad_text = f32(batch, nv, HIDDEN), f32(batch, nt, HIDDEN)
         # grad_Wk and grad_Wv are the row blocks of one tensor, which one cuBLAS product writes.
         b.grad_wq, b.grad_wo, b.grad_wkv = f32(HIDDEN, HIDDEN), f32(HIDDEN, HIDDEN), f32(2 * HIDDEN, HIDDEN)
@@ -64,40 +63,27 @@ class WanXattn(FusedPath):
 
     def launches(self, call, inputs, b):
         go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale = inputs
+        x = SimpleNamespace(go=go, video=video, text=text, wq=wq, bq=bq, wk=wk, bk=bk, wv=wv, bv=bv, wo=wo)
         cfg, p = call.cfg, call.plan
-        nv, nt = video.shape[1], text.shape[1]
-        tv, tt = b.tv, b.tt
+        tv, tt = p.tv, p.tt
         pk, fw, at, gr, sums, pdl = cfg.pack, p.forward, cfg.attention, cfg.gradients, cfg.sums, p.pdl
+        # Every runtime argument by the kernel's parameter name: the plan's scalars, the range slots,
+        # the official inputs (x) and the call's buffers (b).
         launches = [
-            PACK.prepare(
-                (p.pack.programs,),
-                go, video, text, wq, wk, wv, wo,
-                b.go16, b.video16, b.text16, b.wq16, b.wkv16, b.wo_t16, b.colsum_parts, call.ranges_of(0),
-                b.dkv32, b.counters, b.grad_wq, b.grad_wo, b.grad_wk, b.grad_wv, b.grad_video, b.grad_text,
-                tv, tt, p.counters.total, *p.pack.ends[:-1],
+            PACK.prepare_named(
+                (p.pack.programs,), p.pack_arguments(), dict(ranges=call.ranges_of(0)), x, b,
                 ROWS=pk.rows, COLS=pk.cols, T=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps),
-            FORWARD_PRODUCTS.prepare(
-                (p.forward_grid,),
-                b.act16, b.w16, bq, bk, bv,
-                b.q16, b.kv16, b.dc16, b.colsum_parts, b.grad_bo, call.ranges_of(1),
-                tv, tt, p.pack.size("grad_output"), p.forward_programs, *(end for _, end in p.forward_bounds),
-                *(p.ranges[1].base(name) for name in FORWARD_REGIONS),
+            FORWARD_PRODUCTS.prepare_named(
+                (p.forward_grid,), p.forward_arguments(), dict(ranges=call.ranges_of(1)), x, b,
                 BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=fw.warps,
                 num_stages=fw.stages, launch_pdl=pdl),
-            ATTENTION.prepare(
-                (p.attention_programs,),
-                b.q16, b.kv16, b.dc16, b.ctx16, b.dq16, b.dkv32, b.dkv16, b.bias_parts, b.counters, call.ranges_of(2),
-                nv, nt, tt, p.per_program, *p.ranges[2].bases, p.counters.done, p.counters.kv_done, float(scale),
+            ATTENTION.prepare_named(
+                (p.attention_programs,), p.attention_arguments(scale), dict(ranges=call.ranges_of(2)), b,
                 BM=p.block_rows, BN=p.text_tile, BN_TAIL=p.text_tail, ONE_TILE=p.one_tile, FINISH=p.finish_rows,
                 ALONE=p.runs == 1, DETERMINISTIC=p.deterministic, PDL=pdl, num_warps=p.block_warps,
                 num_stages=at.stages, launch_pdl=pdl),
-            GRADIENT_PRODUCTS.prepare(
-                (p.gradient_programs,),
-                b.dq16, b.dkv16, b.go16, b.video16, b.text16, b.ctx16, b.wq16, b.wkv16, b.bias_parts, b.counters,
-                b.grad_video, b.grad_text, b.grad_wq, b.grad_wo, b.grad_wk, b.grad_wv,
-                b.grad_bq, b.grad_bk, b.grad_bv,
-                tv, tt, p.splits[2], p.splits[4], p.splits[0], p.splits[1], *flat(p.bounds), p.sums_start,
-                b.bias_parts.shape[0], p.counters.done, p.counters.programs, p.counters.kv_done, p.counters.heads,
+            GRADIENT_PRODUCTS.prepare_named(
+                (p.gradient_programs,), p.gradient_arguments(), b,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
                 num_stages=gr.stages, launch_pdl=pdl),
         ]

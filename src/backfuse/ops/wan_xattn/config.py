@@ -137,8 +137,13 @@ class AttentionCounters:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every launch of one 021 call (grids in programs)."""
+    """Every launch of one 021 call (grids in programs), and each launch's runtime scalars by the
+    kernel's parameter names (`*_arguments`: the launcher passes them by name, so what the plan
+    decides reaches the kernel once, under the name the kernel reads it by)."""
 
+    batch: int
+    nv: int  # video tokens per batch entry
+    nt: int  # text tokens per batch entry
     products: str  # "triton" (our gradient products) or "cublas"
     deterministic: bool  # the attention's partial dK/dV stored per run and added in order
     pdl: bool
@@ -164,6 +169,42 @@ class Plan:
     gradient_programs: int  # our gradient products' tiles, then the bias sums
     wanted: tuple  # whether each of those six products is needed (cuBLAS runs those)
     ranges: tuple  # Regions of the pack, forward and attention launches
+
+    @property
+    def tv(self) -> int:
+        return self.batch * self.nv
+
+    @property
+    def tt(self) -> int:
+        return self.batch * self.nt
+
+    @property
+    def bias_rows(self) -> int:
+        """Rows of the attention programs' bias partial sums: one per (batch entry, run)."""
+        return self.batch * self.runs
+
+    def pack_arguments(self) -> dict:
+        return dict(TV=self.tv, TT=self.tt, n_counters=self.counters.total, **self.pack.end_arguments)
+
+    def forward_arguments(self) -> dict:
+        (_, end_q), (_, end_kv), (_, end_dc) = self.forward_bounds
+        r_q, r_k, r_dc = (self.ranges[1].base(name) for name in FORWARD_REGIONS)
+        return dict(TV=self.tv, TT=self.tt, n_parts=self.pack.size("grad_output"), n_programs=self.forward_programs,
+                    end_q=end_q, end_kv=end_kv, end_dc=end_dc, r_q=r_q, r_k=r_k, r_dc=r_dc)
+
+    def attention_arguments(self, scale: float) -> dict:
+        r_dq, r_dk, r_dv = self.ranges[2].bases
+        return dict(NV=self.nv, NT=self.nt, TT=self.tt, per_program=self.per_program, r_dq=r_dq, r_dk=r_dk, r_dv=r_dv,
+                    c_done=self.counters.done, c_kv=self.counters.kv_done, scale=float(scale))
+
+    def gradient_arguments(self) -> dict:
+        split_gv, split_gt, split_wv, _, split_wt, _ = self.splits
+        (start_gv, end_gv), (start_gt, end_gt), (start_wv, end_wv), (start_wt, end_wt) = self.bounds
+        return dict(TV=self.tv, TT=self.tt, split_wv=split_wv, split_wt=split_wt, split_gv=split_gv, split_gt=split_gt,
+                    start_gv=start_gv, end_gv=end_gv, start_gt=start_gt, end_gt=end_gt, start_wv=start_wv, end_wv=end_wv,
+                    start_wt=start_wt, end_wt=end_wt, sums_start=self.sums_start, n_parts=self.bias_rows,
+                    c_done=self.counters.done, n_done=self.counters.programs, c_kv=self.counters.kv_done,
+                    n_kv=self.counters.heads)
 
 
 # The forward launch's range regions whose first slots its kernel takes (r_q, r_k, r_dc); the values'
@@ -253,7 +294,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
         Regions(tuple(Region(g, attention_programs, Holds.VANISHING)
                       for g in ("gradient of queries", "gradient of keys", "gradient of values"))),
     )
-    return Plan(products=backend, deterministic=deterministic, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
+    return Plan(batch=batch, nv=nv, nt=nt, products=backend, deterministic=deterministic, pdl=cfg.pdl and gpu,
+                pack=pack, forward=fw,
                 forward_programs=forward_programs, forward_grid=forward_programs + HIDDEN // cfg.sums.cols,
                 forward_bounds=forward_bounds,
                 one_tile=one_tile, text_tile=text_tile,
