@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import torch
 
 from ...kernels.launch import FastKernel
-from ...kernels.schedule import flat
 from ..fused import FusedPath, cublas_products
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HEAD_DIM, HEADS, HIDDEN, KV_OUT, PROBLEM, Q_OUT, QK, QKV
@@ -91,45 +90,34 @@ class Gemma3Core(FusedPath):
 
     def launches(self, call, inputs, b):
         go, x, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, cap, eps = inputs
+        given = SimpleNamespace(go=go, x=x, cos=cos, sin=sin, wq=wq, wk=wk, wv=wv, wo=wo, q_norm_w=q_norm_w,
+                                k_norm_w=k_norm_w)
         cfg, p = call.cfg, call.plan
-        seq, tokens = x.shape[1], b.tokens
         # cap tanh(z / cap) depends on |cap| only; the kernels take cap > 0.
         cap = abs(float(cap))
         pk, fw, at, gr, sums, pdl = cfg.pack, p.forward, cfg.attention, cfg.gradients, cfg.sums, p.pdl
-        pack = PACK.prepare(
-            (p.pack.programs,),
-            go, x, wq, wk, wv, wo,
-            b.go16, b.x16, b.wqkv16, b.wo_t16, call.ranges_of(0), b.grad_x, b.grad_wqkv, b.grad_wo, b.counters,
-            tokens, p.counters, *p.pack.ends[:-1],
+        # Every runtime argument by the kernel's parameter name: the plan's scalars, the range slots,
+        # the official inputs and the call's buffers (b).
+        pack = PACK.prepare_named(
+            (p.pack.programs,), p.pack_arguments(), dict(ranges=call.ranges_of(0)), given, b,
             TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps)
         ours = [
-            FORWARD_PRODUCTS.prepare(
-                (p.forward_programs,),
-                b.x16, b.go16, b.wqkv16, b.wo_t16, cos, sin, q_norm_w, k_norm_w,
-                b.qk32, b.v16, b.rot16, b.d_attn16, call.ranges_of(1),
-                tokens, p.forward_bounds[0][1], float(eps), float(scaling) / cap,
+            FORWARD_PRODUCTS.prepare_named(
+                (p.forward_programs,), p.forward_arguments(scaling, cap, eps), dict(ranges=call.ranges_of(1)), given, b,
                 BM=fw.bm, BK=fw.bk, PRODUCTS=p.products == "triton", QK_WIDTH=p.qk_width, PDL=pdl, num_warps=fw.warps,
                 num_stages=fw.stages, launch_pdl=pdl),
-            ATTENTION_FORWARD.prepare(
-                (p.attention_forward_programs,),
-                b.rot16, b.v16, b.d_attn16, b.attn16, b.lse, b.delta, call.ranges_of(2),
-                seq, cap,
+            ATTENTION_FORWARD.prepare_named(
+                (p.attention_forward_programs,), p.attention_forward_arguments(cap), dict(ranges=call.ranges_of(2)), b,
                 BM=at.fwd_bm, BN=p.attention_forward_keys, APPROX_TANH=at.approx_tanh, PDL=pdl,
                 num_warps=at.fwd_warps, num_stages=at.fwd_stages, launch_pdl=pdl),
-            ATTENTION_BACKWARD.prepare(
-                (p.attention_backward_programs,),
-                b.rot16, b.qk32, b.v16, b.d_attn16, b.lse, b.delta, cos, sin, q_norm_w, k_norm_w,
-                b.g16, b.q_norm_parts, b.k_norm_parts, call.ranges_of(3), b.kv_parts, b.counters,
-                seq, p.kv_programs, p.done, *p.ranges[3].bases, float(scaling), cap, float(eps),
+            ATTENTION_BACKWARD.prepare_named(
+                (p.attention_backward_programs,), p.attention_backward_arguments(scaling, cap, eps),
+                dict(ranges=call.ranges_of(3)), given, b,
                 KV_BN=p.kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=p.head_split,
                 QK_WIDTH=p.qk_width, APPROX_TANH=at.approx_tanh, PDL=pdl, num_warps=at.warps, num_stages=at.stages,
                 launch_pdl=pdl),
-            GRADIENT_PRODUCTS.prepare(
-                (p.gradient_programs,),
-                b.g16, b.wqkv16, b.x16, b.go16, b.attn16, b.q_norm_parts, b.k_norm_parts, b.counters,
-                b.grad_x, b.grad_wqkv, b.grad_wo, b.grad_q_norm_w, b.grad_k_norm_w,
-                tokens, *p.splits, *flat(p.gradient_bounds), p.sums_start, p.done, p.kv_programs + p.q_programs,
-                p.q_programs, p.kv_slots,
+            GRADIENT_PRODUCTS.prepare_named(
+                (p.gradient_programs,), p.gradient_arguments(), b,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
                 num_stages=gr.stages, launch_pdl=pdl),
         ]
@@ -139,7 +127,7 @@ class Gemma3Core(FusedPath):
         # rounded once, as our tiles do).
         forward = cublas_forward_products([(b.x16, b.wqkv16.T, b.qk32), (b.go16, b.wo_t16.T, b.d_attn16)])
         gradients = cublas_products((*product, needed) for product, needed in zip(
-            [(b.g16, b.wqkv16, b.grad_x.view(tokens, HIDDEN)), (b.g16.T, b.x16, b.grad_wqkv),
+            [(b.g16, b.wqkv16, b.grad_x.view(p.tokens, HIDDEN)), (b.g16.T, b.x16, b.grad_wqkv),
              (b.go16.T, b.attn16, b.grad_wo)], p.wanted))
         return [pack, forward, *ours, gradients]
 

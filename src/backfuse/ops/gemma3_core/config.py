@@ -117,8 +117,11 @@ def head_split(at: AttentionConfig, kv_slots: int, seq: int, sms: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every launch of one 037 call (grids in programs)."""
+    """Every launch of one 037 call (grids in programs), and each launch's runtime scalars by the
+    kernel's parameter names (`*_arguments`: the launcher passes them by name)."""
 
+    batch: int
+    seq: int
     products: str  # "triton" (our tiles) or "cublas" (the forward and gradient products)
     pdl: bool
     pack: Layout
@@ -169,6 +172,33 @@ class Plan:
     def counters(self) -> int:
         """The attention backward's int32 counters (arrivals, then done), zeroed by the pack."""
         return self.arrivals + 1
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def pack_arguments(self) -> dict:
+        return dict(T=self.tokens, n_counters=self.counters, **self.pack.end_arguments)
+
+    def forward_arguments(self, scaling: float, cap: float, eps: float) -> dict:
+        """cap: |softcap| (cap tanh(z / cap) depends on |cap| only; the kernels take cap > 0)."""
+        return dict(T=self.tokens, end_qkv=self.forward_bounds[0][1], eps=float(eps), q_scale=float(scaling) / cap)
+
+    def attention_forward_arguments(self, cap: float) -> dict:
+        return dict(S=self.seq, cap=cap)
+
+    def attention_backward_arguments(self, scaling: float, cap: float, eps: float) -> dict:
+        r_v, r_dk, r_dv, r_dq = self.ranges[3].bases
+        return dict(S=self.seq, kv_programs=self.kv_programs, done=self.done, r_v=r_v, r_dk=r_dk, r_dv=r_dv, r_dq=r_dq,
+                    scaling=float(scaling), cap=cap, eps=float(eps))
+
+    def gradient_arguments(self) -> dict:
+        split_gx, split_wqkv, split_wo = self.splits
+        (start_gx, end_gx), (start_wqkv, end_wqkv), (start_wo, end_wo) = self.gradient_bounds
+        return dict(T=self.tokens, split_gx=split_gx, split_wqkv=split_wqkv, split_wo=split_wo, start_gx=start_gx,
+                    end_gx=end_gx, start_wqkv=start_wqkv, end_wqkv=end_wqkv, start_wo=start_wo, end_wo=end_wo,
+                    sums_start=self.sums_start, done=self.done, n_done=self.attention_backward_programs,
+                    n_q_parts=self.q_programs, n_k_parts=self.kv_slots)
 
     @property
     def qk_width(self) -> int:
@@ -272,7 +302,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
                  Region("gradient of v projection", kv_slots, vanishing),
                  Region("gradient of q projection", q_programs, vanishing))),
     )
-    return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw, forward_programs=forward_programs,
+    return Plan(batch=batch, seq=seq, products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
+                forward_programs=forward_programs,
                 forward_bounds=forward_bounds,
                 attention_forward_programs=attention_forward_programs, attention_forward_keys=forward_keys(at, seq),
                 kv_bn=kv_bn, head_split=split, kv_slots=kv_slots, q_programs=q_programs, sum_programs=sum_programs,
