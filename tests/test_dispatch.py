@@ -90,6 +90,38 @@ def test_a_plan_is_made_once_per_shape_and_options(monkeypatch):
         assert len(made) == planned and len(outs) == len(prob.output_names)
 
 
+@pytest.mark.parametrize("name,products", [("072", "triton"), ("072", "cublas"), ("072", "gluon"), ("037", "triton"),
+                                           ("037", "cublas"), ("021", "triton"), ("021", "cublas")])
+def test_every_gpu_launch_finds_its_arguments_by_name(name, products, monkeypatch):
+    """Each launch of each path as planned for an H200 (132 SMs, Gluon on) gets every runtime argument
+    of its kernel by name from the plan, the inputs and the buffers (prepare_named refuses a missing
+    or unknown one); nothing is launched (the paths the CPU cannot run: Gluon, cuBLAS, GPU tiles)."""
+    import importlib
+
+    from backfuse.fp16_guard import RangeSlots
+    from backfuse.kernels.launch import FastKernel
+    from backfuse.ops.fused import FusedCall, Host
+
+    prepared = []
+    monkeypatch.setattr(FastKernel, "prepare", lambda self, grid, *args, **meta: prepared.append(len(args)))
+    prob = backfuse.problem(name)
+    path = importlib.import_module(type(prob).__module__.rpartition(".")[0] + ".backward").backward.__self__
+    x = prob.make_inputs(MID[name], seed=0, device="cpu")
+    host = Host(torch.device("cpu"), sms=132)
+    host.gpu = host.gluon = True
+    for deterministic in (False, True):
+        p = path.plan(path.configs[0], x, host, products=products, needs=None, deterministic=deterministic)
+        ranges = RangeSlots()
+        call = FusedCall(host, path.configs[0], p, ranges, tuple(r.reserve(ranges) for r in p.ranges))
+        ranges.allocate(host.device)
+        path.launches(call, x, path.allocate(call, x))
+    assert prepared and all(n > 0 for n in prepared)
+
+
+MID = {"072": dict(batch_size=2, seq_len_dec=300, seq_len_enc=200), "037": dict(batch_size=2, seq_len=300),
+       "021": dict(batch_size=2, num_video_tokens=300, num_text_tokens=77)}
+
+
 SMALL = {"072": dict(batch_size=1, seq_len_dec=2, seq_len_enc=3),
          "037": dict(batch_size=1, seq_len=3),
          "021": dict(batch_size=1, num_video_tokens=2, num_text_tokens=3)}

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 from ...kernels import buffers
 from ...kernels.gluon.host import fp16_descriptor
 from ...kernels.launch import FastKernel
-from ...kernels.schedule import flat
 from ..fused import FusedPath, cublas_products
 from . import gluon_kernels
 from .config import CONFIG, INTERPRETER_CONFIG, plan
@@ -57,51 +56,36 @@ class QkvGqa(FusedPath):
         return b
 
     def launches(self, call, inputs, b):
+        # Every runtime argument by the kernel's parameter name: the plan's scalars, the range slots,
+        # the official inputs and the call's buffers (b).
+        given = SimpleNamespace(**dict(zip(("gq", "gk", "gv", "dec", "enc", "wq", "wk", "wv"), inputs, strict=True)))
         if call.plan.products == "gluon":
-            return [self._one_launch(call, inputs, b)]
-        gq, gk, gv, dec, enc, wq, wk, wv = inputs
+            return [self._one_launch(call, given, b)]
         cfg, p = call.cfg, call.plan
-        batch, _, sd, _ = gq.shape
-        se = gk.shape[2]
         t, pk = cfg.tiles, cfg.pack
-        launches = [PACK.prepare(
-            (p.pack.programs,),
-            gq, gk, gv, dec, enc, wq, wk, wv,
-            b.gq16, b.gkv16, b.dec16, b.enc16, b.wq16, b.wkv16, call.ranges_of(0),
-            b.grad_dec, b.grad_enc, b.grad_wq, b.grad_wkv,
-            batch, sd, se, *p.pack.ends[:-1],
+        launches = [PACK.prepare_named(
+            (p.pack.programs,), p.pack_arguments(), dict(ranges=call.ranges_of(0)), given, b,
             ROWS=pk.rows, BLOCK=pk.block, ITERS=pk.iters, PDL=p.pdl, num_warps=pk.warps)]
         if p.products == "cublas":
             launches.append(cublas_products((*product, needed) for product, needed in zip(
                 [(b.gq16, b.wq16, b.grad_dec.view(b.td, HIDDEN)), (b.gkv16, b.wkv16, b.grad_enc.view(b.te, CROSS_HIDDEN)),
                  (b.gq16.T, b.dec16, b.grad_wq), (b.gkv16.T, b.enc16, b.grad_wkv)], p.cublas)))
         elif p.tiles is not None:
-            launches.append(PRODUCTS.prepare(
-                (p.tiles.programs,),
-                b.gq16, b.gkv16, b.dec16, b.enc16, b.wq16, b.wkv16,
-                b.grad_dec, b.grad_enc, b.grad_wq, b.grad_wkv,
-                b.td, b.te, *p.splits, *flat(p.tiles.bounds),
+            launches.append(PRODUCTS.prepare_named(
+                (p.tiles.programs,), p.product_arguments(), b,
                 WEIGHT_GRADS=p.tiles.weight_grads, INPUT_GRADS=p.tiles.input_grads,
                 BM=t.bm, BN=t.bn, BK=t.bk, PDL=p.pdl, num_warps=t.warps, num_stages=t.stages, launch_pdl=p.pdl))
         return launches
 
     @staticmethod
-    def _one_launch(call, inputs, b):
+    def _one_launch(call, given, b):
         """The Gluon path: one launch packs the fp16 operands and runs the four products on every SM
         (its range regions are the plan's one launch's: `p.ranges == (p.gluon.regions,)`)."""
         p, g, host = call.plan, call.cfg.gluon, call.host
-        gq, gk, gv, dec, enc, wq, wk, wv = inputs
-        sd, se = gq.shape[2], gk.shape[2]
-        operands = dict(gq16=b.gq16, gkv16=b.gkv16, dec16=b.dec16, enc16=b.enc16, wq16=b.wq16, wkv16=b.wkv16)
-        descriptors = [fp16_descriptor(operands[buffer], block)
-                       for _, buffer, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)]
-        c = p.gluon.counters
-        return ONE_LAUNCH.prepare(
-            (host.sms,),
-            *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, b.gq16, b.gkv16, b.dec16, b.enc16, b.wq16, b.wkv16,
-            b.grad_dec, b.grad_enc, b.grad_wq, b.grad_wk, b.grad_wv, b.counters, call.ranges_of(0),
-            b.td, b.te, sd, se, p.gluon.dec_chunks, p.gluon.enc_chunks, *p.splits, *p.gluon.starts, p.gluon.tiles,
-            c.gq, c.dec, c.gkv, c.enc, c.total, *p.gluon.regions.bases,
+        descriptors = {argument: fp16_descriptor(getattr(b, buffer), block)
+                       for argument, buffer, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)}
+        return ONE_LAUNCH.prepare_named(
+            (host.sms,), descriptors, p.gluon_arguments(), dict(slots=b.counters, ranges=call.ranges_of(0)), given, b,
             STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.regs, num_warps=4, maxnreg=g.maxnreg)
 
     def outputs(self, b):

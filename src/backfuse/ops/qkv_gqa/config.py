@@ -158,8 +158,12 @@ class GluonLaunch:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every launch of one 072 call."""
+    """Every launch of one 072 call, and each launch's runtime scalars by the kernel's parameter
+    names (`*_arguments`: the launcher passes them by name)."""
 
+    batch: int
+    sd: int  # decoder tokens per batch entry
+    se: int  # encoder tokens per batch entry
     products: str  # "triton" (our tiles), "cublas", or "gluon" (one launch, pack included)
     pdl: bool
     pack: Layout | None  # None: the Gluon kernel packs
@@ -168,6 +172,34 @@ class Plan:
     cublas: tuple  # on cuBLAS, which of grad_dec, grad_enc, grad_Wq, grad_[Wk; Wv] run
     ranges: tuple  # Regions of the launches that round to fp16
     gluon: GluonLaunch | None = None
+
+    @property
+    def td(self) -> int:
+        return self.batch * self.sd
+
+    @property
+    def te(self) -> int:
+        return self.batch * self.se
+
+    def _split_arguments(self) -> dict:
+        return dict(zip(("split_wq", "split_wkv", "split_dec", "split_enc"), self.splits))
+
+    def pack_arguments(self) -> dict:
+        return dict(B=self.batch, SD=self.sd, SE=self.se, **self.pack.end_arguments)
+
+    def product_arguments(self) -> dict:
+        (start_wq, end_wq), (start_wkv, end_wkv), (start_dec, end_dec), (start_enc, end_enc) = self.tiles.bounds
+        return dict(TD=self.td, TE=self.te, **self._split_arguments(), start_wq=start_wq, end_wq=end_wq,
+                    start_wkv=start_wkv, end_wkv=end_wkv, start_dec=start_dec, end_dec=end_dec, start_enc=start_enc,
+                    end_enc=end_enc)
+
+    def gluon_arguments(self) -> dict:
+        g, c = self.gluon, self.gluon.counters
+        s1, s2, s3 = g.starts
+        bases = dict(zip(("r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv"), g.regions.bases, strict=True))
+        return dict(TD=self.td, TE=self.te, SD=self.sd, SE=self.se, dec_chunks=g.dec_chunks, enc_chunks=g.enc_chunks,
+                    **self._split_arguments(), s1=s1, s2=s2, s3=s3, total=g.tiles, c_gq=c.gq, c_dec=c.dec, c_gkv=c.gkv,
+                    c_enc=c.enc, n_counters=c.total, **bases)
 
 
 def product_shapes(axes) -> list:
@@ -257,7 +289,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
         g = cfg.gluon
         splits = [1] * 4 if deterministic else choose_splits(gemms, g.bm, g.bn, g.bk, sms)
         launch = gluon_launch(g, axes, splits, needs)
-        return Plan(products=backend, pdl=False, pack=None, splits=tuple(splits), tiles=None, cublas=(False,) * 4,
+        return Plan(batch=axes["batch_size"], sd=axes["seq_len_dec"], se=axes["seq_len_enc"], products=backend,
+                    pdl=False, pack=None, splits=tuple(splits), tiles=None, cublas=(False,) * 4,
                     ranges=(launch.regions,), gluon=launch)
     t = cfg.tiles
     splits = choose_splits(gemms, t.bm, t.bn, t.bk, sms) if backend == "triton" and not deterministic else [1] * 4
@@ -269,5 +302,6 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
         bounds = longest_first([(n, k, s) for n, (_, _, k), s in zip(tiles, gemms, splits)])
         launch = TilesLaunch(sum(tiles), weight_grads, input_grads, bounds)
     pack = pack_layout(cfg, axes, splits)
-    return Plan(products=backend, pdl=cfg.pdl and gpu, pack=pack, splits=tuple(splits), tiles=launch,
+    return Plan(batch=axes["batch_size"], sd=axes["seq_len_dec"], se=axes["seq_len_enc"], products=backend,
+                pdl=cfg.pdl and gpu, pack=pack, splits=tuple(splits), tiles=launch,
                 cublas=(needs[0], needs[1], needs[2], needs[3] or needs[4]), ranges=(pack.regions,))
