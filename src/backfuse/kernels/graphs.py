@@ -45,7 +45,7 @@ _enabled = True
 _driver = None
 FAILED = 0  # what _execs holds for a plan whose recording failed: its calls launch directly
 _execs: OrderedDict = OrderedDict()  # _Slot((key, device, stream)) -> CUgraphExec handle, or FAILED
-_capture_streams: dict = {}  # (device index, thread) -> torch.cuda.Stream used only for recording
+_capture_streams: dict = {}  # (device index, thread, caller's stream) -> torch.cuda.Stream used only for recording
 counts: Counter = Counter()  # graphs instantiated, updated and launched, calls launched directly (tests read it)
 
 
@@ -166,9 +166,13 @@ def run(key, device: torch.device, launches: Sequence[Callable[[], None]]) -> No
         counts["direct"] += 1
         return _direct(launches)
     drv = driver()
-    recorder = _capture_streams.get((index, threading.get_ident()))
-    if recorder is None:  # one per device and thread: two threads' captures must not share a stream
-        recorder = _capture_streams[index, threading.get_ident()] = torch.cuda.Stream(index)
+    # One recording stream per device, thread and caller's stream: two threads' captures must not
+    # share a stream, and cuBLAS's workspace is per stream recorded on, so graphs launched on two
+    # streams at once must not have been recorded on one.
+    where = (index, threading.get_ident(), stream.cuda_stream)
+    recorder = _capture_streams.get(where)
+    if recorder is None:
+        recorder = _capture_streams[where] = torch.cuda.Stream(index)
     torch.cuda.set_stream(recorder)  # what torch launches (cuBLAS) goes to the recording stream too
     try:
         graph = drv.capture(recorder.cuda_stream, lambda: _direct(launches))
