@@ -19,6 +19,26 @@ def test_no_graphs_off_the_gpu_or_when_switched_off():
         assert not graphs.enabled(torch.device("cuda", 0), [])
 
 
+def test_the_graph_cache_keeps_the_newest_and_frees_what_it_drops(monkeypatch):
+    """EXECS_KEPT executable graphs, most recently used last; a dropped one is destroyed (a plan whose
+    recording failed holds FAILED, which owns nothing); a key's hash is computed once."""
+    import collections
+    import types
+
+    destroyed = []
+    monkeypatch.setattr(graphs, "driver", lambda: types.SimpleNamespace(destroy_exec=destroyed.append))
+    monkeypatch.setattr(graphs, "_execs", collections.OrderedDict())
+    monkeypatch.setattr(graphs, "EXECS_KEPT", 2)
+    slot = graphs._Slot(("plan", 0, 7))
+    assert slot == graphs._Slot(("plan", 0, 7)) and hash(slot) == hash(("plan", 0, 7))
+    graphs._keep(slot, 11)
+    graphs._keep(graphs._Slot("failed"), graphs.FAILED)
+    graphs._keep(graphs._Slot("c"), 13)
+    assert destroyed == [11]
+    graphs._keep(graphs._Slot("d"), 14)
+    assert destroyed == [11] and list(graphs._execs.values()) == [13, 14]
+
+
 @GPU
 @pytest.mark.parametrize("pid,options", [("072", dict(products="triton")), ("072", dict(products="cublas")),
                                          ("037", {}), ("021", {})])
