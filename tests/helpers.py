@@ -125,10 +125,10 @@ def check_deterministic(prob, axes, fn):
         assert torch.equal(a, b)
 
 
-def check_beside_busy_stream(pid, axes, seed=21, calls=3):
+def check_beside_busy_stream(pid, axes, seed=21, calls=3, **options):
     """Calls whose later launches start early (PDL) and wait on counters the earlier ones signal still
     complete, right, while another stream keeps the SMs busy; every call starts from counters its pack
-    zeroed (`calls` in a row). GPU only."""
+    zeroed (`calls` in a row). options: the fused path's (products, ...). GPU only."""
     import time
 
     prob = backfuse.problem(pid)
@@ -142,7 +142,7 @@ def check_beside_busy_stream(pid, axes, seed=21, calls=3):
             for _ in range(40):
                 a = torch.tanh(a @ a * 1e-2)
         with buffers.poisoned():
-            outs = prob.fused(*inputs, sms=132)
+            outs = prob.fused(*inputs, sms=132, **options)
         done = torch.cuda.Event()
         done.record()
         limit = time.monotonic() + 60

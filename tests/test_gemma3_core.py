@@ -33,8 +33,9 @@ def test_shipped_path():
 
 def test_causal_blocks_and_split_k():
     """37 tokens: several query and key blocks per head (causal skipping, diagonal masks, padded rows
-    and columns), and K splits from a GPU's processor count."""
-    check_fused(backfuse.problem("037"), dict(batch_size=1, seq_len=37), seed=9, fn=fused_with("037", sms=132))
+    and columns), and our products' K splits from a GPU's processor count."""
+    check_fused(backfuse.problem("037"), dict(batch_size=1, seq_len=37), seed=9,
+                fn=fused_with("037", sms=132, products="triton"))
 
 
 def _head_split_config():
@@ -130,7 +131,7 @@ def test_backward_computes_only_what_is_needed():
                     "its no-split path is test_shipped_path")
 def test_deterministic_mode():
     check_deterministic(backfuse.problem("037"), dict(batch_size=1, seq_len=7),
-                        fused_with("037", sms=132, deterministic=True))
+                        fused_with("037", sms=132, deterministic=True, products="triton"))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter runs the split programs in order")
@@ -141,8 +142,10 @@ def test_deterministic_mode_head_split():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="PDL and its early-started gradient launch run on the GPU only")
 @pytest.mark.parametrize("axes", [dict(batch_size=1, seq_len=300), dict(batch_size=4, seq_len=128)])
-def test_gradient_launch_waiting_on_the_attention_survives_a_busy_stream(axes):
-    """With PDL the gradient launch starts before the attention backward ends: its tiles that read G
-    and its norm-weight sums wait on the attention's `done` counter (helpers.check_beside_busy_stream;
-    300 tokens at batch 1 also splits the dK/dV programs by query head)."""
-    check_beside_busy_stream("037", axes)
+@pytest.mark.parametrize("products", [None, "triton"])
+def test_gradient_launch_waiting_on_the_attention_survives_a_busy_stream(axes, products):
+    """With PDL the gradient launch starts before the attention backward ends: its norm-weight sums
+    (and with our products, its tiles that read G) wait on the attention's `done` counter
+    (helpers.check_beside_busy_stream; 300 tokens at batch 1 also splits the dK/dV programs by query
+    head). By default (cuBLAS), grad_Wo's product runs beside them on a branch."""
+    check_beside_busy_stream("037", axes, products=products)

@@ -91,10 +91,10 @@ def test_regions_linear_in_the_upstream_gradients(pid):
 
 def test_product_backends_follow_the_notes():
     """072: cuBLAS from 100 GFLOP (8 Triton cases, 072.md row 21); launched as one CUDA graph, 037
-    from 512 tokens (ours: cases 8 and 11, 037.md row 36) and 021 from 35 GFLOP (cases 0, 5, 10, 15;
-    021.md row 42). No cuBLAS without a GPU."""
+    on every case (with its products as branches, 037.md row 37) and 021 from 35 GFLOP (cases 0, 5,
+    10, 15; 021.md row 42). No cuBLAS without a GPU."""
     assert _cases(_plans("072"), lambda p: p.products == "triton") == [1, 2, 3, 4, 5, 12, 13, 15]
-    assert _cases(_plans("037"), lambda p: p.products == "triton") == [8, 11]
+    assert _cases(_plans("037"), lambda p: p.products == "triton") == []
     assert _cases(_plans("021"), lambda p: p.products == "cublas") == [0, 5, 10, 15]
     for pid in CONFIGS:
         assert all(p.products == "triton" for p in _plans(pid, gpu=False))
@@ -115,11 +115,13 @@ def test_gemma3_core_attention_rules():
     # the cuBLAS path's forward launch only norms and rotates, with its own tiles; our products take
     # the deep ring where their programs fit one wave (128 tokens: 128 programs; 037.md row 33)
     cfg = gemma3_core.CONFIG
-    assert _cases(plans, lambda p: p.forward == cfg.forward_one_wave) == [8]
-    assert all(p.forward == (cfg.norm_rope if p.products == "cublas" else cfg.forward)
-               for i, p in enumerate(plans) if i != 8)
-    assert plans[8].forward_programs == 128 <= SMS
-    assert gemma3_core.plan(cfg, dict(batch_size=1, seq_len=128), 127).forward == cfg.forward  # not one wave
+    assert all(p.forward == cfg.norm_rope for p in plans)
+    ours = _plans("037", products="triton")
+    assert _cases(ours, lambda p: p.forward == cfg.forward_one_wave) == [8]
+    assert all(p.forward == cfg.forward for i, p in enumerate(ours) if i != 8)
+    assert ours[8].forward_programs == 128 <= SMS
+    one_wave = dict(batch_size=1, seq_len=128)
+    assert gemma3_core.plan(cfg, one_wave, 127, products="triton").forward == cfg.forward  # not one wave
 
 
 def test_wan_xattn_attention_rules():
@@ -167,9 +169,12 @@ def test_needs_skip_products():
     p = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[3].axes, SMS,
                      needs=(True, True, False, False, False))
     assert p.tiles.input_grads and not p.tiles.weight_grads
-    p = gemma3_core.plan(gemma3_core.CONFIG, dict(batch_size=1, seq_len=128), SMS,
+    p = gemma3_core.plan(gemma3_core.CONFIG, dict(batch_size=1, seq_len=128), SMS, products="triton",
                          needs=(False, True, True, True, False, True, True))
     assert p.splits[0] == 0 and p.splits[2] == 0 and p.splits[1] > 0
+    p = gemma3_core.plan(gemma3_core.CONFIG, dict(batch_size=1, seq_len=128), SMS,  # cuBLAS: the products wanted
+                         needs=(False, True, True, True, False, True, True))
+    assert p.products == "cublas" and p.wanted == (False, True, False)
     p = wan_xattn.plan(wan_xattn.CONFIG, dict(batch_size=2, num_video_tokens=256, num_text_tokens=77), SMS,
                        needs=(True, True) + (False,) * 8)
     assert p.splits[2:] == (0, 0, 0, 0) and all(p.splits[:2])

@@ -1,13 +1,14 @@
 """One call of an official case, traced as the official clock traces it: every device activity
 with its start, duration and the idle gap before it, and when the host launched it.
 
-    python3 benchmarks/tools/timeline.py 037 14 [--products cublas]
+    python3 benchmarks/tools/timeline.py 037 14 [--products cublas] [--direct]
 
 Gaps whose launch came late (host column after the previous activity ended) are host-bound; "api"
 is how long the host's launch call took.
 """
 
 import argparse
+import contextlib
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,7 +20,9 @@ ap = argparse.ArgumentParser()
 ap.add_argument("problem")
 ap.add_argument("case", type=int)
 ap.add_argument("--products", default=None, help="force 'cublas' or 'triton' products")
+ap.add_argument("--direct", action="store_true", help="launch each kernel directly (no CUDA graph)")
 args = ap.parse_args()
+contextlib.ExitStack().enter_context(backfuse.cuda_graphs(not args.direct))  # for the whole script
 prob = backfuse.problem(args.problem)
 x = prob.make_inputs(prob.workloads[args.case].axes, seed=0, device="cuda")
 run = prob.run
@@ -42,8 +45,11 @@ events = trace_events(prof)
 syncs = sorted((e for e in events if e.kind == "cuda_runtime" and e.name in (OPEN_API, CLOSE_API)), key=lambda e: e.start_ns)
 call_start = max(b.end_ns for a, b in zip(syncs, syncs[1:]) if a.name == CLOSE_API and b.name == OPEN_API)
 launch = {e.correlation: e for e in events if e.kind in LAUNCH_ACTIVITIES and e.correlation is not None}
-device = sorted((e for e in events if e.kind in DEVICE_ACTIVITIES and e.correlation in launch
-                 and launch[e.correlation].start_ns > call_start), key=lambda e: e.start_ns)
+# A graph's kernels have no launch record here (the profiler keeps none of a driver-API cuGraphLaunch):
+# they go by their own start.
+device = sorted((e for e in events if e.kind in DEVICE_ACTIVITIES
+                 and (launch[e.correlation].start_ns if e.correlation in launch else e.start_ns) > call_start),
+                key=lambda e: e.start_ns)
 t0 = min([device[0].start_ns] + [launch[e.correlation].start_ns for e in device if e.correlation in launch])
 print(f"{prob.id} case {args.case} {prob.workloads[args.case].axes}: span "
       f"{(device[-1].end_ns - device[0].start_ns) / 1e3:.1f} us (times in us from the first launch)")

@@ -39,6 +39,7 @@ VARIANTS = {
         "triton_1launch": dict(products="triton", config=C72(tiles=T(128, 256, 64, 8, 4))),
         "triton_default": dict(products="triton"),
         "cublas": dict(products="cublas"),
+        "cublas_no_branches": dict(config=C72(branches=False), products="cublas"),
         "gluon": dict(products="gluon"),
         # Registers of the second consumer and the pack (the first consumer gets 488 - 2 regs): 128 gives
         # 232 / 128 / 128 and a 128-byte stack frame, 160 gives 168 / 160 / 160 and 72 bytes.
@@ -63,6 +64,8 @@ VARIANTS = {
         "default": dict(config=C21()),
         "direct": dict(config=C21(), graphs=False),
         "no_pdl": dict(config=C21(pdl=False)),
+        "no_branches": dict(config=C21(branches=False)),
+        "grad_cublas_no_branches": dict(config=C21(branches=False), products="cublas"),
         "att_half_sm": dict(config=C21(attention=A21(programs_per_sm=0.5))),
         "att_2sm": dict(config=C21(attention=A21(programs_per_sm=2))),
         # Persistent TMA forward products: 128 x 128 tiles, or 4 stages.
@@ -94,6 +97,8 @@ VARIANTS = {
         "direct": dict(config=C37(), graphs=False),
         "exp2_tanh": dict(config=C37(attention=A37(approx_tanh=False))),
         "no_pdl": dict(config=C37(pdl=False)),
+        "no_branches": dict(config=C37(branches=False)),
+        "cublas_no_branches": dict(config=C37(branches=False), products="cublas"),
         "norm_rope_128x8": dict(config=C37(norm_rope=T(128, 128, 64, 8, 3))),
         "norm_rope_64x4": dict(config=C37(norm_rope=T(64, 128, 64, 4, 1))),
         "triton": dict(config=C37(), products="triton"),

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 
 from ..fp16_guard import RangeSlots
-from ..kernels import buffers, graphs
+from ..kernels import branches, buffers, graphs
 from ..kernels.launch import FAST_LAUNCH
 
 INT32_ELEMENTS = 2**31  # the kernels count elements in int32
@@ -110,16 +110,20 @@ def begin(device: torch.device, sms, config, configs: tuple, ranges, make_plan, 
     return FusedCall(host, cfg, p, ranges, offsets)
 
 
-def cublas_products(products) -> Callable[[], None]:
-    """A launch step: out = a @ b by cuBLAS (torch.mm on our fp16 operands, fp32 sums and output)
-    for every (a, b, out, needed) that is needed. The operand views are made here, before the
-    call's first launch, so the step adds no host work but the products' own."""
-    products = [(a, b, out) for a, b, out, needed in products if needed]
-
+def cublas_product(a, b, out) -> Callable[[], None]:
+    """A launch step: out = a @ b by cuBLAS (torch.mm on our fp16 operands, fp32 sums and output).
+    The operand views are made before the call's first launch, so the step adds no host work but
+    the product's own."""
     def run():
-        for a, b, out in products:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
     return run
+
+
+def cublas_products(products, concurrently: bool = False) -> Callable[[], None]:
+    """A launch step: `cublas_product` for every (a, b, out, needed) that is needed, one after
+    another, or `concurrently` (each its own branch: kernels/branches.py), where they are independent."""
+    steps = [cublas_product(a, b, out) for a, b, out, needed in products if needed]
+    return branches.concurrent(*([step] for step in steps)) if concurrently else branches.concurrent(steps)
 
 
 class FusedPath(ABC):

@@ -1,5 +1,6 @@
 """037's fused backward: five Triton launches (`triton_kernels.py`), and from `cublas_min_flop` on five
-cuBLAS products around them (two forward, three gradient), as `config.plan` lays them out."""
+cuBLAS products around them (two forward, three gradient), as `config.plan` lays them out; with
+`Plan.branches` the independent ones run concurrently (kernels/branches.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
+from ...kernels.branches import concurrent
 from ...kernels.launch import FastKernel
-from ..fused import FusedPath, cublas_products
+from ..fused import FusedPath, cublas_product
 from .config import CONFIG, INTERPRETER_CONFIG, plan
 from .spec import HEAD_DIM, HEADS, HIDDEN, KV_OUT, PROBLEM, Q_OUT, QK, QKV
 from .triton_kernels import (
@@ -38,15 +40,14 @@ def fp32_sums_in_fp16_products():
         matmul.allow_fp16_reduced_precision_reduction = saved
 
 
-def cublas_forward_products(products):
-    """A launch step: the forward products by cuBLAS, out = a @ b with fp32 sums, in out's dtype."""
+def cublas_forward_product(a, b, out):
+    """A launch step: out = a @ b by cuBLAS with fp32 sums, in out's dtype."""
+    if out.dtype == torch.float32:
+        return cublas_product(a, b, out)
+
     def run():
         with fp32_sums_in_fp16_products():
-            for a, b, out in products:
-                if out.dtype == torch.float32:
-                    torch.mm(a, b, out_dtype=torch.float32, out=out)
-                else:
-                    torch.mm(a, b, out=out)
+            torch.mm(a, b, out=out)
     return run
 
 
@@ -101,7 +102,7 @@ class Gemma3Core(FusedPath):
         pack = PACK.prepare_named(
             (p.pack.programs,), p.pack_arguments(), dict(ranges=call.ranges_of(0)), given, b,
             TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps)
-        ours = [
+        forward_launch, attention_forward, attention_backward, gradient_launch = (
             FORWARD_PRODUCTS.prepare_named(
                 (p.forward_programs,), p.forward_arguments(scaling, cap, eps), dict(ranges=call.ranges_of(1)), given, b,
                 BM=fw.bm, BK=fw.bk, PRODUCTS=p.products == "triton", QK_WIDTH=p.qk_width, PDL=pdl, num_warps=fw.warps,
@@ -120,16 +121,23 @@ class Gemma3Core(FusedPath):
                 (p.gradient_programs,), p.gradient_arguments(), b,
                 BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl, num_warps=gr.warps,
                 num_stages=gr.stages, launch_pdl=pdl),
-        ]
+        )
         if p.products == "triton":
-            return [pack, *ours]
+            return [pack, forward_launch, attention_forward, attention_backward, gradient_launch]
         # cuBLAS writes [q | k | v] in fp32 (launch 2 copies v to fp16) and dA in fp16 (its fp32 sums
         # rounded once, as our tiles do).
-        forward = cublas_forward_products([(b.x16, b.wqkv16.T, b.qk32), (b.go16, b.wo_t16.T, b.d_attn16)])
-        gradients = cublas_products((*product, needed) for product, needed in zip(
+        qkv = cublas_forward_product(b.x16, b.wqkv16.T, b.qk32)
+        d_attn = cublas_forward_product(b.go16, b.wo_t16.T, b.d_attn16)
+        grad_x, grad_wqkv, grad_wo = ([cublas_product(*product)] if needed else [] for product, needed in zip(
             [(b.g16, b.wqkv16, b.grad_x.view(p.tokens, HIDDEN)), (b.g16.T, b.x16, b.grad_wqkv),
              (b.go16.T, b.attn16, b.grad_wo)], p.wanted))
-        return [pack, forward, *ours, gradients]
+        if not p.branches:
+            return [pack, qkv, d_attn, forward_launch, attention_forward, attention_backward, gradient_launch,
+                    *grad_x, *grad_wqkv, *grad_wo]
+        # dA beside [q | k | v] and its norms (the attention forward reads both); grad_Wo, which reads
+        # only A and grad_output, beside the attention backward and the products of G.
+        return [pack, concurrent([qkv, forward_launch], [d_attn]), attention_forward,
+                concurrent([attention_backward, gradient_launch, concurrent(grad_x, grad_wqkv)], grad_wo)]
 
     def outputs(self, b):
         return b.grad_x, b.grad_wq, b.grad_wk, b.grad_wv, b.grad_wo, b.grad_q_norm_w, b.grad_k_norm_w

@@ -56,8 +56,8 @@ class AttentionConfig:
 @dataclass(frozen=True, kw_only=True)
 class Config:
     pack: PackConfig = PackConfig(tile=64, block=8192, iters=1, warps=4)  # tile: the Wo^T tiles' side
-    # bn: one head per tile (the norm is per head). Products run here below cublas_min_flop only:
-    # 64-row tiles at 4 warps, so that 128 tokens still give 128 programs, not 64.
+    # bn: one head per tile (the norm is per head). Our products (below cublas_min_flop, products="triton",
+    # the interpreter): 64-row tiles at 4 warps, so that 128 tokens still give 128 programs, not 64.
     forward: TileConfig = TileConfig(bm=64, bn=HEAD_DIM, bk=64, warps=4, stages=4)
     # The forward's tiles where its programs at these tiles fit one wave at one program per SM (128
     # tokens: 128 programs): a deeper ring (144 KB) keeps more of each program's weight slab in
@@ -70,11 +70,15 @@ class Config:
     gradients: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
     sums: SumConfig = SumConfig(rows=256, cols=16)  # the norm-weight gradients from their partial rows
     pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
-    # From this much gradient-product work (FLOP) on, the products go to cuBLAS: from 512 tokens
-    # (42 GFLOP). Launched as one CUDA graph, the cuBLAS path's extra launches no longer leave the call
-    # waiting on the host, and at 512 tokens its products win by 23 us; at 256 tokens (21 GFLOP) ours
-    # still do (benchmarks/notes/037.md row 36; row 29 had set 60 GFLOP for launches one by one).
-    cublas_min_flop: float = 30e9
+    # Independent cuBLAS products on concurrent streams, as branches of the call's graph: dA beside
+    # [q | k | v] and its norms, grad_Wo beside the attention backward and the products of G, which run
+    # beside each other (GPU only; kernels/branches.py). The cuBLAS cases gain 1-8 % (notes/037.md row 37).
+    branches: bool = True
+    # From this much gradient-product work (FLOP) on, the products go to cuBLAS: on every length. As
+    # one CUDA graph with branches, the cuBLAS path beats our five launches at 128 and 256 tokens too
+    # (132.6 -> 128.2 us, 175.2 -> 162.5; notes/037.md row 37; row 36 had set 30 GFLOP without branches,
+    # row 29 60 GFLOP for launches one by one). Our products remain the interpreter's path.
+    cublas_min_flop: float = 0.0
 
 
 CONFIG = Config()
@@ -124,6 +128,7 @@ class Plan:
     seq: int
     products: str  # "triton" (our tiles) or "cublas" (the forward and gradient products)
     pdl: bool
+    branches: bool  # Config.branches on a GPU
     pack: Layout
     forward: TileConfig  # the forward launch's tiles: `Config.forward` (`forward_one_wave` where it fits one
     # wave), or `norm_rope` on cuBLAS
@@ -302,7 +307,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
                  Region("gradient of v projection", kv_slots, vanishing),
                  Region("gradient of q projection", q_programs, vanishing))),
     )
-    return Plan(batch=batch, seq=seq, products=backend, pdl=cfg.pdl and gpu, pack=pack, forward=fw,
+    return Plan(batch=batch, seq=seq, products=backend, pdl=cfg.pdl and gpu, branches=cfg.branches and gpu, pack=pack,
+                forward=fw,
                 forward_programs=forward_programs,
                 forward_bounds=forward_bounds,
                 attention_forward_programs=attention_forward_programs, attention_forward_keys=forward_keys(at, seq),

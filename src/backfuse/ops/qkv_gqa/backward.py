@@ -67,9 +67,10 @@ class QkvGqa(FusedPath):
             (p.pack.programs,), p.pack_arguments(), dict(ranges=call.ranges_of(0)), given, b,
             ROWS=pk.rows, BLOCK=pk.block, ITERS=pk.iters, PDL=p.pdl, num_warps=pk.warps)]
         if p.products == "cublas":
-            launches.append(cublas_products((*product, needed) for product, needed in zip(
+            launches.append(cublas_products([(*product, needed) for product, needed in zip(
                 [(b.gq16, b.wq16, b.grad_dec.view(b.td, HIDDEN)), (b.gkv16, b.wkv16, b.grad_enc.view(b.te, CROSS_HIDDEN)),
-                 (b.gq16.T, b.dec16, b.grad_wq), (b.gkv16.T, b.enc16, b.grad_wkv)], p.cublas)))
+                 (b.gq16.T, b.dec16, b.grad_wq), (b.gkv16.T, b.enc16, b.grad_wkv)], p.cublas)],
+                concurrently=p.branches))
         elif p.tiles is not None:
             launches.append(PRODUCTS.prepare_named(
                 (p.tiles.programs,), p.product_arguments(), b,

@@ -93,6 +93,9 @@ class Config:
     # run below cublas_min_flop only, where 128 x 128 tiles at 4 warps (2 per SM) beat 128 x 256 by 5%.
     tiles: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
     pdl: bool = True  # the products' launch as a programmatic dependent launch (GPU only)
+    # The four cuBLAS products as branches of the call's graph (kernels/branches.py): each fills the GPU
+    # alone; concurrently 0-1.5 % slower (notes/072.md row 32).
+    branches: bool = False
     # From this much product work (FLOP) on, cuBLAS's products beat ours by more than its three extra
     # launches can cost, even on a slow host: the GPU work then outlasts the launching (measured:
     # benchmarks/notes/072.md). Below it, cuBLAS wins only when the host keeps up.
@@ -166,6 +169,7 @@ class Plan:
     se: int  # encoder tokens per batch entry
     products: str  # "triton" (our tiles), "cublas", or "gluon" (one launch, pack included)
     pdl: bool
+    branches: bool  # Config.branches on a GPU
     pack: Layout | None  # None: the Gluon kernel packs
     splits: tuple  # K splits of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc (1 each: unsplit)
     tiles: TilesLaunch | None  # None: cuBLAS or Gluon makes the products, or no output needs one
@@ -290,7 +294,7 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
         splits = [1] * 4 if deterministic else choose_splits(gemms, g.bm, g.bn, g.bk, sms)
         launch = gluon_launch(g, axes, splits, needs)
         return Plan(batch=axes["batch_size"], sd=axes["seq_len_dec"], se=axes["seq_len_enc"], products=backend,
-                    pdl=False, pack=None, splits=tuple(splits), tiles=None, cublas=(False,) * 4,
+                    pdl=False, branches=False, pack=None, splits=tuple(splits), tiles=None, cublas=(False,) * 4,
                     ranges=(launch.regions,), gluon=launch)
     t = cfg.tiles
     splits = choose_splits(gemms, t.bm, t.bn, t.bk, sms) if backend == "triton" and not deterministic else [1] * 4
@@ -303,5 +307,5 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
         launch = TilesLaunch(sum(tiles), weight_grads, input_grads, bounds)
     pack = pack_layout(cfg, axes, splits)
     return Plan(batch=axes["batch_size"], sd=axes["seq_len_dec"], se=axes["seq_len_enc"], products=backend,
-                pdl=cfg.pdl and gpu, pack=pack, splits=tuple(splits), tiles=launch,
+                pdl=cfg.pdl and gpu, branches=cfg.branches and gpu, pack=pack, splits=tuple(splits), tiles=launch,
                 cublas=(needs[0], needs[1], needs[2], needs[3] or needs[4]), ranges=(pack.regions,))

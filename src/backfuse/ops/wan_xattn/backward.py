@@ -1,10 +1,12 @@
 """021's fused backward: four Triton launches (`triton_kernels.py`, `triton_attention.py`), the
-gradient products by cuBLAS from `cublas_min_flop` on, as `config.plan` lays them out."""
+gradient products by cuBLAS from `cublas_min_flop` on, as `config.plan` lays them out (with
+`Plan.branches`, concurrently: kernels/branches.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from ...kernels.branches import concurrent
 from ...kernels.launch import FastKernel
 from ..fused import FusedPath, cublas_products
 from .config import CONFIG, INTERPRETER_CONFIG, plan
@@ -88,11 +90,13 @@ class WanXattn(FusedPath):
                 num_stages=gr.stages, launch_pdl=pdl),
         ]
         if p.products == "cublas":
-            launches.append(cublas_products([
+            products = cublas_products([
                 (b.dq16, b.wq16, b.grad_video.view(tv, HIDDEN), p.wanted[0]),
                 (b.dkv16, b.wkv16, b.grad_text.view(tt, HIDDEN), p.wanted[1]),
                 (b.dq16.T, b.video16, b.grad_wq, p.wanted[2]), (b.go16.T, b.ctx16, b.grad_wo, p.wanted[2]),
-                (b.dkv16.T, b.text16, b.grad_wkv, p.wanted[2])]))
+                (b.dkv16.T, b.text16, b.grad_wkv, p.wanted[2])], concurrently=p.branches)
+            # The gradient launch then only sums the biases: with branches, beside the products.
+            launches[-1:] = [concurrent([launches[-1]], [products])] if p.branches else [launches[-1], products]
         return launches
 
     def outputs(self, b):

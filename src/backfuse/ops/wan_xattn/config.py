@@ -55,6 +55,9 @@ class Config:
     gradients: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
     sums: SumConfig = SumConfig(rows=32, cols=64)  # bias gradients from per-program partial rows
     pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
+    # The five cuBLAS gradient products as branches of the call's graph (kernels/branches.py): measured
+    # 1-2 % slower on three of the four cuBLAS cases (they contend for L2 and SMs; notes/021.md row 44).
+    branches: bool = False
     # From this much gradient-product work (FLOP) on, cuBLAS does those products (cases 0, 15, 10, 5:
     # 38-93 GFLOP). Launched as one CUDA graph, five torch.mm calls cost no host time on the clock;
     # below ≈ 35 GFLOP our tiles still win (benchmarks/notes/021.md row 42; row 28 had set 60 GFLOP
@@ -147,6 +150,7 @@ class Plan:
     products: str  # "triton" (our gradient products) or "cublas"
     deterministic: bool  # the attention's partial dK/dV stored per run and added in order
     pdl: bool
+    branches: bool  # Config.branches on a GPU
     pack: Layout
     forward: TileConfig  # the forward products' tiles
     forward_programs: int  # persistent ones (product tiles)
@@ -295,7 +299,7 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
                       for g in ("gradient of queries", "gradient of keys", "gradient of values"))),
     )
     return Plan(batch=batch, nv=nv, nt=nt, products=backend, deterministic=deterministic, pdl=cfg.pdl and gpu,
-                pack=pack, forward=fw,
+                branches=cfg.branches and gpu, pack=pack, forward=fw,
                 forward_programs=forward_programs, forward_grid=forward_programs + HIDDEN // cfg.sums.cols,
                 forward_bounds=forward_bounds,
                 one_tile=one_tile, text_tile=text_tile,
