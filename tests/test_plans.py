@@ -124,6 +124,18 @@ def test_gemma3_core_attention_rules():
     assert gemma3_core.plan(cfg, one_wave, 127, products="triton").forward == cfg.forward  # not one wave
 
 
+def test_gemma3_core_pack_parts():
+    """One pack launch, or with branches on the cuBLAS path two: grad_output and Wo^T (what dA reads),
+    then the rest, together every program of the layout once."""
+    for p in _plans("037") + _plans("037", products="triton") + _plans("037", gpu=False):
+        if p.products == "cublas" and p.branches:
+            (first_a, n_a), (first_b, n_b) = p.pack_parts
+            assert first_a == 0 and first_b == n_a == p.pack.end_of("o_weight") and first_b + n_b == p.pack.programs
+        else:
+            assert p.pack_parts == ((0, p.pack.programs),)
+    assert all(len(p.pack_parts) == 2 for p in _plans("037"))
+
+
 def test_wan_xattn_attention_rules():
     """Lone blocks where a head's 128 video tokens fit one block (cases 0 and 15, 021.md row 22); the
     77-token text as 64 + 16 (row 20); long text in tiles of 128; one run per head where it fills the GPU."""

@@ -208,6 +208,11 @@ class Layout:
         """Programs of the segment called `name`."""
         return next(s.programs for s in self.segments if s.name == name)
 
+    def end_of(self, name: str) -> int:
+        """The first program after the segment called `name` (where a launch of the segments after
+        it starts, when the pack runs as two launches)."""
+        return next(end for s, end in zip(self.segments, self.ends) if s.name == name)
+
     @property
     def regions(self) -> Regions:
         return Regions(tuple(Region(s.name, s.programs, s.holds) for s in self.segments if s.ranged))

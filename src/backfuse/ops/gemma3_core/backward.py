@@ -99,9 +99,9 @@ class Gemma3Core(FusedPath):
         pk, fw, at, gr, sums, pdl = cfg.pack, p.forward, cfg.attention, cfg.gradients, cfg.sums, p.pdl
         # Every runtime argument by the kernel's parameter name: the plan's scalars, the range slots,
         # the official inputs and the call's buffers (b).
-        pack = PACK.prepare_named(
-            (p.pack.programs,), p.pack_arguments(), dict(ranges=call.ranges_of(0)), given, b,
-            TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps)
+        packs = [PACK.prepare_named(
+            (programs,), p.pack_arguments(), dict(first=first, ranges=call.ranges_of(0)), given, b,
+            TILE=pk.tile, BLOCK=pk.block, ITERS=pk.iters, PDL=pdl, num_warps=pk.warps) for first, programs in p.pack_parts]
         forward_launch, attention_forward, attention_backward, gradient_launch = (
             FORWARD_PRODUCTS.prepare_named(
                 (p.forward_programs,), p.forward_arguments(scaling, cap, eps), dict(ranges=call.ranges_of(1)), given, b,
@@ -123,7 +123,7 @@ class Gemma3Core(FusedPath):
                 num_stages=gr.stages, launch_pdl=pdl),
         )
         if p.products == "triton":
-            return [pack, forward_launch, attention_forward, attention_backward, gradient_launch]
+            return [*packs, forward_launch, attention_forward, attention_backward, gradient_launch]
         # cuBLAS writes [q | k | v] in fp32 (launch 2 copies v to fp16) and dA in fp16 (its fp32 sums
         # rounded once, as our tiles do).
         qkv = cublas_forward_product(b.x16, b.wqkv16.T, b.qk32)
@@ -132,11 +132,13 @@ class Gemma3Core(FusedPath):
             [(b.g16, b.wqkv16, b.grad_x.view(p.tokens, HIDDEN)), (b.g16.T, b.x16, b.grad_wqkv),
              (b.go16.T, b.attn16, b.grad_wo)], p.wanted))
         if not p.branches:
-            return [pack, qkv, d_attn, forward_launch, attention_forward, attention_backward, gradient_launch,
+            return [*packs, qkv, d_attn, forward_launch, attention_forward, attention_backward, gradient_launch,
                     *grad_x, *grad_wqkv, *grad_wo]
-        # dA beside [q | k | v] and its norms (the attention forward reads both); grad_Wo, which reads
-        # only A and grad_output, beside the attention backward and the products of G.
-        return [pack, concurrent([qkv, forward_launch], [d_attn]), attention_forward,
+        # grad_output's and Wo's copies and dA beside the other copies, [q | k | v] and its norms (the
+        # attention forward reads both); grad_Wo, which reads only A and grad_output, beside the
+        # attention backward and the products of G.
+        d_attn_pack, pack = packs
+        return [concurrent([pack, qkv, forward_launch], [d_attn_pack, d_attn]), attention_forward,
                 concurrent([attention_backward, gradient_launch, concurrent(grad_x, grad_wqkv)], grad_wo)]
 
     def outputs(self, b):

@@ -130,6 +130,9 @@ class Plan:
     pdl: bool
     branches: bool  # Config.branches on a GPU
     pack: Layout
+    # (first program, programs) of each pack launch: the whole layout, or with branches on the cuBLAS path
+    # two launches, grad_output and Wo^T (beside the rest, before dA), then the rest (before [q | k | v])
+    pack_parts: tuple
     forward: TileConfig  # the forward launch's tiles: `Config.forward` (`forward_one_wave` where it fits one
     # wave), or `norm_rope` on cuBLAS
     forward_programs: int
@@ -225,8 +228,10 @@ GRADIENT_ORDER = (2, 0, 1)
 
 
 def pack_layout(cfg: Config, tokens: int, splits, counters: int) -> Layout:
-    """The pack's programs: flat casts of grad_output, X, Wq, Wk, Wv, the Wo^T tiles (those
-    converting), then zero fills of split-K outputs and of the attention backward's counters."""
+    """The pack's programs: the cast of grad_output and the Wo^T tiles (what dA reads), flat casts of
+    X, Wq, Wk, Wv (what [q | k | v] reads; those converting), then zero fills of split-K outputs and
+    of the attention backward's counters. With branches the two parts run as two launches
+    (`Plan.pack_parts`), each before the products that read it."""
     pk = cfg.pack
 
     def flat(n):
@@ -235,11 +240,11 @@ def pack_layout(cfg: Config, tokens: int, splits, counters: int) -> Layout:
     split_gx, split_wqkv, split_wo = (s > 1 for s in splits)
     return Layout((
         Segment("grad_output", flat(tokens * HIDDEN), holds=Holds.UPSTREAM, end="e_go"),
+        Segment("o_weight", (HIDDEN // pk.tile) * (Q_OUT // pk.tile), end="e_wo"),
         Segment("hidden_states", flat(tokens * HIDDEN), end="e_x"),
         Segment("q_weight", flat(Q_OUT * HIDDEN), end="e_wq"),
         Segment("k_weight", flat(KV_OUT * HIDDEN), end="e_wk"),
         Segment("v_weight", flat(KV_OUT * HIDDEN), end="e_wv"),
-        Segment("o_weight", (HIDDEN // pk.tile) * (Q_OUT // pk.tile), end="e_wo"),
         Segment("zero grad_hidden_states", split_gx * flat(tokens * HIDDEN), ranged=False, end="e_gx"),
         Segment("zero grad_[q; k; v]_weight", split_wqkv * flat(QKV * HIDDEN), ranged=False, end="e_zwqkv"),
         Segment("zero grad_o_weight", split_wo * flat(Q_OUT * HIDDEN), ranged=False, end="e_zwo"),
@@ -298,6 +303,11 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     forward_programs = forward_bounds[1][1]
     attention_forward_programs = batch * HEADS * cdiv(seq, at.fwd_bm)
     pack = pack_layout(cfg, tokens, splits, (kv_slots if split > 1 else 0) + 1)
+    branches = cfg.branches and gpu
+    pack_parts = ((0, pack.programs),)
+    if on_cublas and branches:
+        d_attn_side = pack.end_of("o_weight")
+        pack_parts = ((0, d_attn_side), (d_attn_side, pack.programs - d_attn_side))
     vanishing = Holds.VANISHING
     ranges = (
         pack.regions,
@@ -307,8 +317,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
                  Region("gradient of v projection", kv_slots, vanishing),
                  Region("gradient of q projection", q_programs, vanishing))),
     )
-    return Plan(batch=batch, seq=seq, products=backend, pdl=cfg.pdl and gpu, branches=cfg.branches and gpu, pack=pack,
-                forward=fw,
+    return Plan(batch=batch, seq=seq, products=backend, pdl=cfg.pdl and gpu, branches=branches, pack=pack,
+                pack_parts=pack_parts, forward=fw,
                 forward_programs=forward_programs,
                 forward_bounds=forward_bounds,
                 attention_forward_programs=attention_forward_programs, attention_forward_keys=forward_keys(at, seq),

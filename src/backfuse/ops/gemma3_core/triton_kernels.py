@@ -38,47 +38,48 @@ _QK = tl.constexpr(QK)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit(do_not_specialize=["T", "n_counters", "e_go", "e_x", "e_wq", "e_wk", "e_wv", "e_wo", "e_gx", "e_zwqkv",
-                                "e_zwo"])
+@triton.jit(do_not_specialize=["T", "n_counters", "first", "e_go", "e_wo", "e_x", "e_wq", "e_wk", "e_wv", "e_gx",
+                                "e_zwqkv", "e_zwo"])
 def pack_kernel(
     go, x, wq, wk, wv, wo,
     go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wqkv, grad_wo, counters,
-    T, n_counters, e_go, e_x, e_wq, e_wk, e_wv, e_wo, e_gx, e_zwqkv, e_zwo,
+    T, n_counters, first, e_go, e_wo, e_x, e_wq, e_wk, e_wv, e_gx, e_zwqkv, e_zwo,
     TILE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """go16, x16 = fp16 of grad_output and X; wqkv16 = fp16 of [Wq; Wk; Wv]; wo_t16 = fp16(Wo^T) in
-    TILE x TILE tiles; zeros in grad_x, grad_[Wq; Wk; Wv], grad_Wo where their product is split, and
+    """go16 = fp16 of grad_output; wo_t16 = fp16(Wo^T) in TILE x TILE tiles; x16 = fp16 of X; wqkv16 =
+    fp16 of [Wq; Wk; Wv]; zeros in grad_x, grad_[Wq; Wk; Wv], grad_Wo where their product is split, and
     in the attention backward's n_counters counters. The program segments are `config.pack_layout`'s,
-    in its order; e_* is the end of each but the last. Each converting program (before e_wo) stores
-    the largest |value| it converted in ranges[pid]."""
+    in its order; e_* is the end of each but the last. This launch runs the layout's programs from
+    `first` on (`Plan.pack_parts`). Each converting program (before e_wv) stores the largest |value|
+    it converted in ranges[program]."""
     after_previous_launch(PDL)
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) + first
     WQ: tl.constexpr = _Q_OUT * _HIDDEN
     WKV: tl.constexpr = _KV_OUT * _HIDDEN
     n_act = T * _HIDDEN
     largest = 0.0
     if pid < e_go:
         largest = cast_chunk(go, go16, n_act, pid, BLOCK, ITERS)
+    elif pid < e_wo:
+        largest = transpose_tile(wo, wo_t16, pid - e_go, _HIDDEN, TILE)
     elif pid < e_x:
-        largest = cast_chunk(x, x16, n_act, pid - e_go, BLOCK, ITERS)
+        largest = cast_chunk(x, x16, n_act, pid - e_wo, BLOCK, ITERS)
     elif pid < e_wq:
         largest = cast_chunk(wq, wqkv16, WQ, pid - e_x, BLOCK, ITERS)
     elif pid < e_wk:
         largest = cast_chunk(wk, wqkv16 + WQ, WKV, pid - e_wq, BLOCK, ITERS)
     elif pid < e_wv:
         largest = cast_chunk(wv, wqkv16 + WQ + WKV, WKV, pid - e_wk, BLOCK, ITERS)
-    elif pid < e_wo:
-        largest = transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, TILE)
     elif pid < e_gx:
-        zero_chunk(grad_x, n_act, pid - e_wo, BLOCK, ITERS)
+        zero_chunk(grad_x, n_act, pid - e_wv, BLOCK, ITERS)
     elif pid < e_zwqkv:
         zero_chunk(grad_wqkv, _QKV * _HIDDEN, pid - e_gx, BLOCK, ITERS)
     elif pid < e_zwo:
         zero_chunk(grad_wo, WQ, pid - e_zwqkv, BLOCK, ITERS)
     else:
         zero_chunk(counters, n_counters, pid - e_zwo, BLOCK, ITERS)
-    if pid < e_wo:
+    if pid < e_wv:
         tl.store(ranges + pid, largest)
 
 
