@@ -70,9 +70,10 @@ class Config:
     gradients: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
     sums: SumConfig = SumConfig(rows=256, cols=16)  # the norm-weight gradients from their partial rows
     pdl: bool = True  # launches after the first as programmatic dependent launches (GPU only)
-    # Independent cuBLAS products on concurrent streams, as branches of the call's graph: dA beside
-    # [q | k | v] and its norms, grad_Wo beside the attention backward and the products of G, which run
-    # beside each other (GPU only; kernels/branches.py). The cuBLAS cases gain 1-8 % (notes/037.md row 37).
+    # Independent cuBLAS products on concurrent streams, as branches of the call's graph: the copies of
+    # grad_output and Wo and dA beside the other copies, [q | k | v] and its norms (Plan.pack_parts);
+    # grad_Wo beside the attention backward and the products of G, which run beside each other (GPU
+    # only; kernels/branches.py). The cuBLAS cases gain 1-8 % (notes/037.md rows 37, 39).
     branches: bool = True
     # From this much gradient-product work (FLOP) on, the products go to cuBLAS: on every length. As
     # one CUDA graph with branches, the cuBLAS path beats our five launches at 128 and 256 tokens too
