@@ -10,7 +10,7 @@ one driver:
         return problem.fp32_backward(*inputs)
     call = begin(...)                           # device, SM count, config, plan (kept per shape), fp16-range slots
     bufs = path.allocate(call, inputs)
-    launches = path.launches(call, inputs, bufs)    # Triton launches, cuBLAS products
+    launches = path.launches(call, inputs, bufs)    # Triton launches, cuBLAS products, concurrent steps
     run them: as one CUDA graph on a GPU (kernels/graphs.py), else one by one
     return path.outputs(bufs)
 
@@ -148,7 +148,8 @@ class FusedPath(ABC):
 
     @abstractmethod
     def launches(self, call: FusedCall, inputs, bufs) -> list[Callable[[], None]]:
-        """The call's launches in order, each prepared (no host work left but the launch itself)."""
+        """The call's launches in order, each prepared (no host work left but the launch itself); a
+        step may run groups of launches concurrently (`kernels/branches.concurrent`)."""
 
     @abstractmethod
     def outputs(self, bufs) -> tuple:
