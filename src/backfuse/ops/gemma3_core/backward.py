@@ -136,10 +136,11 @@ class Gemma3Core(FusedPath):
                     *grad_x, *grad_wqkv, *grad_wo]
         # grad_output's and Wo's copies and dA beside the other copies, [q | k | v] and its norms (the
         # attention forward reads both); grad_Wo, which reads only A and grad_output, beside the
-        # attention backward and the products of G.
+        # attention backward and the products of G; the norm-weight sums (the gradient launch: what
+        # they read the attention backward wrote, and nothing reads them) beside the products of G.
         d_attn_pack, pack = packs
         return [concurrent([pack, qkv, forward_launch], [d_attn_pack, d_attn]), attention_forward,
-                concurrent([attention_backward, gradient_launch, concurrent(grad_x, grad_wqkv)], grad_wo)]
+                concurrent([attention_backward, concurrent(grad_x, grad_wqkv, [gradient_launch])], grad_wo)]
 
     def outputs(self, b):
         return b.grad_x, b.grad_wq, b.grad_wk, b.grad_wv, b.grad_wo, b.grad_q_norm_w, b.grad_k_norm_w

@@ -1,6 +1,7 @@
 """037's launch shapes (`Config`), the rules that pick among them, and the plan of one call (`plan`):
 pack, forward products (or, after cuBLAS's, only norm, RoPE and v's fp16 copy), attention forward,
-attention backward, gradient products (or, before cuBLAS's, only the norm-weight sums).
+attention backward, gradient products (or, on cuBLAS's path, only the norm-weight sums: before its
+products, or with branches beside them).
 
 Plain Python: a plan can be checked on any machine without launching anything.
 """
