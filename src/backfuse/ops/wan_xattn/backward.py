@@ -1,6 +1,6 @@
 """021's fused backward: four Triton launches (`triton_kernels.py`, `triton_attention.py`), the
 gradient products by cuBLAS from `cublas_min_flop` on, as `config.plan` lays them out (with
-`Plan.branches`, concurrently: kernels/branches.py)."""
+`Plan.branches`, concurrently), beside the launch that then only sums the biases (kernels/branches.py)."""
 
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ class WanXattn(FusedPath):
                 (b.dkv16, b.wkv16, b.grad_text.view(tt, HIDDEN), p.wanted[1]),
                 (b.dq16.T, b.video16, b.grad_wq, p.wanted[2]), (b.go16.T, b.ctx16, b.grad_wo, p.wanted[2]),
                 (b.dkv16.T, b.text16, b.grad_wkv, p.wanted[2])], concurrently=p.branches)
-            # The gradient launch then only sums the biases: with branches, beside the products.
-            launches[-1:] = [concurrent([launches[-1]], [products])] if p.branches else [launches[-1], products]
+            # The gradient launch then only sums the biases, beside the products (they do not read the sums).
+            launches[-1:] = [concurrent([products], [launches[-1]])]
         return launches
 
     def outputs(self, b):
