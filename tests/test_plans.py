@@ -57,6 +57,19 @@ def test_pack_kernel_takes_the_segment_ends_in_the_plans_order(pid):
         assert "constexpr" in str(after), "the kernel has an end parameter the plan does not fill"
 
 
+def test_gluon_kernel_takes_the_pack_lists_ends_in_the_plans_order():
+    """072's one-launch kernel reads its pack item list's segment ends (the plan's
+    `gluon_pack_items`) by these parameters, in this order, then the list's length."""
+    from backfuse.ops.qkv_gqa.gluon_kernels import fused_kernel
+
+    names = list(fused_kernel.arg_names)
+    p = _plans("072", products="gluon")[4]
+    ends = p.gluon.items.end_parameters
+    first = names.index(ends[0])
+    assert tuple(names[first:first + len(ends) + 1]) == ends + ("pack_items",)
+    assert p.gluon_arguments()["pack_items"] == p.gluon.items.programs
+
+
 def test_layout_refuses_unnamed_or_repeated_ends():
     with pytest.raises(ValueError, match="distinct end"):
         Layout((Segment("a", 1, end="e_a"), Segment("b", 1), Segment("c", 1)))
@@ -245,8 +258,19 @@ def test_qkv_gqa_gluon_window():
         assert [b - a for a, b in zip(runs, runs[1:])] == [-(-td // 128)] * 2 + [-(-te // 128)] * 2
         assert p.gluon.tiles >= p.gluon.starts[-1] >= p.gluon.starts[0] and p.pack is None
         assert p.ranges == (p.gluon.regions,)  # the one block `ops/fused.begin` reserves is the kernel's
+        # the pack's item list: each converting segment has one range slot per item, in the regions
+        sizes, ranged = dict(zip((seg.name for seg in p.gluon.items.segments),
+                                 (b - a for a, b in zip((0,) + p.gluon.items.ends, p.gluon.items.ends)))), counts
+        assert sizes["decoder side"] == ranged["grad_query_states"] + ranged["decoder_hidden_states"]
+        assert sizes["encoder side"] == sum(ranged[name] for name in (
+            "grad_key_states (head-group sums)", "grad_value_states (head-group sums)", "encoder_hidden_states"))
+        assert sizes["Wq16"] == ranged["q_weight"] and sizes["[Wk; Wv]16"] == ranged["k_weight"] + ranged["v_weight"]
+        zero_fills = [sizes[name] > 0 for name in ("zero grad_q_weight", "zero grad_[k; v]_weight",
+                                                   "zero grad_decoder_hidden_states", "zero grad_encoder_hidden_states")]
+        assert zero_fills == [s > 1 for s in p.splits]
     det = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[4].axes, SMS, gluon=True, deterministic=True)
     assert det.products == "gluon" and det.splits == (1, 1, 1, 1)
+    assert all(seg.programs == 0 for seg in det.gluon.items.segments[:4])  # nothing to zero without K splits
     frozen = qkv_gqa.plan(qkv_gqa.CONFIG, backfuse.problem("072").workloads[4].axes, SMS, gluon=True,
                           needs=(True, True, False, False, False))
     assert frozen.gluon.dec_chunks == frozen.gluon.enc_chunks == 0 and frozen.gluon.starts[0] == 0

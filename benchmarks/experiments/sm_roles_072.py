@@ -56,6 +56,7 @@ from backfuse.ops.qkv_gqa.gluon_pack import (
     Inputs,
     Operands,
     Outputs,
+    PackList,
     RangeBases,
     _fetch_item,
     _finish_item,
@@ -108,23 +109,24 @@ def _pack_two(buf_a, buf_b, inp, ops, outs, counters, lst, rb, first, stride):
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
                                "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc",
-                               "no_slots", "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv"])
+                               "no_slots", "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv",
+                               "e_zwq", "e_zwkv", "e_zdec", "e_zenc", "e_dec", "e_wq", "e_enc", "pack_items"])
 def pack_only_kernel(gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
                      grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
                      TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
                      c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
-                     TWO: gl.constexpr):
+                     e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc, pack_items, TWO: gl.constexpr):
     """The one-launch kernel's pack partition over this grid's programs (TWO: `_pack_two`, two
     items in flight). Its counters' slot count is given as no_slots = 0, so that its partitions
     counting out (`_leave`) zero nothing: the product kernel's programs may still be waiting on them;
     the caller zeroes the counters before each call."""
     bufs = gl.allocate_shared_memory(gl.float32, [(1 + TWO) * UNITS * UNIT, HEAD_DIM], PACK_SMEM)
     counters = Counters(slots, c_gq, c_dec, c_gkv, c_enc, no_slots)
-    t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, gl.program_id(0), gl.num_programs(0))
     inp = Inputs(gq, gk, gv, dec, enc, wq, wk, wv)
     ops = Operands(gq16, gkv16, dec16, enc16, wq16, wkv16)
     outs = Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
-    lst = gluon_kernels.pack_list(t, SD, SE, dec_chunks, enc_chunks)
+    lst = PackList(TD, TE, SD, SE, dec_chunks, enc_chunks, e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc,
+                   pack_items)
     rb = RangeBases(ranges, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
     if TWO:
         _pack_two(bufs.slice(0, UNITS * UNIT), bufs.slice(UNITS * UNIT, UNITS * UNIT), inp, ops, outs, counters, lst,
@@ -150,12 +152,14 @@ def _ring(a_dec, a_wq, b_dec, STAGES: gl.constexpr):
     return Ring(a_k, a_m, b_bufs, ready, empty)
 
 
-@gluon.jit(do_not_specialize=["TD", "TE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec", "split_enc",
-                               "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "no_slots"])
+@gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
+                               "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "no_slots", "e_zwq",
+                               "e_zwkv", "e_zdec", "e_zenc", "e_dec", "e_wq", "e_enc", "pack_items"])
 def products_only_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                          grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots,
-                         TD, TE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
-                         c_gq, c_dec, c_gkv, c_enc, no_slots, STAGES: gl.constexpr):
+                         TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3,
+                         total, c_gq, c_dec, c_gkv, c_enc, no_slots, e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc,
+                         pack_items, STAGES: gl.constexpr):
     """The one-launch kernel's two consumers and loader over this grid's programs (no pack
     partition); counters as for pack_only_kernel (no_slots = 0: nothing is zeroed at the end)."""
     BK: gl.constexpr = a_dec.block_type.shape[1]
@@ -166,11 +170,13 @@ def products_only_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     outs = Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
     t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, gl.program_id(0),
               gl.num_programs(0))
+    lst = PackList(TD, TE, SD, SE, dec_chunks, enc_chunks, e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc,
+                   pack_items)
     ring = _ring(a_dec, a_wq, b_dec, STAGES)
     gl.warp_specialize([
-        (gluon_kernels._consumer, (ring, counters, outs, t, BM, BN, BK, STAGES, 0)),
-        (gluon_kernels._second_consumer, (ring, counters, outs, t, BM, BN, BK, STAGES)),
-        (gluon_kernels._loader, (d, ring, counters, t, dec_chunks, enc_chunks, BM, BN, BK, STAGES)),
+        (gluon_kernels._consumer, (ring, counters, outs, t, lst, BM, BN, BK, STAGES, 0)),
+        (gluon_kernels._second_consumer, (ring, counters, outs, t, lst, BM, BN, BK, STAGES)),
+        (gluon_kernels._loader, (d, ring, counters, t, lst, BM, BN, BK, STAGES)),
     ], [4, 1], [240, LOADER_REGS])
 
 
@@ -209,7 +215,7 @@ def _role_worker(ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM: gl.co
                 bufs = ring.b._reinterpret(gl.float32, [2 * UNITS * UNIT, HEAD_DIM], PACK_SMEM).slice(0, UNITS * UNIT)
             _pack(bufs, inp, ops, outs, counters, lst, rb, 2 * pid + PART, 2 * pack_sms)
     else:
-        gluon_kernels._consumer(ring, counters, outs, _product_share(t, pack_sms), BM, BN, BK, STAGES, PART)
+        gluon_kernels._consumer(ring, counters, outs, _product_share(t, pack_sms), lst, BM, BN, BK, STAGES, PART)
 
 
 @gluon.jit
@@ -219,24 +225,25 @@ def _role_second_worker(ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM
 
 
 @gluon.jit
-def _role_loader(d, ring, counters, t, dec_chunks, enc_chunks, pack_sms, BM: gl.constexpr, BN: gl.constexpr,
-                 BK: gl.constexpr, STAGES: gl.constexpr):
+def _role_loader(d, ring, counters, t, lst, pack_sms, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                 STAGES: gl.constexpr):
     if gl.program_id(0) < pack_sms:
         _leave(counters)
     else:
-        gluon_kernels._loader(d, ring, counters, _product_share(t, pack_sms), dec_chunks, enc_chunks, BM, BN, BK,
-                              STAGES)
+        gluon_kernels._loader(d, ring, counters, _product_share(t, pack_sms), lst, BM, BN, BK, STAGES)
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
                                "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "no_slots",
-                               "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv", "pack_sms"])
+                               "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv", "pack_sms",
+                               "e_zwq", "e_zwkv", "e_zdec", "e_zenc", "e_dec", "e_wq", "e_enc", "pack_items"])
 def roles_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
                  grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
                  TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
                  c_gq, c_dec, c_gkv, c_enc, no_slots, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv, pack_sms,
-                 STAGES: gl.constexpr, TWO: gl.constexpr):
+                 e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc, pack_items, STAGES: gl.constexpr,
+                 TWO: gl.constexpr):
     """SM roles in one launch (one program per SM): the first pack_sms programs pack with both
     consumer warpgroups (two pack workers, 128 KB of copies in flight per SM), the others run the
     products with 128 x 256 tiles; counters as for pack_only_kernel (the caller zeroes them)."""
@@ -250,12 +257,13 @@ def roles_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     outs = Outputs(grad_dec, grad_enc, grad_wq, grad_wk, grad_wv)
     rb = RangeBases(ranges, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
     t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, gl.program_id(0), gl.num_programs(0))
-    lst = gluon_kernels.pack_list(t, SD, SE, dec_chunks, enc_chunks)
+    lst = PackList(TD, TE, SD, SE, dec_chunks, enc_chunks, e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc,
+                   pack_items)
     ring = _ring(a_dec, a_wq, b_dec, STAGES)
     gl.warp_specialize([
         (_role_worker, (ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES, 0, TWO)),
         (_role_second_worker, (ring, counters, inp, ops, outs, t, lst, rb, pack_sms, BM, BN, BK, STAGES, TWO)),
-        (_role_loader, (d, ring, counters, t, dec_chunks, enc_chunks, pack_sms, BM, BN, BK, STAGES)),
+        (_role_loader, (d, ring, counters, t, lst, pack_sms, BM, BN, BK, STAGES)),
     ], [4, 1], [240, LOADER_REGS])
 
 
@@ -292,26 +300,27 @@ def sm_roles(inputs, g: config.GluonConfig, pack_programs: int, sms: int, one_la
     descriptors = [_descriptor(operands[buffer], block)
                    for _, buffer, block in gluon_kernels.descriptor_blocks(g.bm, g.bn, g.bk)]
     ints = (td, te, launch.dec_chunks, launch.enc_chunks, *splits, *launch.starts, launch.tiles)
+    pack_list = (*launch.items.ends[:-1], launch.items.programs)  # the plan's pack item list (its segment ends)
     pack_stream, product_stream = torch.cuda.Stream(), torch.cuda.Stream()
 
     def pack(programs=pack_programs):
         pack_only_kernel[(programs,)](
             gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
-            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, TWO=two_items, num_warps=4)
+            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, *pack_list, TWO=two_items, num_warps=4)
 
     def products(programs=sms - pack_programs):
         products_only_kernel[(programs,)](
-            *descriptors, grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, *ints, c.gq, c.dec, c.gkv, c.enc,
-            0, STAGES=g.stages, num_warps=4)
+            *descriptors, grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, td, te, sd, se, *ints[2:], c.gq, c.dec,
+            c.gkv, c.enc, 0, *pack_list, STAGES=g.stages, num_warps=4)
 
     def roles():
         slots.zero_()
         roles_kernel[(sms,)](
             *descriptors, gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
             grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges, td, te, sd, se, *ints[2:],
-            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, pack_programs, STAGES=g.stages, TWO=two_items,
-            num_warps=4)
+            c.gq, c.dec, c.gkv, c.enc, 0, *launch.regions.bases, pack_programs, *pack_list, STAGES=g.stages,
+            TWO=two_items, num_warps=4)
 
     def run():
         if one_launch:

@@ -29,6 +29,8 @@ from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
 # head-group sums, 16 tokens of the 4 query heads of one KV head; counted per 128-token block. The
 # pack stages its loads in GLUON_PACK_SLOTS shared slots of GLUON_SUM_ROWS x 256 fp32 (64 KB in flight).
 GLUON_TOKEN_BLOCK, GLUON_ITEM_ROWS, GLUON_SUM_ROWS, GLUON_PACK_SLOTS = 128, 64, 16, 4
+GLUON_WQ_ITEMS = (Q_OUT // GLUON_ITEM_ROWS) * (HIDDEN // 256)  # items of Wq16 (or of zeroing grad_Wq)
+GLUON_WKV_ITEMS = 2 * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)  # of [Wk; Wv]16 (or its zero fill)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,8 +150,9 @@ class GluonLaunch:
     """The one Gluon launch: tiles of grad_Wq [0, starts[0]), grad_dec [.., starts[1]), grad_[Wk; Wv]
     [.., starts[2]), grad_enc [.., programs_tiles); how many 256-column chunks of dec / enc the pack
     converts (0 when no weight gradient is wanted); its completion counters (per token block and
-    weight, and one counting finished partitions; zero at the start, left zero at the end) and
-    range regions (one slot per converting item)."""
+    weight, and one counting finished partitions; zero at the start, left zero at the end), range
+    regions (one slot per converting item) and the pack's item list (the kernel reads its segment
+    ends, and waits on a fixed counter until it has counted its segment's items)."""
 
     starts: tuple
     tiles: int
@@ -157,6 +160,7 @@ class GluonLaunch:
     enc_chunks: int
     counters: GluonCounters
     regions: Regions
+    items: Layout  # the pack partition's item list, segments in the order it runs them (`gluon_pack_items`)
 
 
 @dataclass(frozen=True)
@@ -203,7 +207,7 @@ class Plan:
         bases = dict(zip(("r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv"), g.regions.bases, strict=True))
         return dict(TD=self.td, TE=self.te, SD=self.sd, SE=self.se, dec_chunks=g.dec_chunks, enc_chunks=g.enc_chunks,
                     **self._split_arguments(), s1=s1, s2=s2, s3=s3, total=g.tiles, c_gq=c.gq, c_dec=c.dec, c_gkv=c.gkv,
-                    c_enc=c.enc, n_counters=c.total, **bases)
+                    c_enc=c.enc, n_counters=c.total, **bases, **g.items.end_arguments, pack_items=g.items.programs)
 
 
 def product_shapes(axes) -> list:
@@ -254,25 +258,51 @@ def gluon_launch(cfg: GluonConfig, axes, splits, needs) -> GluonLaunch:
     t_wkv = cdiv(2 * KV_OUT, cfg.bm) * cdiv(CROSS_HIDDEN, cfg.bn) * split_wkv * weight_grads
     t_enc = cdiv(te, cfg.bm) * cdiv(CROSS_HIDDEN, cfg.bn) * split_enc * input_grads
 
-    def items(t, rows):  # items of `rows` rows over t tokens, counted block by block
-        per = GLUON_TOKEN_BLOCK // rows
-        return (cdiv(t, GLUON_TOKEN_BLOCK) - 1) * per + cdiv(t - (cdiv(t, GLUON_TOKEN_BLOCK) - 1) * GLUON_TOKEN_BLOCK, rows)
-
     dec_chunks, enc_chunks = (HIDDEN // 256, CROSS_HIDDEN // 256) if weight_grads else (0, 0)
-    sums = items(te, GLUON_SUM_ROWS)
+    sums = _block_items(te, GLUON_SUM_ROWS)
     w = input_grads  # Wq16 and [Wk; Wv]16 feed the input gradients only
     regions = Regions((
-        Region("grad_query_states", HEADS * items(td, GLUON_ITEM_ROWS), Holds.UPSTREAM),
+        Region("grad_query_states", HEADS * _block_items(td, GLUON_ITEM_ROWS), Holds.UPSTREAM),
         Region("grad_key_states (head-group sums)", KV_HEADS * sums, Holds.UPSTREAM),
         Region("grad_value_states (head-group sums)", KV_HEADS * sums, Holds.UPSTREAM),
-        Region("decoder_hidden_states", dec_chunks * items(td, GLUON_ITEM_ROWS)),
-        Region("encoder_hidden_states", enc_chunks * items(te, GLUON_ITEM_ROWS)),
-        Region("q_weight", w * (Q_OUT // GLUON_ITEM_ROWS) * (HIDDEN // 256)),
-        Region("k_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
-        Region("v_weight", w * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)),
+        Region("decoder_hidden_states", dec_chunks * _block_items(td, GLUON_ITEM_ROWS)),
+        Region("encoder_hidden_states", enc_chunks * _block_items(te, GLUON_ITEM_ROWS)),
+        Region("q_weight", w * GLUON_WQ_ITEMS),
+        Region("k_weight", w * GLUON_WKV_ITEMS // 2),
+        Region("v_weight", w * GLUON_WKV_ITEMS // 2),
     ))
     starts = (t_wq, t_wq + t_dec, t_wq + t_dec + t_wkv)
-    return GluonLaunch(starts, starts[-1] + t_enc, dec_chunks, enc_chunks, GluonCounters.of(td, te), regions)
+    return GluonLaunch(starts, starts[-1] + t_enc, dec_chunks, enc_chunks, GluonCounters.of(td, te), regions,
+                       gluon_pack_items(td, te, splits, dec_chunks, enc_chunks, input_grads))
+
+
+def _block_items(t: int, rows: int) -> int:
+    """Pack items of `rows` rows over t tokens, counted per GLUON_TOKEN_BLOCK (all full but the last block's)."""
+    last = cdiv(t, GLUON_TOKEN_BLOCK) - 1
+    return last * (GLUON_TOKEN_BLOCK // rows) + cdiv(t - last * GLUON_TOKEN_BLOCK, rows)
+
+
+def gluon_pack_items(td: int, te: int, splits, dec_chunks: int, enc_chunks: int, pack_weights: bool) -> Layout:
+    """The Gluon pack partition's items (64 rows x 256 columns; 16 tokens of one head group for the
+    sums), in the order it runs them: zero fills of the outputs that split-K tiles add into, the
+    decoder side token block by token block (GQ's 16 heads, then dec16's chunks), Wq16, the encoder
+    side block by block ([GK | GV]'s head-group sums, then enc16's chunks), [Wk; Wv]16. The kernel
+    takes each segment's end (`end_arguments`) and the item count (`programs`: `pack_items`); a
+    fixed counter's target is its segment's size."""
+    split_wq, split_wkv, split_dec, split_enc = (s > 1 for s in splits)
+    return Layout((
+        Segment("zero grad_q_weight", split_wq * GLUON_WQ_ITEMS, ranged=False, end="e_zwq"),
+        Segment("zero grad_[k; v]_weight", split_wkv * GLUON_WKV_ITEMS, ranged=False, end="e_zwkv"),
+        Segment("zero grad_decoder_hidden_states", split_dec * cdiv(td, GLUON_ITEM_ROWS) * (HIDDEN // 256),
+                ranged=False, end="e_zdec"),
+        Segment("zero grad_encoder_hidden_states", split_enc * cdiv(te, GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256),
+                ranged=False, end="e_zenc"),
+        Segment("decoder side", _block_items(td, GLUON_ITEM_ROWS) * (HEADS + dec_chunks), ranged=False, end="e_dec"),
+        Segment("Wq16", pack_weights * GLUON_WQ_ITEMS, ranged=False, end="e_wq"),
+        Segment("encoder side", _block_items(te, GLUON_SUM_ROWS) * 2 * KV_HEADS
+                + _block_items(te, GLUON_ITEM_ROWS) * enc_chunks, ranged=False, end="e_enc"),
+        Segment("[Wk; Wv]16", pack_weights * GLUON_WKV_ITEMS, ranged=False),
+    ))
 
 
 def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, products: str | None = None,

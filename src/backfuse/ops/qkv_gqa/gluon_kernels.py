@@ -37,13 +37,11 @@ from .gluon_pack import (
     HEAD_DIM,
     HIDDEN,
     ITEM_ROWS,
-    KV_ITEMS,
     KV_OUT,
     Q_OUT,
     TOKEN_BLOCK,
     UNIT,
     UNITS,
-    W_ITEMS,
     Counters,
     Inputs,
     Operands,
@@ -120,25 +118,17 @@ class Descriptors:
 
 
 @gluon.jit
-def pack_list(t, SD, SE, dec_chunks, enc_chunks):
-    """The pack's list for tiles `t`: zero first the outputs that split-K tiles add into; pack the
-    weights when an input gradient is computed."""
-    return PackList(t.TD, t.TE, SD, SE, dec_chunks, enc_chunks, (t.split_wq > 1).to(gl.int32),
-                    (t.split_wkv > 1).to(gl.int32), (t.split_dec > 1).to(gl.int32), (t.split_enc > 1).to(gl.int32),
-                    ((t.s3 < t.total) | (t.s1 < t.s2)).to(gl.int32))
-
-
-@gluon.jit
 def _product_of(tile, s1, s2, s3):
     return (tile >= s1).to(gl.int32) + (tile >= s2).to(gl.int32) + (tile >= s3).to(gl.int32)
 
 
 @gluon.jit
-def _loader(d, ring, counters, t, dec_chunks, enc_chunks, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-            STAGES: gl.constexpr):
+def _loader(d, ring, counters, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """The TMA copies of tiles `t` (this partition's share) into the ring; each tile waits for the
-    pack items it reads: per K step (weight gradients: K is tokens) or once (input gradients)."""
+    pack items (list `lst`) it reads: per K step (weight gradients: K is tokens) or once (input
+    gradients; a weight's counter reaches its segment's size)."""
     c = counters.slots
+    dec_chunks, enc_chunks = lst.dec_chunks, lst.enc_chunks
     TD, TE, s1, s2, s3 = t.TD, t.TE, t.s1, t.s2, t.s3
     it = 0
     for tile in range(t.first, t.total, t.stride):
@@ -154,7 +144,7 @@ def _loader(d, ring, counters, t, dec_chunks, enc_chunks, BM: gl.constexpr, BN: 
                 it += 1
         elif p == 1:  # grad_dec = GQ Wq16
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, t.split_dec, BM, BN, BK)
-            wait_count(c + C_WQ16, W_ITEMS)
+            wait_count(c + C_WQ16, lst.e_wq - lst.e_dec)
             wait_count(c + counters.gq + off_m // TOKEN_BLOCK, _gq_items(off_m // TOKEN_BLOCK, TD))
             for k in range(k_lo, k_hi, BK):
                 issue_step(d.a_dec, d.b_dec, ring.a_k, ring.b, ring.ready, ring.empty, it, off_m, k, k, off_n, STAGES)
@@ -171,7 +161,7 @@ def _loader(d, ring, counters, t, dec_chunks, enc_chunks, BM: gl.constexpr, BN: 
         else:  # grad_enc = [GK | GV] [Wk; Wv]16
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s3, gl.cdiv(TE, BM), CROSS // BN, 2 * KV_OUT, t.split_enc, BM, BN,
                                                    BK)
-            wait_count(c + C_WKV16, 2 * KV_ITEMS)
+            wait_count(c + C_WKV16, lst.items - lst.e_enc)
             wait_count(c + counters.gkv + off_m // TOKEN_BLOCK, _gkv_items(off_m // TOKEN_BLOCK, TE))
             for k in range(k_lo, k_hi, BK):
                 issue_step(d.a_enc, d.b_enc, ring.a_k, ring.b, ring.ready, ring.empty, it, off_m, k, k, off_n, STAGES)
@@ -180,10 +170,11 @@ def _loader(d, ring, counters, t, dec_chunks, enc_chunks, BM: gl.constexpr, BN: 
 
 
 @gluon.jit
-def _consumer(ring, counters, outs, t, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              PART: gl.constexpr):
+def _consumer(ring, counters, outs, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, PART: gl.constexpr):
     """Rows [PART * BM/2, +BM/2) of tiles `t` (the loader's); split-K tiles add into outputs that
-    the pack zeroed (waited for before the first atomic)."""
+    the pack zeroed (waited for before the first atomic: the zero fill's counter reaches its
+    segment's size in the pack list `lst`)."""
     ROWS: gl.constexpr = BM // 2
     ROW0: gl.constexpr = PART * ROWS
     c = counters.slots
@@ -196,21 +187,21 @@ def _consumer(ring, counters, outs, t, BM: gl.constexpr, BN: gl.constexpr, BK: g
             acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, gl.cdiv(k_hi - k_lo, BK), False, False,
                                    False, ROW0, ROWS, BN, STAGES, 4)
             if t.split_wq > 1:
-                wait_count(c + C_ZERO_WQ, W_ITEMS)
+                wait_count(c + C_ZERO_WQ, lst.e_zwq)
             store_tile(outs.grad_wq, HIDDEN, acc, off_m + ROW0, off_n, Q_OUT, HIDDEN, t.split_wq > 1)
         elif p == 1:
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, t.split_dec, BM, BN, BK)
             acc, it = consume_tile(ring.a_k, ring.b, ring.ready, ring.empty, it, gl.cdiv(k_hi - k_lo, BK), True, False,
                                    False, ROW0, ROWS, BN, STAGES, 4)
             if t.split_dec > 1:
-                wait_count(c + C_ZERO_DEC, gl.cdiv(TD, ITEM_ROWS) * (HIDDEN // HEAD_DIM))
+                wait_count(c + C_ZERO_DEC, lst.e_zdec - lst.e_zwkv)
             store_tile(outs.grad_dec, HIDDEN, acc, off_m + ROW0, off_n, TD, HIDDEN, t.split_dec > 1)
         elif p == 2:
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s2, 2 * KV_OUT // BM, CROSS // BN, TE, t.split_wkv, BM, BN, BK)
             acc, it = consume_tile(ring.a_m, ring.b, ring.ready, ring.empty, it, gl.cdiv(k_hi - k_lo, BK), False, False,
                                    False, ROW0, ROWS, BN, STAGES, 4)
             if t.split_wkv > 1:
-                wait_count(c + C_ZERO_WKV, 2 * KV_ITEMS)
+                wait_count(c + C_ZERO_WKV, lst.e_zwkv - lst.e_zwq)
             # rows below KV_OUT are grad_Wk's, the rest grad_Wv's: one output tensor each
             on_v = off_m >= KV_OUT
             store_tile(gl.where(on_v, outs.grad_wv, outs.grad_wk), CROSS, acc, off_m + ROW0 - on_v.to(gl.int32) * KV_OUT,
@@ -221,25 +212,27 @@ def _consumer(ring, counters, outs, t, BM: gl.constexpr, BN: gl.constexpr, BK: g
             acc, it = consume_tile(ring.a_k, ring.b, ring.ready, ring.empty, it, gl.cdiv(k_hi - k_lo, BK), True, False,
                                    False, ROW0, ROWS, BN, STAGES, 4)
             if t.split_enc > 1:
-                wait_count(c + C_ZERO_ENC, gl.cdiv(TE, ITEM_ROWS) * (CROSS // HEAD_DIM))
+                wait_count(c + C_ZERO_ENC, lst.e_zenc - lst.e_zdec)
             store_tile(outs.grad_enc, CROSS, acc, off_m + ROW0, off_n, TE, CROSS, t.split_enc > 1)
     _leave(counters)
 
 
 @gluon.jit
-def _second_consumer(ring, counters, outs, t, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+def _second_consumer(ring, counters, outs, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr):
-    _consumer(ring, counters, outs, t, BM, BN, BK, STAGES, 1)
+    _consumer(ring, counters, outs, t, lst, BM, BN, BK, STAGES, 1)
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
                                "split_enc", "s1", "s2", "s3", "total", "c_gq", "c_dec", "c_gkv", "c_enc", "n_counters",
-                               "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv"])
+                               "r_gq", "r_gk", "r_gv", "r_dec", "r_enc", "r_wq", "r_wk", "r_wv", "e_zwq", "e_zwkv",
+                               "e_zdec", "e_zenc", "e_dec", "e_wq", "e_enc", "pack_items"])
 def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  gq, gk, gv, dec, enc, wq, wk, wv, gq16, gkv16, dec16, enc16, wq16, wkv16,
                  grad_dec, grad_enc, grad_wq, grad_wk, grad_wv, slots, ranges,
                  TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
                  c_gq, c_dec, c_gkv, c_enc, n_counters, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
+                 e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc, pack_items,
                  STAGES: gl.constexpr, PACK_WARPS: gl.constexpr, REGS: gl.constexpr):
     """The five 072 outputs from the official inputs, one persistent launch (counters zero at the
     start; it leaves them zero).
@@ -250,8 +243,9 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     no weight gradient is wanted). Tiles: grad_Wq [0, s1), grad_dec [s1, s2), grad_Wkv [s2, s3),
     grad_enc [s3, total). slots: the completion counters, laid out as config.GluonCounters says
     (its runs start at c_gq, c_dec, c_gkv, c_enc; n_counters slots). r_*: the first range slot of
-    each region (the plan's Regions.bases). Inside, they travel as argument packs (`Descriptors`,
-    `Inputs`, `Operands`, `Outputs`, `Tiles`, `RangeBases`, `Ring`). Launched with num_warps=4 (the
+    each region (the plan's Regions.bases). e_*: the ends of the pack list's segments, pack_items
+    its length (config.gluon_pack_items). Inside, they travel as argument packs (`Descriptors`,
+    `Inputs`, `Operands`, `Outputs`, `Tiles`, `PackList`, `RangeBases`, `Ring`). Launched with num_warps=4 (the
     first consumer warpgroup) and the pool's maxnreg; the second consumer and the pack partition
     get REGS registers each (config.GluonConfig).
     """
@@ -263,6 +257,8 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     rb = RangeBases(ranges, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv)
     pid, programs = gl.program_id(0), gl.num_programs(0)
     t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, pid, programs)
+    lst = PackList(TD, TE, SD, SE, dec_chunks, enc_chunks, e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc,
+                   pack_items)
     BK: gl.constexpr = a_dec.block_type.shape[1]
     BM: gl.constexpr = a_dec.block_type.shape[0]
     BN: gl.constexpr = b_dec.block_type.shape[1]
@@ -278,10 +274,10 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
         mbarrier.init(empty.index(i), count=2)
     ring = Ring(a_k, a_m, b_bufs, ready, empty)
     gl.warp_specialize([
-        (_consumer, (ring, counters, outs, t, BM, BN, BK, STAGES, 0)),
-        (_second_consumer, (ring, counters, outs, t, BM, BN, BK, STAGES)),
-        (_loader, (d, ring, counters, t, dec_chunks, enc_chunks, BM, BN, BK, STAGES)),
-        (_pack, (pack_bufs, inp, ops, outs, counters, pack_list(t, SD, SE, dec_chunks, enc_chunks), rb, pid, programs)),
+        (_consumer, (ring, counters, outs, t, lst, BM, BN, BK, STAGES, 0)),
+        (_second_consumer, (ring, counters, outs, t, lst, BM, BN, BK, STAGES)),
+        (_loader, (d, ring, counters, t, lst, BM, BN, BK, STAGES)),
+        (_pack, (pack_bufs, inp, ops, outs, counters, lst, rb, pid, programs)),
     ], [4, 1, PACK_WARPS], [REGS, LOADER_REGS, REGS])
 
 

@@ -30,8 +30,7 @@ TOKEN_BLOCK = gl.constexpr(config.GLUON_TOKEN_BLOCK)  # tokens per pack counter 
 UNIT = gl.constexpr(config.GLUON_SUM_ROWS)  # rows of one shared-memory slot of the pack (16 x 256 fp32)
 UNITS = gl.constexpr(config.GLUON_PACK_SLOTS)  # slots: 64 KB in flight per item
 ITEM_ROWS = gl.constexpr(config.GLUON_ITEM_ROWS)  # rows of a plain item (UNITS slots); a head-group sum: UNIT
-W_ITEMS = gl.constexpr((spec.Q_OUT // ITEM_ROWS) * (spec.HIDDEN // HEAD_DIM))  # of Wq16 (and of zeroing grad_Wq)
-KV_ITEMS = gl.constexpr((spec.KV_OUT // ITEM_ROWS) * (spec.CROSS_HIDDEN // HEAD_DIM))  # per weight (Wk16, Wv16)
+KV_ITEMS = gl.constexpr(config.GLUON_WKV_ITEMS // 2)  # items of Wk16 (then Wv16's) in the [Wk; Wv]16 segment
 PARTITIONS = gl.constexpr(4)  # per program: two consumers, the loader, the pack
 # the fixed counter slots, by their index in config.GLUON_FIXED_COUNTERS
 C_WQ16, C_WKV16, C_ZERO_WQ, C_ZERO_WKV, C_ZERO_DEC, C_ZERO_ENC, C_LEFT = (
@@ -110,9 +109,10 @@ class Outputs:
 
 @aggregate
 class PackList:
-    """What the pack's item list (`_item`) depends on: decoder and encoder tokens (TD, TE) and
-    sequence lengths (SD, SE), 256-column chunks per row of dec / enc (0 when no weight gradient is
-    wanted), which split-K outputs to zero first (0 / 1 each) and whether the weights are packed."""
+    """The pack's item list (the plan's `config.gluon_pack_items`): decoder and encoder tokens (TD,
+    TE) and sequence lengths (SD, SE), 256-column chunks per row of dec / enc (0 when no weight
+    gradient is wanted), and the end of each segment, in the list's order: zero fills of grad_Wq,
+    grad_[Wk; Wv], grad_dec, grad_enc, the decoder side, Wq16, the encoder side, [Wk; Wv]16 (`items`)."""
 
     TD: gl.tensor
     TE: gl.tensor
@@ -120,18 +120,22 @@ class PackList:
     SE: gl.tensor
     dec_chunks: gl.tensor
     enc_chunks: gl.tensor
-    zero_wq: gl.tensor
-    zero_wkv: gl.tensor
-    zero_dec: gl.tensor
-    zero_enc: gl.tensor
-    pack_w: gl.tensor
+    e_zwq: gl.tensor
+    e_zwkv: gl.tensor
+    e_zdec: gl.tensor
+    e_zenc: gl.tensor
+    e_dec: gl.tensor
+    e_wq: gl.tensor
+    e_enc: gl.tensor
+    items: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, TD, TE, SD, SE, dec_chunks, enc_chunks, zero_wq, zero_wkv, zero_dec, zero_enc, pack_w):
+    def __init__(self, TD, TE, SD, SE, dec_chunks, enc_chunks, e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc,
+                 items):
         self.TD, self.TE, self.SD, self.SE = TD, TE, SD, SE
         self.dec_chunks, self.enc_chunks = dec_chunks, enc_chunks
-        self.zero_wq, self.zero_wkv, self.zero_dec, self.zero_enc, self.pack_w = (zero_wq, zero_wkv, zero_dec,
-                                                                                  zero_enc, pack_w)
+        self.e_zwq, self.e_zwkv, self.e_zdec, self.e_zenc = e_zwq, e_zwkv, e_zdec, e_zenc
+        self.e_dec, self.e_wq, self.e_enc, self.items = e_dec, e_wq, e_enc, items
 
 
 @aggregate
@@ -272,29 +276,16 @@ def _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot):
 
 @gluon.jit
 def _item(item, inp, ops, outs, counters, lst, rb):
-    """Pack item `item` of the call's list, in order: zero fills (split-K outputs), the decoder side
-    per token block (GQ heads, dec16), Wq16, the encoder side per token block ([GK | GV] head sums,
-    enc16), [Wk; Wv]16. Returns (mode, src, dst (fp16), zero_dst (fp32, zero fills), row0, n_rows,
-    src_stride, dst_stride, S, head, range slot, counter); items past the list have n_rows 0."""
-    nb_d = gl.cdiv(lst.TD, TOKEN_BLOCK)
-    nb_e = gl.cdiv(lst.TE, TOKEN_BLOCK)
+    """Pack item `item` of the call's list `lst` (its segments' ends are the plan's): zero fills
+    (split-K outputs), the decoder side per token block (GQ heads, dec16), Wq16, the encoder side per
+    token block ([GK | GV] head sums, enc16), [Wk; Wv]16. Returns (mode, src, dst (fp16), zero_dst
+    (fp32, zero fills), row0, n_rows, src_stride, dst_stride, S, head, range slot, counter); items
+    past the list have n_rows 0."""
     ROWS: gl.constexpr = ITEM_ROWS
     PER_BLOCK: gl.constexpr = TOKEN_BLOCK // ROWS
     SUM_PER_BLOCK: gl.constexpr = TOKEN_BLOCK // UNIT
-    n_zq = lst.zero_wq * W_ITEMS
-    n_zkv = lst.zero_wkv * 2 * KV_ITEMS
-    n_zdec = lst.zero_dec * gl.cdiv(lst.TD, ROWS) * (HIDDEN // HEAD_DIM)
-    n_zenc = lst.zero_enc * gl.cdiv(lst.TE, ROWS) * (CROSS // HEAD_DIM)
     per_d = PER_BLOCK * (HEADS + lst.dec_chunks)
-    n_d = (nb_d - 1) * per_d + _chunks(nb_d - 1, lst.TD, ROWS) * (HEADS + lst.dec_chunks)
     per_e = SUM_PER_BLOCK * 2 * GROUP + PER_BLOCK * lst.enc_chunks
-    n_e = (nb_e - 1) * per_e + _chunks(nb_e - 1, lst.TE, UNIT) * 2 * GROUP \
-        + _chunks(nb_e - 1, lst.TE, ROWS) * lst.enc_chunks
-    e_zero = n_zq + n_zkv + n_zdec + n_zenc
-    e_d = e_zero + n_d
-    e_wq = e_d + lst.pack_w * W_ITEMS
-    e_e = e_wq + n_e
-    total = e_e + lst.pack_w * 2 * KV_ITEMS
     # defaults: a zero fill of grad_Wq's row block (64 rows x 256 columns)
     mode = 0
     src = inp.gq
@@ -308,33 +299,33 @@ def _item(item, inp, ops, outs, counters, lst, rb):
     head = 0
     slot = rb.ranges
     counter = counters.slots + C_ZERO_WQ
-    if item >= total:
+    if item >= lst.items:
         n_rows = 0
-    elif item < n_zq:
+    elif item < lst.e_zwq:
         pass
-    elif item < n_zq + n_zkv:
-        local = item - n_zq
+    elif item < lst.e_zwkv:
+        local = item - lst.e_zwq
         zero_dst = gl.where(local < KV_ITEMS, outs.grad_wk, outs.grad_wv) \
             + local % KV_ITEMS // (KV_OUT // ROWS) * HEAD_DIM
         row0 = local % (KV_OUT // ROWS) * ROWS
         n_rows = KV_OUT - row0
         dst_stride = CROSS
         counter = counters.slots + C_ZERO_WKV
-    elif item < n_zq + n_zkv + n_zdec:  # zero grad_dec [TD, 1536]
-        local = item - n_zq - n_zkv
+    elif item < lst.e_zdec:  # zero grad_dec [TD, 1536]
+        local = item - lst.e_zwkv
         zero_dst = outs.grad_dec + local // gl.cdiv(lst.TD, ROWS) * HEAD_DIM
         row0 = local % gl.cdiv(lst.TD, ROWS) * ROWS
         n_rows = lst.TD - row0
         counter = counters.slots + C_ZERO_DEC
-    elif item < e_zero:  # zero grad_enc [TE, 1024]
-        local = item - n_zq - n_zkv - n_zdec
+    elif item < lst.e_zenc:  # zero grad_enc [TE, 1024]
+        local = item - lst.e_zdec
         zero_dst = outs.grad_enc + local // gl.cdiv(lst.TE, ROWS) * HEAD_DIM
         row0 = local % gl.cdiv(lst.TE, ROWS) * ROWS
         n_rows = lst.TE - row0
         dst_stride = CROSS
         counter = counters.slots + C_ZERO_ENC
-    elif item < e_d:  # decoder side, block by block
-        local = item - e_zero
+    elif item < lst.e_dec:  # decoder side, block by block
+        local = item - lst.e_zenc
         block = local // per_d
         sub = local - block * per_d
         chunks = _chunks(block, lst.TD, ROWS)
@@ -355,8 +346,8 @@ def _item(item, inp, ops, outs, counters, lst, rb):
             src_stride = HIDDEN
             slot = rb.ranges + rb.dec + block * PER_BLOCK * lst.dec_chunks + sub - HEADS * chunks
             counter = counters.slots + counters.dec + block
-    elif item < e_wq:  # Wq16
-        local = item - e_d
+    elif item < lst.e_wq:  # Wq16
+        local = item - lst.e_dec
         mode = 1
         col = local // (Q_OUT // ROWS) * HEAD_DIM
         src = inp.wq + col
@@ -366,8 +357,8 @@ def _item(item, inp, ops, outs, counters, lst, rb):
         src_stride = HIDDEN
         slot = rb.ranges + rb.wq + local
         counter = counters.slots + C_WQ16
-    elif item < e_e:  # encoder side, block by block
-        local = item - e_wq
+    elif item < lst.e_enc:  # encoder side, block by block
+        local = item - lst.e_wq
         block = local // per_e
         sub = local - block * per_e
         sum_chunks = _chunks(block, lst.TE, UNIT)
@@ -398,7 +389,7 @@ def _item(item, inp, ops, outs, counters, lst, rb):
             slot = rb.ranges + rb.enc + block * PER_BLOCK * lst.enc_chunks + sub
             counter = counters.slots + counters.enc + block
     else:  # [Wk; Wv]16
-        local = item - e_e
+        local = item - lst.e_enc
         on_v = local >= KV_ITEMS
         local = local % KV_ITEMS
         mode = 1
