@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -201,6 +202,7 @@ def main():
             for kn, ms in r["variants"][k]["kernel_ms"].items():
                 kernels[kn] = kernels.get(kn, 0.0) + ms / len(rows)
         print(f"  {k}: mean busy per kernel: " + "  ".join(f"{kn.strip('_')}={ms * 1000:.1f}us" for kn, ms in kernels.items()))
+    os.makedirs(args.out, exist_ok=True)
     with open(f"{args.out}/tune_{args.problem}.json", "w") as f:
         json.dump({"rows": rows, "means": means}, f, indent=1)
 
