@@ -35,17 +35,20 @@ def bias_fp16_epilogue(c, bias, acc, off_m, off_n, M, N, BM: tl.constexpr, BN: t
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def replay_ms(fn, reps=20):
-    """ms per call from CUDA-graph replays of reps calls (no launch overhead, L2 as it falls)."""
-    fn()
+def replay_us(calls, reps=20):
+    """µs per call from CUDA-graph replays of `reps` calls, call i running calls[i % len(calls)] (several
+    calls over different buffers keep operands larger than L2 out of it; no launch overhead)."""
+    for call in calls:
+        call()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        fn()
+        for call in calls:
+            call()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+        for i in range(reps):
+            calls[i % len(calls)]()
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -55,8 +58,13 @@ def replay_ms(fn, reps=20):
         g.replay()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
     return best
+
+
+def replay_ms(fn, reps=20):
+    """ms per call of fn from CUDA-graph replays (`replay_us`)."""
+    return replay_us([fn], reps) / 1e3
 
 
 def measure(cells: list, name: str, fn, out: torch.Tensor, ref: torch.Tensor, flop: float, *, timer=replay_ms,

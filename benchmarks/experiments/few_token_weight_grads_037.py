@@ -24,6 +24,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from common import replay_us
 from triton.experimental.gluon import language as gl
 
 from backfuse.kernels.gluon.gemm import gemm_kernel
@@ -39,27 +40,6 @@ GLUON_TILES = [(128, 128, 64, 4), (128, 256, 64, 3)]  # (BM, BN, BK, STAGES)
 def weight_grad_kernel(a16, b16, c, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """C[M, N] = A^T B for A [K, M], B [K, N] row-major fp16 (one program per tile, unsplit)."""
     gemm_tile(tl.program_id(0), a16, b16, c, M, N, K, 1, M, N, 1, N, 1, BM, BN, BK)
-
-
-def replay_us(calls, reps=20):
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            calls[i % len(calls)]()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
 
 
 def main():

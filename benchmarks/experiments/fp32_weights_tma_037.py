@@ -33,6 +33,7 @@ import itertools
 
 import torch
 import triton
+from common import replay_us
 from triton.experimental.gluon import language as gl
 
 from backfuse.kernels.gluon.gemm import gemm_kernel
@@ -59,28 +60,6 @@ def compile_only():
             c_ptr="*fp32", stride_cm="i32", M="i32", N="i32", K="i32", splits="i32"),
             dict(A_KMAJOR=a_kmajor, A_REGS=True, B_KMAJOR=True, STAGES=stages), num_warps=4, maxnreg=MAXNREG)
         print(f"A {'K' if a_kmajor else 'M'}-major BN {bn:3d} BK {bk} stages {stages}: {usage(kernel)}", flush=True)
-
-
-def replay_us(calls, reps=20):
-    """µs per call: CUDA-graph replays of `reps` calls, call i running calls[i % len(calls)]."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            calls[i % len(calls)]()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
 
 
 def main():

@@ -27,6 +27,7 @@ import argparse
 
 import torch
 import triton
+from common import replay_us
 from triton.experimental.gluon import language as gl
 
 from backfuse.kernels.gluon.gemm import gemm_kernel
@@ -106,31 +107,11 @@ def main():
             fn()
             torch.cuda.synchronize()
             err = max(((c - ref).abs().max() / ref.abs().max()).item() for c, ref in zip(outs, refs))
-            us = replay_us(fn)
+            us = replay_us([fn])
             print(f"  {label:28s} {us:6.1f} us  {flop / us / 1e6:5.0f} TFLOP/s  err {err:.1e}"
                   f"{'' if err < 1e-3 else '  WRONG'}", flush=True)
         for (name, *_), launch in zip(products, launches):
-            print(f"    {name:10s} alone {replay_us(launch):5.1f} us", flush=True)
-
-
-def replay_us(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
+            print(f"    {name:10s} alone {replay_us([launch]):5.1f} us", flush=True)
 
 
 if __name__ == "__main__":
