@@ -92,6 +92,12 @@ VARIANTS = {
         "att_s3": dict(config=C21(attention=A21(stages=3))),
         "grad_cublas": dict(config=C21(), products="cublas"),
         "grad_triton": dict(config=C21(), products="triton"),
+        # Fewer, deeper K steps for the small cases' latency-bound tile loops (one tile per program; session 29):
+        # the forward's K = 1024 in 8 steps of 128, the gradient tiles' K in steps of 64 (2 programs per SM still).
+        "fwd_small_k128_s2": dict(config=C21(forward_small=T(128, 128, 128, 8, 2))),
+        "fwd_small_k128_s3": dict(config=C21(forward_small=T(128, 128, 128, 8, 3))),
+        "grad_k64_s3": dict(config=C21(gradients=T(128, 128, 64, 4, 3))),
+        "grad_k64_s4": dict(config=C21(gradients=T(128, 128, 64, 4, 4))),
     },
     "037": {
         "default": dict(config=C37()),
