@@ -70,6 +70,31 @@ def test_gluon_kernel_takes_the_pack_lists_ends_in_the_plans_order():
     assert p.gluon_arguments()["pack_items"] == p.gluon.items.programs
 
 
+def test_tile_shapes_are_checked_before_anything_launches():
+    """A tile side that is no power of two, a warp count a launch cannot take, or (on a GPU) an
+    operand ring larger than a program's shared memory is refused by name, on any machine; the
+    interpreter's large tiles stay allowed off the GPU."""
+    from backfuse.kernels.config import SM90_SHARED_BYTES, TileConfig
+
+    for field, value in (("bk", 48), ("bm", 8), ("bn", 96)):
+        with pytest.raises(ValueError, match=f"TileConfig.{field}: a power of two"):
+            TileConfig(**{field: value})
+    with pytest.raises(ValueError, match="TileConfig.warps"):
+        TileConfig(warps=3)
+    with pytest.raises(ValueError, match="TileConfig.stages"):
+        TileConfig(stages=0)
+    assert TileConfig(bm=128, bn=256, bk=64, stages=3).ring_bytes == 3 * (128 + 256) * 64 * 2
+    too_deep = TileConfig(bm=128, bn=256, bk=64, warps=8, stages=5)
+    assert too_deep.ring_bytes > SM90_SHARED_BYTES
+    for pid, field in (("021", "forward"), ("037", "gradients"), ("072", "tiles")):
+        module, axes = CONFIGS[pid], backfuse.problem(pid).workloads[0].axes
+        cfg = dataclasses.replace(module.CONFIG, **{field: too_deep})
+        with pytest.raises(ValueError, match=rf"{pid} Config\.{field}: 5 stages of 128 x 256 x 64"):
+            module.plan(cfg, axes, SMS, gpu=True)
+        module.plan(cfg, axes, SMS, gpu=False)  # the interpreter has no shared-memory limit
+        module.plan(module.INTERPRETER_CONFIG, axes, 4, gpu=False)
+
+
 def test_layout_refuses_unnamed_or_repeated_ends():
     with pytest.raises(ValueError, match="distinct end"):
         Layout((Segment("a", 1, end="e_a"), Segment("b", 1), Segment("c", 1)))

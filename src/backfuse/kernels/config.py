@@ -16,13 +16,41 @@ SM90_SHARED_BYTES = 232448  # the most dynamic shared memory one program may tak
 
 @dataclass(frozen=True, kw_only=True)
 class TileConfig:
-    """Shape and schedule of a launch of product tiles: bm x bn outputs per program, bk deep per step."""
+    """Shape and schedule of a launch of product tiles: bm x bn outputs per program, bk deep per step,
+    over a ring of `stages` steps of fp16 operands."""
 
     bm: int = 128
     bn: int = 128
     bk: int = 64
     warps: int = 8
     stages: int = 3
+
+    def __post_init__(self):
+        for name in ("bm", "bn", "bk"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name}: a power of two of at least 16 (a tensor-core tile side), "
+                                 f"got {value}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.warps: 1, 2, 4, 8 or 16, got {self.warps}")
+        if self.stages < 1:
+            raise ValueError(f"TileConfig.stages: at least 1, got {self.stages}")
+
+    @property
+    def ring_bytes(self) -> int:
+        """Shared memory of its operand ring: `stages` steps of an fp16 [bm, bk] and [bk, bn] tile (the
+        launch needs at least this much; its epilogue may take more)."""
+        return self.stages * (self.bm + self.bn) * self.bk * 2
+
+
+def check_rings(owner: str, tiles: dict) -> None:
+    """Refuse, before anything launches, a launch shape whose operand ring alone exceeds one GPU
+    program's shared memory (SM90_SHARED_BYTES: Hopper and Blackwell alike); `tiles` maps each of
+    `owner`'s TileConfig fields to its value (None: not used)."""
+    for name, tile in tiles.items():
+        if tile is not None and tile.ring_bytes > SM90_SHARED_BYTES:
+            raise ValueError(f"{owner}.{name}: {tile.stages} stages of {tile.bm} x {tile.bn} x {tile.bk} fp16 tiles need "
+                             f"{tile.ring_bytes} bytes of shared memory; a program has {SM90_SHARED_BYTES}")
 
 
 @dataclass(frozen=True, kw_only=True)

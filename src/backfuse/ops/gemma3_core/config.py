@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.config import PackConfig, SumConfig, TileConfig
+from ...kernels.config import PackConfig, SumConfig, TileConfig, check_rings
 from ...kernels.schedule import (
     Holds,
     Layout,
@@ -271,6 +271,9 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     widths = [t.bn for t in (cfg.forward, cfg.forward_one_wave, cfg.norm_rope) if t is not None]
     if any(w != HEAD_DIM for w in widths):
         raise ValueError(f"037 forward launch: tile width must be one head ({HEAD_DIM}), got {widths}")
+    if gpu:
+        check_rings("037 Config", dict(forward=cfg.forward, forward_one_wave=cfg.forward_one_wave,
+                                       norm_rope=cfg.norm_rope, gradients=cfg.gradients))
     batch, seq = axes["batch_size"], axes["seq_len"]
     tokens = batch * seq
     at, gr = cfg.attention, cfg.gradients

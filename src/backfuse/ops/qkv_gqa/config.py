@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.config import GLUON_LOADER_REGS, SM90_SHARED_BYTES, PackConfig, TileConfig
+from ...kernels.config import GLUON_LOADER_REGS, SM90_SHARED_BYTES, PackConfig, TileConfig, check_rings
 from ...kernels.schedule import (
     Holds,
     Layout,
@@ -315,6 +315,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
     products: "triton", "cublas", "gluon", or None (by size on a GPU: the Gluon kernel's window
     where it runs, else `cublas_min_flop`).
     """
+    if gpu:
+        check_rings("072 Config", dict(tiles=cfg.tiles))
     gemms = product_shapes(axes)
     backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu,
                               gluon_window=(cfg.gluon.min_flop, cfg.gluon.max_flop) if gluon else None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.config import PackConfig, SumConfig, TileConfig
+from ...kernels.config import PackConfig, SumConfig, TileConfig, check_rings
 from ...kernels.schedule import (
     Holds,
     Layout,
@@ -261,6 +261,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     stored per run and added in order instead of by atomics. products: "triton", "cublas", or None
     (by size on a GPU: `cublas_min_flop` of gradient-product work).
     """
+    if gpu:
+        check_rings("021 Config", dict(forward=cfg.forward, forward_small=cfg.forward_small, gradients=cfg.gradients))
     batch, nv, nt = axes["batch_size"], axes["num_video_tokens"], axes["num_text_tokens"]
     tv, tt = batch * nv, batch * nt
     at, gr = cfg.attention, cfg.gradients
