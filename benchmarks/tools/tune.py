@@ -40,7 +40,10 @@ VARIANTS = {
         "triton_1launch": dict(products="triton", config=C72(tiles=T(128, 256, 64, 8, 4))),
         "triton_default": dict(products="triton"),
         "cublas": dict(products="cublas"),
-        "cublas_no_branches": dict(config=C72(branches=False), products="cublas"),
+        # The four cuBLAS products one after another, or beside each other (graph branches) at any size
+        # (by default below Config.branches_below_flop).
+        "cublas_no_branches": dict(config=C72(branches_below_flop=0), products="cublas"),
+        "cublas_branches": dict(config=C72(branches_below_flop=float("inf")), products="cublas"),
         "gluon": dict(products="gluon"),
         # Registers of the second consumer and the pack (the first consumer gets 488 - 2 regs): 128 gives
         # 232 / 128 / 128 and a 128-byte stack frame, 160 gives 168 / 160 / 160 and 72 bytes.

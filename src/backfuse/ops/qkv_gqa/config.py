@@ -47,7 +47,8 @@ class GluonConfig:
     (benchmarks/notes/gluon.md, official clock, which since its counters need no memset is the
     kernel's own time): against pack + our Triton products 7-14% faster at 34-43 GFLOP and 2-4% at
     17-21 (session 21, three calls: benchmarks/notes/072.md row 28); against pack + cuBLAS equal at
-    135-137 and 3% faster at 172; slower at 9-11 GFLOP (4-6%) and from 252 (3-7%)."""
+    135-137 and 3% faster at 172; slower at 9-11 GFLOP (4-6%) and from 252 (3-7%). Below 30 GFLOP
+    pack + cuBLAS's products beside each other are 1-3 % faster (session 30: 072.md row 34)."""
 
     bm: int = 128
     bn: int = 128
@@ -56,7 +57,7 @@ class GluonConfig:
     pack_warps: int = 4
     maxnreg: int = 128
     regs: int = 144  # 200 / 144 / 144 (first consumer / second / pack): 0.5% faster than 128 (notes/072.md row 25)
-    min_flop: float = 15e9
+    min_flop: float = 30e9
     max_flop: float = 200e9
 
     @property
@@ -95,9 +96,12 @@ class Config:
     # run below cublas_min_flop only, where 128 x 128 tiles at 4 warps (2 per SM) beat 128 x 256 by 5%.
     tiles: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
     pdl: bool = True  # the products' launch as a programmatic dependent launch (GPU only)
-    # The four cuBLAS products as branches of the call's graph (kernels/branches.py): each fills the GPU
-    # alone; concurrently 0-1.5 % slower (notes/072.md row 32).
-    branches: bool = False
+    # The four cuBLAS products beside each other, as branches of the call's graph (kernels/branches.py),
+    # where the product work is below this: each small product is a latency-bound kernel that leaves
+    # SMs idle (case 3: 10.5, 6.6, 11.6, 6.6 us one after another; beside each other 1-7 % faster on
+    # cases 1, 3, 12, 13, notes/072.md row 34). A large one fills the GPU alone: beside each other
+    # 0-1.4 % slower (row 32).
+    branches_below_flop: float = 30e9
     # From this much product work (FLOP) on, cuBLAS's products beat ours by more than its three extra
     # launches can cost, even on a slow host: the GPU work then outlasts the launching (measured:
     # benchmarks/notes/072.md). Below it, cuBLAS wins only when the host keeps up.
@@ -173,7 +177,7 @@ class Plan:
     se: int  # encoder tokens per batch entry
     products: str  # "triton" (our tiles), "cublas", or "gluon" (one launch, pack included)
     pdl: bool
-    branches: bool  # Config.branches on a GPU
+    branches: bool  # cuBLAS's products beside each other (`Config.branches_below_flop`)
     pack: Layout | None  # None: the Gluon kernel packs
     splits: tuple  # K splits of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc (1 each: unsplit)
     tiles: TilesLaunch | None  # None: cuBLAS or Gluon makes the products, or no output needs one
@@ -318,7 +322,10 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
     if gpu:
         check_rings("072 Config", dict(tiles=cfg.tiles))
     gemms = product_shapes(axes)
-    backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu,
+    flop = 2 * sum(m * n * k for m, n, k in gemms)
+    # On Hopper, cuBLAS's products beside each other beat our tiles below the Gluon kernel's window too
+    # (notes/072.md row 34); elsewhere our tiles stay below cublas_min_flop.
+    backend = choose_products(products, flop, 0 if gluon else cfg.cublas_min_flop, gpu,
                               gluon_window=(cfg.gluon.min_flop, cfg.gluon.max_flop) if gluon else None)
     needs = needs or (True,) * 5
     if backend == "gluon":
@@ -338,6 +345,7 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
         bounds = longest_first([(n, k, s) for n, (_, _, k), s in zip(tiles, gemms, splits)])
         launch = TilesLaunch(sum(tiles), weight_grads, input_grads, bounds)
     pack = pack_layout(cfg, axes, splits)
+    branches = backend == "cublas" and gpu and flop < cfg.branches_below_flop
     return Plan(batch=axes["batch_size"], sd=axes["seq_len_dec"], se=axes["seq_len_enc"], products=backend,
-                pdl=cfg.pdl and gpu, branches=cfg.branches and gpu, pack=pack, splits=tuple(splits), tiles=launch,
+                pdl=cfg.pdl and gpu, branches=branches, pack=pack, splits=tuple(splits), tiles=launch,
                 cublas=(needs[0], needs[1], needs[2], needs[3] or needs[4]), ranges=(pack.regions,))
