@@ -85,7 +85,7 @@ def _bitwise_alike(pid, options, on, off, needs=None):
 
 @GPU
 @pytest.mark.parametrize("pid,options,on,off", [
-    ("072", dict(products="cublas"), C72(branches=True), C72(branches=False)),
+    ("072", dict(products="cublas"), C72(branches_below_flop=float("inf")), C72(branches_below_flop=0)),
     ("037", dict(products="cublas"), C37(branches=True), C37(branches=False)),
     ("021", dict(products="cublas", deterministic=True), C21(branches=True), C21(branches=False)),
 ])
