@@ -34,7 +34,7 @@ def empty(shape, dtype, device, pinned: bool = False) -> torch.Tensor:
     finally:
         deterministic.fill_uninitialized_memory = fill
     if _poison:
-        t.fill_(float("nan") if t.is_floating_point() else -1)
+        t.fill_(float("nan") if t.is_floating_point() else 255 if t.dtype == torch.uint8 else -1)
     return t
 
 

@@ -203,6 +203,89 @@ def run(key, device: torch.device, launches: Sequence[Callable[[], None]]) -> No
     counts["launched"] += 1
 
 
+# The training paths' executables, by plan and by every address they read or write (`replay`).
+REPLAYS_KEPT = 512
+MISSES_BEFORE_UPDATING = 8  # calls of one plan before a plan whose addresses keep changing updates one executable
+_replays: OrderedDict = OrderedDict()  # (key, addresses, device, stream) -> CUgraphExec handle
+_replay_stats: dict = {}  # key -> [hits, misses]
+
+
+def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequence[Callable[[], None]]]) -> None:
+    """Run a training call's launches as a CUDA graph kept for these exact addresses.
+
+    A training loop calls a layer at the same addresses step after step (the caching allocator hands
+    back the blocks the last step freed), so the executable graph recorded for (key, addresses) is
+    launched again with nothing recorded or updated: one cuGraphLaunch of host work. `addresses`
+    must name every tensor the launches touch (inputs, outputs, scratch); `key` everything else the
+    graph depends on (shapes, dtypes, options, the scalars baked into kernel arguments). Only on a
+    miss does build() prepare the launches, which are then recorded. A plan whose addresses keep
+    changing (more misses than hits after MISSES_BEFORE_UPDATING calls) records every call into one
+    executable it updates instead (`run`), which costs the recording but no new instantiation.
+    Direct launches where `enabled` says no graph can run (the first call of a kernel compiles it).
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    slot = (key, addresses, index, stream.cuda_stream)
+    exec_ = _replays.get(slot)
+    stats = _replay_stats.setdefault(key, [0, 0])
+    if exec_ is not None:
+        _replays.move_to_end(slot)
+        stats[0] += 1
+        counts["replayed"] += 1
+        driver().launch(exec_, stream.cuda_stream)
+        return
+    stats[1] += 1
+    launches = list(build())
+    if not enabled(device, launches):
+        counts["direct"] += 1
+        return _direct(launches)
+    if stats[0] + stats[1] > MISSES_BEFORE_UPDATING and stats[1] > stats[0]:
+        return run(("updated", key), device, launches)
+    drv = driver()
+    graph = _record(drv, index, stream, launches)
+    if graph is None:
+        return
+    try:
+        exec_ = drv.instantiate(graph)
+    finally:
+        drv.destroy_graph(graph)
+    counts["instantiated"] += 1
+    _replays[slot] = exec_
+    while len(_replays) > REPLAYS_KEPT:
+        drv.destroy_exec(_replays.popitem(last=False)[1])
+    drv.launch(exec_, stream.cuda_stream)
+    counts["launched"] += 1
+
+
+def _record(drv, index: int, stream, launches):
+    """The graph of the launches recorded on our recording stream for (device, thread, caller's
+    stream), or None after a warning and direct launches when recording fails. Recording must not
+    allocate: a block taken from torch's caching allocator during the recording would be freed and
+    handed to other tensors while the graph still writes it, so every buffer is made before."""
+    where = (index, threading.get_ident(), stream.cuda_stream)
+    recorder = _capture_streams.get(where)
+    if recorder is None:
+        recorder = _capture_streams[where] = torch.cuda.Stream(index)
+    allocations = torch.cuda.memory_stats(index).get("allocation.all.allocated", 0)
+    torch.cuda.set_stream(recorder)
+    try:
+        graph = drv.capture(recorder.cuda_stream, lambda: _direct(launches))
+    except Exception as e:  # noqa: BLE001 - any failure to record leaves the direct launches, which raise real errors
+        callsite.warn(f"backfuse: this call's launches could not be recorded as a CUDA graph ({e}); "
+                      "it launches its kernels one by one", GraphWarning)
+        counts["direct"] += 1
+        torch.cuda.set_stream(stream)
+        _direct(launches)
+        return None
+    finally:
+        torch.cuda.set_stream(stream)
+    if torch.cuda.memory_stats(index).get("allocation.all.allocated", 0) != allocations:
+        drv.destroy_graph(graph)
+        raise RuntimeError("backfuse: a launch allocated memory while it was recorded into a CUDA graph "
+                           "(a torch op without out=, or a copy torch made of an operand)")
+    return graph
+
+
 def _keep(slot, exec_) -> None:
     """Keep slot's executable graph (or FAILED) as the most recently used; drop the oldest past EXECS_KEPT."""
     _execs[slot] = exec_

@@ -10,6 +10,7 @@ six projection products.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,48 @@ QKV = QK + KV_OUT  # 5120: width of the stacked [q | k | v] projection
 ROPE_THETA = 10000.0
 
 B, S = "batch_size", "seq_len"
+HEAD_SIZES = (16, 32, 64, 128, 256)  # what the training path's attention kernels take
+
+
+@dataclass(frozen=True)
+class Gemma3CoreConfig:
+    """The sizes of one Gemma-style attention core: model width, query heads, KV heads (each serving
+    heads / kv_heads query heads), head size, and the sliding window of its local layers (0: global,
+    causal over every earlier token; w > 0: each query sees its w latest tokens, itself included). The
+    default is the benchmark operator's."""
+
+    hidden: int = HIDDEN
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
+    window: int = 0
+
+    def __post_init__(self):
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "window" else 1):
+                raise ValueError(f"Gemma3CoreConfig.{name} must be a {'non-negative' if name == 'window' else 'positive'} "
+                                 f"int, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"Gemma3CoreConfig: heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if self.head_dim not in HEAD_SIZES:
+            raise ValueError(f"Gemma3CoreConfig: head_dim {self.head_dim}; the kernels take "
+                             f"{', '.join(map(str, HEAD_SIZES))}")
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def q_out(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_out(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+OFFICIAL = Gemma3CoreConfig()
 
 
 def rotate_half(x):

@@ -10,6 +10,7 @@ grad_Wv = GV^T @ enc.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,44 @@ Q_OUT = HEADS * HEAD_DIM  # 4096
 KV_OUT = KV_HEADS * HEAD_DIM  # 1024
 
 B, SD, SE = "batch_size", "seq_len_dec", "seq_len_enc"
+
+
+@dataclass(frozen=True)
+class QkvGqaConfig:
+    """The sizes of one cross-attention's q, k, v projections with grouped KV heads: decoder and
+    encoder widths, query heads, KV heads (each serving heads / kv_heads query heads) and the head
+    size. The default is the benchmark operator's."""
+
+    hidden: int = HIDDEN
+    cross_hidden: int = CROSS_HIDDEN
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
+
+    def __post_init__(self):
+        for name in ("hidden", "cross_hidden", "heads", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"QkvGqaConfig.{name} must be a positive int, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"QkvGqaConfig: heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if self.head_dim % 8:
+            raise ValueError(f"QkvGqaConfig: head_dim must be a multiple of 8, got {self.head_dim}")
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def q_out(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_out(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+OFFICIAL = QkvGqaConfig()
 
 
 class QkvGqaBackward(Problem):

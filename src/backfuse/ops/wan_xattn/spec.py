@@ -8,6 +8,7 @@ P = softmax(scale * Q K^T) over the text tokens (no mask), C = P V token-major, 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +17,34 @@ from ...problem import Problem, Scalar, Tensor
 HIDDEN = 1024
 HEADS = 16
 HEAD_DIM = 64
+HEAD_SIZES = (16, 32, 64, 128, 256)  # what the training path's attention kernels take
+
+
+@dataclass(frozen=True)
+class WanXattnConfig:
+    """The sizes of one Wan-style cross-attention: the model width (video and text tokens alike) and
+    its heads (head size hidden / heads). The default is the benchmark operator's."""
+
+    hidden: int = HIDDEN
+    heads: int = HEADS
+
+    def __post_init__(self):
+        for name in ("hidden", "heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"WanXattnConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"WanXattnConfig: hidden {self.hidden} is not a multiple of heads {self.heads}")
+        if self.head_dim not in HEAD_SIZES:
+            raise ValueError(f"WanXattnConfig: head size hidden / heads = {self.head_dim}; the kernels take "
+                             f"{', '.join(map(str, HEAD_SIZES))}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+OFFICIAL = WanXattnConfig()
 
 B, NV, NT = "batch_size", "num_video_tokens", "num_text_tokens"
 

@@ -1,0 +1,325 @@
+"""Attention on token-major operands, forward and backward, in FlashAttention-2's schedule: the
+training paths' attention for any power-of-two head size, grouped KV heads, causal or not, a sliding
+window, an optional soft cap, and query and key lengths that are no multiple of a tile.
+
+Layouts. Row t = b * S + s of a token-major buffer holds token s of batch entry b; head h sits in
+columns [h * D, (h + 1) * D) past the pointer given, rows LD_* elements apart (constexprs: a model's
+widths, never its token counts). Query head h reads KV head h // GROUP. lse and delta are [B * HEADS,
+S_q] fp32; lse is in base-2 units of the logits.
+
+Math. With q.k the product of a query and a key row:
+    c = scale * q.k                                  (no cap)
+    c = cap * t,  t = tanh(scale * q.k / cap)        (HAS_CAP)
+    key j is visible to query i when j < S_k, and also j <= i (CAUSAL), i - j < window (WINDOW)
+    P = softmax(c) over the visible keys, O = P V, lse = log2 sum_j 2^(c_ij log2 e)
+Backward, from dO:
+    delta = rowsum(dO * O),  dP = dO V^T,  dC = P * (dP - delta)
+    dS = dC * scale  (* (1 - t^2) with the cap)      -- the gradient of the logits' q.k
+    dQ = dS K,  dK = dS^T Q,  dV = P^T dO            (dK, dV summed over each group's query heads)
+
+fp16 range guard: with RANGES each program folds the largest |value| of what it reads (q, k, v; dO)
+or writes (dq, dk, dv) into a per-region maximum, `ranges[r_*]` (an atomic max; NaN counts as Inf; a
+negative r_*: not checked), which the training paths' guard checks on the device
+(`backfuse/train/guard.py`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+# Triton 3.6's interpreter multiplies bfloat16 tiles wrongly (it reads their bits as integers): there
+# the products take the tiles in fp32, which holds every bf16 and fp16 value and their products exactly.
+_UPCAST_DOTS = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def tanh(x, APPROX: tl.constexpr):
+    """tanh(x) in fp32. APPROX: the GPU's one-instruction tanh (relative error <= 2^-11, the size of
+    an fp16 rounding of its operands); else through exp2 (the Triton interpreter runs no inline PTX)."""
+    if APPROX:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
+
+@triton.jit
+def mma(a, b, acc):
+    """acc + a @ b on the tensor cores (fp32 sums)."""
+    if _UPCAST_DOTS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def narrow(x, dtype: tl.constexpr):
+    """x rounded to dtype (to nearest, ties to even). Triton 3.6's interpreter truncates to bfloat16;
+    there the rounding is done on the bits first."""
+    if _UPCAST_DOTS and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def largest(x):
+    """The largest |x| of a tile in fp32, NaN counted as Inf (so that an atomic max keeps it)."""
+    m = tl.max(tl.abs(x.to(tl.float32)))
+    return tl.where(m == m, m, float("inf"))
+
+
+@triton.jit
+def fold(ranges, r, value):
+    """ranges[r] = max(ranges[r], value): a region's running maximum (r < 0: a tensor not checked)."""
+    if r >= 0:
+        tl.atomic_max(ranges + r, value)
+
+
+@triton.jit
+def _logits(qk, scale, cap, HAS_CAP: tl.constexpr, APPROX_TANH: tl.constexpr):
+    """(the logits c in base-2 units, t) from q.k; t = tanh(scale q.k / cap), or q.k itself without a cap."""
+    if HAS_CAP:
+        t = tanh(qk * (scale / cap), APPROX_TANH)
+        return t * (cap * _LOG2E), t
+    else:
+        return qk * (scale * _LOG2E), qk
+
+
+@triton.jit
+def _visible(rows, cols, S_k, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Whether key cols is visible to query rows (broadcast against each other)."""
+    ok = cols < S_k
+    if CAUSAL:
+        ok = ok & (cols <= rows)
+    if WINDOW:
+        ok = ok & (rows - cols < window)
+    return ok
+
+
+@triton.jit
+def _head_tile(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr):
+    """The [R, D] tile of tokens tok ([R]) at `column` of a token-major buffer (zeros where not ok)."""
+    d = tl.arange(0, D)
+    return tl.load(base + tok.to(tl.int64)[:, None] * LD + column + d[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _store_head_tile(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr, x):
+    d = tl.arange(0, D)
+    tl.store(base + tok.to(tl.int64)[:, None] * LD + column + d[None, :], narrow(x, base.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit(do_not_specialize=["S_q", "S_k", "window", "r_q", "r_k", "r_v"])
+def attention_forward_kernel(
+    q, k, v, o, lse, ranges,
+    S_q, S_k, scale, cap, window, r_q, r_k, r_v,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+    LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_O: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    RANGES: tl.constexpr, APPROX_TANH: tl.constexpr,
+):
+    """O and lse of BM queries of one (batch entry, head): grid (B * HEADS, query blocks), the last
+    blocks (the most keys when causal) first. Online softmax over BN keys at a time, only over the
+    key blocks the mask leaves visible (a window's earlier blocks are skipped, not masked)."""
+    bh = tl.program_id(0)
+    block = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = bh // HEADS
+    h = bh % HEADS
+    kv = h // GROUP
+    rows = block * BM + tl.arange(0, BM)
+    row_ok = rows < S_q
+    qt = _head_tile(q, b * S_q + rows, row_ok, LD_Q, h * D, D)
+    m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)  # finite: a row with no visible key yet adds exp2(-inf) = 0
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, D), dtype=tl.float32)
+    lo = 0
+    hi = S_k
+    if CAUSAL:
+        hi = tl.minimum(S_k, (block + 1) * BM)
+    if WINDOW:
+        lo = tl.maximum(0, block * BM - window + 1) // BN * BN
+    k_max = 0.0
+    v_max = 0.0
+    for n0 in range(lo, hi, BN):
+        cols = n0 + tl.arange(0, BN)
+        col_ok = cols < S_k
+        kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
+        vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
+        s, t = _logits(mma(qt, tl.trans(kt), None), scale, cap, HAS_CAP, APPROX_TANH)
+        s = tl.where(_visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = mma(narrow(p, vt.dtype), vt, acc * alpha[:, None])
+        m_i = m_new
+        if RANGES:
+            k_max = tl.maximum(k_max, largest(kt))
+            v_max = tl.maximum(v_max, largest(vt))
+    _store_head_tile(o, b * S_q + rows, row_ok, LD_O, h * D, D, acc / l_i[:, None])
+    tl.store(lse + bh * S_q + rows, m_i + tl.log2(l_i), mask=row_ok)
+    if RANGES:
+        fold(ranges, r_q, largest(qt))
+        fold(ranges, r_k, k_max)
+        fold(ranges, r_v, v_max)
+
+
+@triton.jit(do_not_specialize=["T", "S_q", "r_do"])
+def attention_delta_kernel(
+    o, do, delta, ranges,
+    T, S_q, r_do,
+    HEADS: tl.constexpr, D: tl.constexpr, LD_O: tl.constexpr, LD_DO: tl.constexpr, BT: tl.constexpr,
+    RANGES: tl.constexpr,
+):
+    """delta = rowsum(dO * O) of BT tokens of one head: grid (token blocks, HEADS)."""
+    h = tl.program_id(1)
+    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = tok < T
+    ot = _head_tile(o, tok, ok, LD_O, h * D, D).to(tl.float32)
+    dot_ = _head_tile(do, tok, ok, LD_DO, h * D, D).to(tl.float32)
+    tl.store(delta + ((tok // S_q) * HEADS + h) * S_q + tok % S_q, tl.sum(ot * dot_, 1), mask=ok)
+    if RANGES:
+        fold(ranges, r_do, largest(dot_))
+
+
+@triton.jit
+def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dk, dv, ranges, S_q, S_k, scale, cap, window, r_dk, r_dv,
+               HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr,
+               LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr, KV_BN: tl.constexpr,
+               KV_BM: tl.constexpr, SPLIT: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               HAS_CAP: tl.constexpr, RANGES: tl.constexpr, APPROX_TANH: tl.constexpr):
+    """dK, dV of KV_BN keys of one (batch entry, KV head), summed over the group's query heads and the
+    visible queries (KV_BM at a time); key blocks in order (the first have the most queries when
+    causal). SPLIT > 1: that many programs share a key block, each over a run of its queries, and add
+    their sums into fp32 dk, dv (zeroed before) by atomics."""
+    KV_HEADS: tl.constexpr = HEADS // GROUP
+    per_block = kv_programs // ((S_k + KV_BN - 1) // KV_BN)
+    block = pid // per_block
+    rest = pid % per_block
+    part = rest % SPLIT
+    b = rest // SPLIT // KV_HEADS
+    kv = rest // SPLIT % KV_HEADS
+    cols = block * KV_BN + tl.arange(0, KV_BN)
+    col_ok = cols < S_k
+    kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
+    vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
+    lo = 0
+    hi = S_q
+    if CAUSAL:
+        lo = block * KV_BN // KV_BM * KV_BM
+    if WINDOW:
+        hi = tl.minimum(S_q, block * KV_BN + KV_BN - 1 + window)
+    if SPLIT > 1:
+        steps = (tl.cdiv(tl.maximum(hi - lo, 0), KV_BM) + SPLIT - 1) // SPLIT
+        lo = lo + part * steps * KV_BM
+        hi = tl.minimum(hi, lo + steps * KV_BM)
+    dk_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
+    dv_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
+    for g in range(GROUP):
+        h = kv * GROUP + g
+        bh = b * HEADS + h
+        for m0 in range(lo, hi, KV_BM):
+            rows = m0 + tl.arange(0, KV_BM)
+            row_ok = rows < S_q
+            qt = _head_tile(q, b * S_q + rows, row_ok, LD_Q, h * D, D)
+            dot_ = _head_tile(do, b * S_q + rows, row_ok, LD_DO, h * D, D)
+            row_lse = tl.load(lse + bh * S_q + rows, mask=row_ok, other=float("inf"))  # P = 0 past S_q
+            row_delta = tl.load(delta + bh * S_q + rows, mask=row_ok, other=0.0)
+            s, t = _logits(mma(kt, tl.trans(qt), None), scale, cap, HAS_CAP, APPROX_TANH)  # [keys, queries]
+            visible = _visible(rows[None, :], cols[:, None], S_k, window, CAUSAL, WINDOW)
+            p = tl.where(visible, tl.exp2(s - row_lse[None, :]), 0.0)
+            dv_acc = mma(narrow(p, dot_.dtype), dot_, dv_acc)
+            ds = p * (mma(vt, tl.trans(dot_), None) - row_delta[None, :])
+            if HAS_CAP:
+                ds = ds * (1.0 - t * t)
+            dk_acc = mma(narrow(ds, qt.dtype), qt, dk_acc)
+    dk_acc = dk_acc * scale
+    tok = b * S_k + cols
+    if SPLIT > 1:
+        d = tl.arange(0, D)
+        offs = tok.to(tl.int64)[:, None] * LD_DK + kv * D + d[None, :]
+        tl.atomic_add(dk + offs, dk_acc, mask=col_ok[:, None], sem="relaxed")
+        offs = tok.to(tl.int64)[:, None] * LD_DV + kv * D + d[None, :]
+        tl.atomic_add(dv + offs, dv_acc, mask=col_ok[:, None], sem="relaxed")
+    else:
+        _store_head_tile(dk, tok, col_ok, LD_DK, kv * D, D, dk_acc)
+        _store_head_tile(dv, tok, col_ok, LD_DV, kv * D, D, dv_acc)
+        if RANGES:
+            fold(ranges, r_dk, largest(dk_acc))
+            fold(ranges, r_dv, largest(dv_acc))
+
+
+@triton.jit
+def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, S_q, S_k, scale, cap, window, r_dq,
+                 HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr,
+                 LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr, Q_BM: tl.constexpr,
+                 Q_BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+                 RANGES: tl.constexpr, APPROX_TANH: tl.constexpr):
+    """dQ of Q_BM queries of one (batch entry, head) over their visible keys (Q_BN at a time), the
+    last query blocks (the most keys when causal) first."""
+    per_block = q_programs // ((S_q + Q_BM - 1) // Q_BM)
+    block = (q_programs - 1 - local) // per_block
+    bh = local % per_block
+    b = bh // HEADS
+    h = bh % HEADS
+    kv = h // GROUP
+    rows = block * Q_BM + tl.arange(0, Q_BM)
+    row_ok = rows < S_q
+    tok = b * S_q + rows
+    qt = _head_tile(q, tok, row_ok, LD_Q, h * D, D)
+    dot_ = _head_tile(do, tok, row_ok, LD_DO, h * D, D)
+    row_lse = tl.load(lse + bh * S_q + rows, mask=row_ok, other=float("inf"))
+    row_delta = tl.load(delta + bh * S_q + rows, mask=row_ok, other=0.0)
+    lo = 0
+    hi = S_k
+    if CAUSAL:
+        hi = tl.minimum(S_k, (block + 1) * Q_BM)
+    if WINDOW:
+        lo = tl.maximum(0, block * Q_BM - window + 1) // Q_BN * Q_BN
+    dq_acc = tl.zeros((Q_BM, D), dtype=tl.float32)
+    for n0 in range(lo, hi, Q_BN):
+        cols = n0 + tl.arange(0, Q_BN)
+        col_ok = cols < S_k
+        kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
+        vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
+        s, t = _logits(mma(qt, tl.trans(kt), None), scale, cap, HAS_CAP, APPROX_TANH)
+        visible = _visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW)
+        p = tl.where(visible, tl.exp2(s - row_lse[:, None]), 0.0)
+        ds = p * (mma(dot_, tl.trans(vt), None) - row_delta[:, None])
+        if HAS_CAP:
+            ds = ds * (1.0 - t * t)
+        dq_acc = mma(narrow(ds, kt.dtype), kt, dq_acc)
+    dq_acc = dq_acc * scale
+    _store_head_tile(dq, tok, row_ok, LD_DQ, h * D, D, dq_acc)
+    if RANGES:
+        fold(ranges, r_dq, largest(dq_acc))
+
+
+@triton.jit(do_not_specialize=["S_q", "S_k", "window", "kv_programs", "r_dq", "r_dk", "r_dv"])
+def attention_backward_kernel(
+    q, k, v, do, lse, delta, dq, dk, dv, ranges,
+    S_q, S_k, scale, cap, window, kv_programs, r_dq, r_dk, r_dv,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+    LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr,
+    LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr,
+    KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, SPLIT: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
+):
+    """Programs [0, kv_programs): dK, dV of a key block (`_key_block`); the rest: dQ of a query block
+    (`_query_block`). P is recomputed from lse; one launch of both kinds, each independent of the other."""
+    pid = tl.program_id(0)
+    if pid < kv_programs:
+        _key_block(pid, kv_programs, q, k, v, do, lse, delta, dk, dv, ranges, S_q, S_k, scale, cap, window, r_dk,
+                   r_dv, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DK, LD_DV, KV_BN, KV_BM, SPLIT, CAUSAL,
+                   WINDOW, HAS_CAP, RANGES, APPROX_TANH)
+    else:
+        _query_block(pid - kv_programs, tl.num_programs(0) - kv_programs, q, k, v, do, lse, delta, dq, ranges, S_q,
+                     S_k, scale, cap, window, r_dq, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, Q_BM, Q_BN,
+                     CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH)

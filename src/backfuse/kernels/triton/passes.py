@@ -1,0 +1,201 @@
+"""Memory passes of the training paths: casts to the products' dtype (with the fp16 guard's power-of-two
+scale of the upstream gradients), heads-to-tokens sums, column sums, the scale's undoing on the
+outputs, and the guard's check of a call's maxima. Each reads the device-side guard state
+(`backfuse/train/guard.py`: STATE_*) where it needs the scale, so that a call's graph is the same
+whatever scale it runs at and the host never reads anything back.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attention import fold, largest, narrow
+
+# The guard state's fields (float32 on the device), in `backfuse/train/guard.py`'s order.
+_READY = tl.constexpr(0)  # 1 once a call has chosen the next exponent
+_NEXT = tl.constexpr(1)  # the exponent the next call scales its upstream gradients by
+_USED = tl.constexpr(2)  # the exponent this call scales by
+_AMAX = tl.constexpr(3)  # largest |upstream gradient| of a call with no exponent chosen yet
+_CALLS = tl.constexpr(4)  # calls checked so far
+FP16_MAX = tl.constexpr(65504.0)
+SMALLEST_SAFE = tl.constexpr(2.0**-12)
+# Bits of room kept at both ends of the safe range when choosing an exponent, so that gradients that
+# drift from step to step are rescaled before they leave it.
+MARGIN = tl.constexpr(4.0)
+
+
+@triton.jit(do_not_specialize=["n"])
+def amax_kernel(src, state, n, BLOCK: tl.constexpr):
+    """state[_AMAX] = max(state[_AMAX], largest |src| of this program's block), only while no exponent
+    is chosen yet (the first call): afterwards every program returns at once."""
+    if tl.load(state + _READY) == 0.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.atomic_max(state + _AMAX, largest(tl.load(src + offs, mask=offs < n, other=0.0)))
+
+
+@triton.jit
+def upstream_exponent(state):
+    """The exponent k of this call's scale 2^k of the upstream gradients: the last call's choice, or on
+    the first call 0 when their largest |value| lies in fp16's safe range with MARGIN bits to spare at
+    both ends, else the k that brings it into [1, 2)."""
+    amax = tl.load(state + _AMAX)
+    fits = (amax >= SMALLEST_SAFE * tl.exp2(MARGIN)) & (amax <= FP16_MAX * tl.exp2(-MARGIN))
+    first = tl.where(fits | (amax == 0.0) | (amax != amax) | (amax > 3.0e38), 0.0,
+                     -tl.floor(tl.log2(tl.maximum(amax, 1e-38))))
+    return tl.where(tl.load(state + _READY) != 0.0, tl.load(state + _NEXT), first)
+
+
+@triton.jit(do_not_specialize=["n", "r"])
+def cast_kernel(src, dst, ranges, state, n, r, BLOCK: tl.constexpr, UPSTREAM: tl.constexpr, RANGES: tl.constexpr):
+    """dst = src in dst's dtype, flat; UPSTREAM: times 2^k (`upstream_exponent`, which program 0 records
+    as this call's in the state). RANGES: the largest |value| converted goes to ranges[r]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
+    if UPSTREAM:
+        k = upstream_exponent(state)
+        x = x * tl.exp2(k)
+        if tl.program_id(0) == 0:
+            tl.store(state + _USED, k)
+    tl.store(dst + offs, narrow(x, dst.dtype.element_ty), mask=ok)
+    if RANGES:
+        fold(ranges, r, largest(x))
+
+
+@triton.jit(do_not_specialize=["S", "stride_b", "stride_h", "stride_s", "r"])
+def heads_to_tokens_kernel(src, dst, ranges, state, S, stride_b, stride_h, stride_s, r,
+                           GROUP: tl.constexpr, D: tl.constexpr, HEADS_OUT: tl.constexpr, LD: tl.constexpr,
+                           BT: tl.constexpr, AMAX: tl.constexpr, UPSTREAM: tl.constexpr, RANGES: tl.constexpr):
+    """dst[b * S + s, j * D + d] = sum over g < GROUP of src[b, j * GROUP + g, s, d] (src: any strides of
+    its first three axes, its last contiguous), in fp32, stored in dst's dtype (token-major, rows LD
+    apart, HEADS_OUT heads); UPSTREAM: times 2^k as `cast_kernel`. AMAX: instead of any of that, the
+    largest |src| into the state as `amax_kernel` (the first call only). Grid (token blocks of BT,
+    B * HEADS_OUT)."""
+    if AMAX:
+        if tl.load(state + _READY) != 0.0:
+            return
+    bj = tl.program_id(1)
+    b = bj // HEADS_OUT
+    j = bj % HEADS_OUT
+    s = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = s < S
+    d = tl.arange(0, D)
+    acc = tl.zeros((BT, D), dtype=tl.float32)
+    top = 0.0
+    for g in range(GROUP):
+        base = src + b.to(tl.int64) * stride_b + (j * GROUP + g).to(tl.int64) * stride_h
+        x = tl.load(base + s.to(tl.int64)[:, None] * stride_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        acc += x
+        if AMAX:
+            top = tl.maximum(top, largest(x))
+    if AMAX:
+        tl.atomic_max(state + _AMAX, top)
+    else:
+        if UPSTREAM:
+            k = upstream_exponent(state)
+            acc = acc * tl.exp2(k)
+            if (tl.program_id(0) == 0) & (bj == 0):
+                tl.store(state + _USED, k)
+        tok = (b * S + s).to(tl.int64)
+        tl.store(dst + tok[:, None] * LD + j * D + d[None, :], narrow(acc, dst.dtype.element_ty), mask=ok[:, None])
+        if RANGES:
+            fold(ranges, r, largest(acc))
+
+
+@triton.jit(do_not_specialize=["R", "C", "rows_per_program"])
+def column_partials_kernel(x, parts, R, C, rows_per_program, LD: tl.constexpr, ROWS: tl.constexpr,
+                           COLS: tl.constexpr):
+    """parts[p, c] = sum of x[i, c] over program p's rows (rows_per_program of them, ROWS at a time,
+    in order): grid (row groups, column strips of COLS)."""
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    col_ok = cols < C
+    acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    start = p * rows_per_program
+    for i in range(start, tl.minimum(start + rows_per_program, R), ROWS):
+        rows = i + tl.arange(0, ROWS)
+        ok = (rows < R)[:, None] & col_ok[None, :]
+        acc += tl.load(x + rows.to(tl.int64)[:, None] * LD + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(parts + p * C + cols, tl.sum(acc, 0), mask=col_ok)
+
+
+@triton.jit(do_not_specialize=["n_parts", "C"])
+def column_finish_kernel(parts, out, state, n_parts, C, ROWS: tl.constexpr, COLS: tl.constexpr,
+                         UNSCALE: tl.constexpr):
+    """out[c] = sum over the n_parts rows of parts (in order; the same bits every call), stored in
+    out's dtype; UNSCALE: times 2^-k, k this call's exponent (the upstream gradients' scale undone)."""
+    cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    col_ok = cols < C
+    acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    for i in range(0, n_parts, ROWS):
+        rows = i + tl.arange(0, ROWS)
+        acc += tl.load(parts + rows[:, None] * C + cols[None, :], mask=(rows < n_parts)[:, None] & col_ok[None, :],
+                       other=0.0)
+    total = tl.sum(acc, 0)
+    if UNSCALE:
+        total = total * tl.exp2(-tl.load(state + _USED))
+    tl.store(out + cols, narrow(total, out.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit(do_not_specialize=["n"])
+def unscale_kernel(x, state, n, BLOCK: tl.constexpr):
+    """x *= 2^-k in place, k this call's exponent; every program returns at once when k = 0."""
+    k = tl.load(state + _USED)
+    if k != 0.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        y = tl.load(x + offs, mask=ok, other=0.0).to(tl.float32) * tl.exp2(-k)
+        tl.store(x + offs, narrow(y, x.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n_regions"])
+def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SCALED: tl.constexpr):
+    """One program at the end of a call: checks each region's largest |value| (maxima, as rounded to
+    fp16, so scaled by this call's 2^k where linear) against fp16's safe range, records the regions
+    out of range in the host-visible log, chooses the next call's exponent (SCALED) and resets the
+    maxima for the next call.
+
+    flags per region: 1 linear in the upstream gradients, 2 checked for underflow, 4 the upstream
+    gradients themselves. log (pinned host memory): [calls, then per region bad calls, last bad call,
+    its largest |value| unscaled]. Next exponent, among those where every linear region fits with
+    MARGIN bits to spare at both ends (without the margins where none does): this call's where it is
+    one of them; else 0 where that is; else the one nearest to bringing the upstream gradients'
+    largest |value| into [1, 2)."""
+    i = tl.arange(0, R)
+    ok = i < n_regions
+    m = tl.load(maxima + i, mask=ok, other=0.0)
+    f = tl.load(flags + i, mask=ok, other=0).to(tl.int32)
+    tl.store(maxima + i, tl.zeros((R,), dtype=tl.float32), mask=ok)
+    linear = (f & 1) != 0
+    under = (f & 2) != 0
+    upstream = (f & 4) != 0
+    k = 0.0
+    if SCALED:
+        k = tl.load(state + _USED)
+    unscaled = tl.where(linear, m * tl.exp2(-k), m)
+    bad = ok & ((m > FP16_MAX) | (m != m) | (under & (m > 0.0) & (m < SMALLEST_SAFE)))
+    call = tl.load(log)
+    n_bad = tl.load(log + 1 + 3 * i, mask=ok, other=0.0)
+    tl.store(log + 1 + 3 * i, n_bad + 1.0, mask=bad)
+    tl.store(log + 2 + 3 * i, tl.zeros((R,), dtype=tl.float32) + call, mask=bad)
+    tl.store(log + 3 + 3 * i, unscaled, mask=bad)
+    tl.store(log, call + 1.0)
+    if SCALED:
+        finite = (m == m) & (m <= FP16_MAX)
+        positive = linear & ok & finite & (unscaled > 0.0)
+        safe_u = tl.where(positive, unscaled, 1.0)
+        high = tl.min(tl.where(positive, tl.floor(tl.log2(FP16_MAX / safe_u)), 1.0e9), 0)
+        high = tl.minimum(high, tl.where(tl.max((linear & ok & ~finite).to(tl.int32), 0) > 0, k - 1.0, 1.0e9))
+        low = tl.max(tl.where(positive & under, tl.ceil(tl.log2(SMALLEST_SAFE / safe_u)), -1.0e9), 0)
+        top = tl.max(tl.where(upstream & positive, unscaled, 0.0), 0)
+        target = tl.where(top > 0.0, -tl.floor(tl.log2(tl.maximum(top, 1e-38))), 0.0)
+        roomy = low + 2 * MARGIN <= high
+        low = tl.where(roomy, low + MARGIN, low)
+        high = tl.where(roomy, high - MARGIN, high)
+        chosen = tl.minimum(tl.maximum(target, low), high)
+        chosen = tl.where((low <= 0.0) & (0.0 <= high), 0.0, chosen)
+        chosen = tl.where((low <= k) & (k <= high), k, chosen)
+        tl.store(state + _NEXT, chosen)
+        tl.store(state + _READY, 1.0)
+        tl.store(state + _AMAX, 0.0)

@@ -1,0 +1,84 @@
+"""Gemma's per-head query/key RMSNorm followed by rotate-half RoPE, forward and backward, on token-major
+rows (the training paths of 037).
+
+For one head's row x (D features, halves lo = x[:D/2], hi = x[D/2:]):
+    r = 1 / sqrt(mean(x^2) + eps),  n = x r,  y = n (1 + w)                 (RMSNorm, Gemma's 1 + w)
+    out_lo = y_lo cos_lo - y_hi sin_lo,  out_hi = y_hi cos_hi + y_lo sin_hi  (y cos + rot(y) sin)
+Backward from d(out):
+    dy_lo = dout_lo cos_lo + dout_hi sin_hi,  dy_hi = dout_hi cos_hi - dout_lo sin_lo
+    grad_w = sum over rows of dy * n;  m = dy (1 + w);  dx = r (m - n mean(m n))
+cos and sin are [T, D] (one row per token). Grid (token blocks of BT, heads).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attention import fold, largest, narrow
+
+
+@triton.jit
+def _halves(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr):
+    """The [BT, D/2] halves of a head's rows, in fp32."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, HALF)
+    rows = base + tok.to(tl.int64)[:, None] * LD + column + d[None, :]
+    return (tl.load(rows, mask=ok[:, None], other=0.0).to(tl.float32),
+            tl.load(rows + HALF, mask=ok[:, None], other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _store_halves(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr, lo, hi):
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, HALF)
+    rows = base + tok.to(tl.int64)[:, None] * LD + column + d[None, :]
+    tl.store(rows, narrow(lo, base.dtype.element_ty), mask=ok[:, None])
+    tl.store(rows + HALF, narrow(hi, base.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
+def norm_rope_kernel(x, w, cos, sin, out, T, eps, D: tl.constexpr, LD_X: tl.constexpr, LD_OUT: tl.constexpr,
+                     BT: tl.constexpr):
+    """out = RoPE(RMSNorm(x) (1 + w)) of one head (program_id(1)) over BT tokens."""
+    h = tl.program_id(1)
+    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = tok < T
+    lo, hi = _halves(x, tok, ok, LD_X, h * D, D)
+    r = tl.rsqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / D + eps)[:, None]
+    w_lo, w_hi = _halves(w, tl.zeros((1,), dtype=tl.int32), tl.full((1,), True, tl.int1), D, 0, D)
+    y_lo, y_hi = lo * r * (1.0 + w_lo), hi * r * (1.0 + w_hi)
+    c_lo, c_hi = _halves(cos, tok, ok, D, 0, D)
+    s_lo, s_hi = _halves(sin, tok, ok, D, 0, D)
+    _store_halves(out, tok, ok, LD_OUT, h * D, D, y_lo * c_lo - y_hi * s_lo, y_hi * c_hi + y_lo * s_hi)
+
+
+@triton.jit(do_not_specialize=["T", "r_dx"])
+def norm_rope_backward_kernel(dout, x, w, cos, sin, dx, parts, ranges, T, eps, r_dx, D: tl.constexpr,
+                              LD_DOUT: tl.constexpr, LD_X: tl.constexpr, LD_DX: tl.constexpr, BT: tl.constexpr,
+                              RANGES: tl.constexpr):
+    """dx of one head (program_id(1)) over BT tokens, and this block's share of grad_w in
+    parts[head * token blocks + block] (summed in order afterwards: the same bits every call)."""
+    h = tl.program_id(1)
+    block = tl.program_id(0)
+    tok = block * BT + tl.arange(0, BT)
+    ok = tok < T
+    g_lo, g_hi = _halves(dout, tok, ok, LD_DOUT, h * D, D)
+    c_lo, c_hi = _halves(cos, tok, ok, D, 0, D)
+    s_lo, s_hi = _halves(sin, tok, ok, D, 0, D)
+    dy_lo, dy_hi = g_lo * c_lo + g_hi * s_hi, g_hi * c_hi - g_lo * s_lo
+    lo, hi = _halves(x, tok, ok, LD_X, h * D, D)
+    r = tl.rsqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / D + eps)[:, None]
+    n_lo, n_hi = lo * r, hi * r
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, HALF)
+    row = parts + (h * tl.num_programs(0) + block).to(tl.int64) * D
+    tl.store(row + d, tl.sum(dy_lo * n_lo, 0))
+    tl.store(row + HALF + d, tl.sum(dy_hi * n_hi, 0))
+    w_lo, w_hi = _halves(w, tl.zeros((1,), dtype=tl.int32), tl.full((1,), True, tl.int1), D, 0, D)
+    m_lo, m_hi = dy_lo * (1.0 + w_lo), dy_hi * (1.0 + w_hi)
+    mean = ((tl.sum(m_lo * n_lo, 1) + tl.sum(m_hi * n_hi, 1)) / D)[:, None]
+    dx_lo, dx_hi = r * (m_lo - n_lo * mean), r * (m_hi - n_hi * mean)
+    _store_halves(dx, tok, ok, LD_DX, h * D, D, dx_lo, dx_hi)
+    if RANGES:
+        fold(ranges, r_dx, tl.maximum(largest(dx_lo), largest(dx_hi)))

@@ -1,0 +1,292 @@
+"""037's training path: the Gemma-style attention core (q, k, v projections, per-head QK RMSNorm with
+weight 1 + w, rotate-half RoPE, causal GQA attention with an optional soft cap and sliding window, the
+output projection), forward and backward, at any sizes (`Gemma3CoreConfig`), on float32, bfloat16 or
+float16 tensors.
+
+Forward (cuBLAS products in the inputs' dtype, or on fp16 copies of float32 inputs; fp32 sums):
+    [q | k | v] = X [Wq; Wk; Wv]^T        (raw q, k kept in fp32 for float32 inputs, as the official path)
+    qr, kr = RoPE(RMSNorm(q, k) (1 + w))   (kernels/triton/rope.py)
+    A, lse = attention(qr, kr, v)          (kernels/triton/attention.py: causal, window, soft cap, scaling)
+    out = A Wo^T
+It saves raw q, k, qr, kr, v, A, lse (and its fp16 copies of float32 inputs); save=False: nothing but
+the inputs (the backward runs the forward's launches again first).
+
+Backward from dOut:
+    dA = dOut Wo, grad_Wo = dOut^T A, delta = rowsum(dA * A)
+    dqr, dkr, dv = attention backward;  dq, dk, grad_w = RoPE and RMSNorm backward (G = [dq | dk | dv])
+    grad_hidden = G [Wq; Wk; Wv],  grad_[Wq; Wk; Wv] = G^T X
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.schedule import Holds, cdiv
+from ...kernels.triton import rope
+from ...train import guard as guards
+from ...train import steps
+from ...train.program import COMPUTE, Arena, Buffer, Kernel, accumulate, addresses, execute, mm
+from .spec import Gemma3CoreConfig
+
+NEEDS = 7  # grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w
+LABEL = "backfuse.functional.gemma3_core"
+NORM_ROPE = Kernel(rope.norm_rope_kernel)
+NORM_ROPE_BACKWARD = Kernel(rope.norm_rope_backward_kernel)
+FORWARD_REGIONS = (("hidden_states", Holds.INPUT), ("q_weight", Holds.INPUT), ("k_weight", Holds.INPUT),
+                   ("v_weight", Holds.INPUT), ("o_weight", Holds.INPUT), ("normed, rotated q", Holds.INPUT),
+                   ("normed, rotated k", Holds.INPUT), ("v projection", Holds.INPUT))
+BACKWARD_REGIONS = (("grad_output", Holds.UPSTREAM), ("gradient of attention output", Holds.GRADIENT),
+                    ("gradient of q projection", Holds.VANISHING), ("gradient of k projection", Holds.VANISHING),
+                    ("gradient of v projection", Holds.VANISHING))
+ATTENTION_FORWARD_REGIONS = ("normed, rotated q", "normed, rotated k", "v projection")
+ATTENTION_BACKWARD_REGIONS = (None, None, "gradient of v projection")  # dq, dk: fp32, checked after the norm
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One call's shape and options (see `ops/wan_xattn/training.py: Plan`); softcap 0: none."""
+
+    batch: int
+    seq: int
+    config: Gemma3CoreConfig
+    io: torch.dtype
+    softcap: float = 0.0
+    save: bool = True
+    sms: int = 0
+    deterministic: bool = False
+    needs: tuple = (True,) * NEEDS
+
+    @property
+    def compute(self) -> torch.dtype:
+        return COMPUTE[self.io]
+
+    @property
+    def guarded(self) -> bool:
+        return self.compute == torch.float16
+
+    @property
+    def casts(self) -> bool:
+        return self.io == torch.float32
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def attention(self) -> steps.Attention:
+        c = self.config
+        return steps.Attention(self.batch, self.seq, self.seq, c.heads, c.group, c.head_dim, causal=True,
+                               window=c.window, softcap=self.softcap)
+
+    @property
+    def tiles(self) -> steps.AttentionTiles:
+        return steps.attention_tiles(self.config.head_dim, self.sms > 0)
+
+    @property
+    def split(self) -> int:
+        return self.attention.split(self.tiles, self.sms, self.deterministic) if self.sms else 1
+
+    @property
+    def norm_rows(self) -> int:
+        """Tokens per program of the norm and RoPE launches."""
+        return 32 if steps.INTERPRETED else max(8, 4096 // self.config.head_dim)
+
+    def activations(self) -> Arena:
+        t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
+        specs = [Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c), Buffer("o", (t, cfg.q_out), c),
+                 Buffer("lse", (self.batch * cfg.heads, self.seq), fp32)]
+        if self.casts:  # raw [q | k | v] in fp32 (v's fp16 copy beside), and the fp16 copies of the inputs
+            width = cfg.q_out + 2 * cfg.kv_out
+            specs += [Buffer("qkv", (t, width), fp32), Buffer("v", (t, cfg.kv_out), c), Buffer("x_c", (t, cfg.hidden), c),
+                      Buffer("wqkv_c", (width, cfg.hidden), c), Buffer("wo_c", (cfg.hidden, cfg.q_out), c)]
+        else:
+            specs += [Buffer("q_raw", (t, cfg.q_out), c), Buffer("k_raw", (t, cfg.kv_out), c),
+                      Buffer("v", (t, cfg.kv_out), c)]
+        return Arena(specs)
+
+    def backward_scratch(self) -> Arena:
+        t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
+        blocks = cdiv(t, self.norm_rows)
+        specs = [Buffer("da", (t, cfg.q_out), c), Buffer("delta", (self.batch * cfg.heads, self.seq), fp32),
+                 Buffer("d_rot_q", (t, cfg.q_out), fp32), Buffer("d_rot_k", (t, cfg.kv_out), fp32),
+                 Buffer("dv32", (t, cfg.kv_out), fp32) if self.split > 1 else None,
+                 Buffer("parts_q", (cfg.heads * blocks, cfg.head_dim), fp32),
+                 Buffer("parts_k", (cfg.kv_heads * blocks, cfg.head_dim), fp32),
+                 Buffer("sums_q", (steps.column_sum_parts(cfg.heads * blocks), cfg.head_dim), fp32),
+                 Buffer("sums_k", (steps.column_sum_parts(cfg.kv_heads * blocks), cfg.head_dim), fp32)]
+        if self.casts:
+            specs += [Buffer("go_c", (t, cfg.hidden), c), Buffer("g", (t, cfg.q_out + 2 * cfg.kv_out), c)]
+        else:
+            specs += [Buffer("gq", (t, cfg.q_out), c), Buffer("gk", (t, cfg.kv_out), c), Buffer("gv", (t, cfg.kv_out), c)]
+        if not self.save:
+            specs += self.activations().specs
+        return Arena(specs)
+
+    def weight_grads(self) -> Arena:
+        cfg, io, n = self.config, self.io, self.needs
+        width = cfg.q_out + 2 * cfg.kv_out
+        return Arena([Buffer("grad_wqkv", (width, cfg.hidden), io) if self.casts and any(n[1:4]) else None,
+                      Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[1] and not self.casts else None,
+                      Buffer("grad_wk", (cfg.kv_out, cfg.hidden), io) if n[2] and not self.casts else None,
+                      Buffer("grad_wv", (cfg.kv_out, cfg.hidden), io) if n[3] and not self.casts else None,
+                      Buffer("grad_wo", (cfg.hidden, cfg.q_out), io) if n[4] else None,
+                      Buffer("grad_qnw", (cfg.head_dim,), io) if n[5] else None,
+                      Buffer("grad_knw", (cfg.head_dim,), io) if n[6] else None])
+
+
+def _guard(plan: Plan, direction: str, device):
+    if not plan.guarded:
+        return None
+    regions = FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS
+    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts)
+
+
+def _norm_rope(p: Plan, x, w, cos, sin, out, heads: int, eps: float):
+    t = p.tokens
+    return NORM_ROPE((cdiv(t, p.norm_rows), heads), dict(x=x, w=w, cos=cos, sin=sin, out=out, T=t, eps=float(eps)),
+                     D=p.config.head_dim, LD_X=x.stride(0), LD_OUT=out.stride(0), BT=p.norm_rows, num_warps=4)
+
+
+def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float) -> list:
+    """The forward up to A and lse from the inputs x (hidden, cos, sin, wq, wk, wv, wo, q_norm_w,
+    k_norm_w) into the activations a."""
+    hidden, cos, sin, wq, wk, wv, wo, qnw, knw = x
+    cfg, t = p.config, p.tokens
+    qo, ko = cfg.q_out, cfg.kv_out
+    if p.casts:
+        launches = [steps.cast(hidden, a.x_c, g, "hidden_states"), steps.cast(wq, a.wqkv_c[:qo], g, "q_weight"),
+                    steps.cast(wk, a.wqkv_c[qo:qo + ko], g, "k_weight"), steps.cast(wv, a.wqkv_c[qo + ko:], g, "v_weight"),
+                    steps.cast(wo, a.wo_c, g, "o_weight"), mm(a.x_c, a.wqkv_c.T, a.qkv)]
+        q_raw, k_raw = a.qkv[:, :qo], a.qkv[:, qo:qo + ko]
+        v_raw = a.qkv[:, qo + ko:]
+        launches.append(lambda: a.v.copy_(v_raw))
+    else:
+        x2 = hidden.view(t, cfg.hidden)
+        launches = [mm(x2, wq.T, a.q_raw), mm(x2, wk.T, a.k_raw), mm(x2, wv.T, a.v)]
+        q_raw, k_raw = a.q_raw, a.k_raw
+    cos2, sin2 = cos.view(t, cfg.head_dim), sin.view(t, cfg.head_dim)
+    launches += [_norm_rope(p, q_raw, qnw, cos2, sin2, a.rot_q, cfg.heads, eps),
+                 _norm_rope(p, k_raw, knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps),
+                 steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v, a.o, a.lse, scaling, g,
+                                         ATTENTION_FORWARD_REGIONS)]
+    return launches
+
+
+def forward(inputs, scaling: float, eps: float, plan: Plan):
+    """(out [B, S, hidden] in the inputs' dtype, activations). inputs: hidden, cos, sin, wq, wk, wv, wo,
+    q_norm_w, k_norm_w."""
+    hidden, wo = inputs[0], inputs[6]
+    p, cfg, device = plan, plan.config, hidden.device
+    g = _guard(p, "forward", device)
+    if g is not None:
+        g.poll()
+    acts = p.activations()
+    a_flat = acts.allocate(device)
+    out = torch.empty(hidden.shape, dtype=p.io, device=device)
+
+    def build():
+        a = acts.views(a_flat)
+        launches = _forward_launches(p, g, inputs, a, scaling, eps)
+        launches.append(mm(a.o, (a.wo_c if p.casts else wo).T, out.view(p.tokens, cfg.hidden)))
+        if g is not None:
+            launches.append(steps.check(g))
+        return launches
+
+    execute(("gemma3_core forward", p, scaling, eps), device, addresses(*inputs, out, a_flat), build)
+    if g is not None and device.type != "cuda":
+        g.poll()
+    return out, (a_flat if p.save else None)
+
+
+def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
+    """(grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w); None where not needed."""
+    hidden, cos, sin, wq, wk, wv, wo, qnw, knw = inputs
+    p, cfg, device, n = plan, plan.config, hidden.device, plan.needs
+    g = _guard(p, "backward", device)
+    fg = _guard(p, "forward", device) if a_flat is None else None
+    for each in (g, fg):
+        if each is not None:
+            each.poll()
+    t, qo, ko = p.tokens, cfg.q_out, cfg.kv_out
+    acts, scratch, wgrads = p.activations(), p.backward_scratch(), p.weight_grads()
+    s_flat, w_flat = scratch.allocate(device), wgrads.allocate(device)
+    grad_hidden = torch.empty(hidden.shape, dtype=p.io, device=device) if n[0] else None
+    go = grad_out.contiguous().view(t, cfg.hidden)
+    w = wgrads.views(w_flat)
+
+    def build():
+        s = scratch.views(s_flat)
+        a = s if a_flat is None else acts.views(a_flat)
+        launches = []
+        if a_flat is None:
+            launches += _forward_launches(p, fg, inputs, a, scaling, eps) + ([steps.check(fg)] if fg is not None else [])
+        if p.casts:
+            launches += [steps.amax(go, g), steps.cast(go, s.go_c, g, "grad_output", upstream=True)]
+            go_c, wo_c, x_c = s.go_c, a.wo_c, a.x_c
+            q_raw, k_raw = a.qkv[:, :qo], a.qkv[:, qo:qo + ko]
+            gq, gk, gv = s.g[:, :qo], s.g[:, qo:qo + ko], s.g[:, qo + ko:]
+        else:
+            go_c, wo_c, x_c = go, wo, hidden.view(t, cfg.hidden)
+            q_raw, k_raw = a.q_raw, a.k_raw
+            gq, gk, gv = s.gq, s.gk, s.gv
+        if n[4]:
+            launches.append(mm(go_c.T, a.o, w.grad_wo))
+        if any(n[:4]) or n[5] or n[6]:
+            att = p.attention
+            launches += [mm(go_c, wo_c, s.da), steps.attention_delta(att, a.o, s.da, s.delta, g)]
+            if p.split > 1:
+                launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
+                             steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, a.v, s.da, a.lse, s.delta,
+                                                      s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, ATTENTION_BACKWARD_REGIONS),
+                             steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv,
+                                                   1, g, "gradient of v projection")]
+            else:
+                launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, s.da, a.lse, s.delta,
+                                                         s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS))
+            cos2, sin2 = cos.view(t, cfg.head_dim), sin.view(t, cfg.head_dim)
+            ranges, _, checked = steps._guarded(g, device)
+            for d_rot, raw, weight, dst, parts, heads, region in (
+                    (s.d_rot_q, q_raw, qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
+                    (s.d_rot_k, k_raw, knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection")):
+                launches.append(NORM_ROPE_BACKWARD(
+                    (cdiv(t, p.norm_rows), heads),
+                    dict(dout=d_rot, x=raw, w=weight, cos=cos2, sin=sin2, dx=dst, parts=parts, ranges=ranges, T=t,
+                         eps=float(eps), r_dx=steps._slot(g, region)),
+                    D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=p.norm_rows,
+                    RANGES=checked, num_warps=4))
+            if n[5]:
+                launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
+            if n[6]:
+                launches += steps.column_sums(s.parts_k, w.grad_knw, s.sums_k, g, unscale=True)
+            gh = grad_hidden.view(t, cfg.hidden) if n[0] else None
+            if p.casts:
+                if n[0]:
+                    launches.append(mm(s.g, a.wqkv_c, gh))
+                if any(n[1:4]):
+                    launches.append(mm(s.g.T, x_c, w.grad_wqkv))
+            else:
+                if n[0]:
+                    launches += [mm(gq, wq, gh), accumulate(gh, gk, wk), accumulate(gh, gv, wv)]
+                for need, grad, name in ((n[1], gq, "grad_wq"), (n[2], gk, "grad_wk"), (n[3], gv, "grad_wv")):
+                    if need:
+                        launches.append(mm(grad.T, x_c, getattr(w, name)))
+        if g is not None and g.scaled:
+            products = [grad_hidden] + [getattr(w, name, None) for name in ("grad_wqkv", "grad_wo")]
+            launches += [steps.unscale(x, g) for x in products if x is not None]
+        if g is not None:
+            launches.append(steps.check(g))
+        return launches
+
+    made = [grad_hidden] if grad_hidden is not None else []
+    execute(("gemma3_core backward", p, scaling, eps), device,
+            addresses(*inputs, go, *made, s_flat, w_flat, *([] if a_flat is None else [a_flat])), build)
+    for each in (g, fg):
+        if each is not None and device.type != "cuda":
+            each.poll()
+    if hasattr(w, "grad_wqkv"):
+        w.grad_wq, w.grad_wk, w.grad_wv = w.grad_wqkv[:qo], w.grad_wqkv[qo:qo + ko], w.grad_wqkv[qo + ko:]
+    return (grad_hidden, getattr(w, "grad_wq", None) if n[1] else None, getattr(w, "grad_wk", None) if n[2] else None,
+            getattr(w, "grad_wv", None) if n[3] else None, getattr(w, "grad_wo", None), getattr(w, "grad_qnw", None),
+            getattr(w, "grad_knw", None))

@@ -1,0 +1,234 @@
+"""072's training path: cross-attention q, k, v projections with the KV heads repeated to the query
+heads (grouped-query attention), forward and backward, at any sizes (`QkvGqaConfig`), on float32,
+bfloat16 or float16 tensors.
+
+Forward (cuBLAS; fp16 copies of float32 inputs, fp32 sums, float32 outputs):
+    q = dec Wq^T                      -> query_states [B, H, Sd, D] (a view of the product's [B, Sd, H, D])
+    k = enc Wk^T, v = enc Wv^T        -> key_states, value_states [B, H, Se, D]: KV head j repeated to
+                                         query heads j * G .. j * G + G - 1 (views of [B, Se, H, D])
+It saves nothing but the fp16 copies it made of float32 inputs (the backward's operands).
+
+Backward from the three upstream gradients (any strides; `heads_to_tokens_kernel` reads them):
+    GQ = grad_query_states token-major; GK, GV = each group's G query heads summed, token-major
+    grad_dec = GQ Wq, grad_Wq = GQ^T dec, grad_enc = GK Wk + GV Wv, grad_Wk = GK^T enc, grad_Wv = GV^T enc
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.schedule import Holds
+from ...train import guard as guards
+from ...train import steps
+from ...train.program import COMPUTE, Arena, Buffer, accumulate, addresses, execute, mm
+from .spec import QkvGqaConfig
+
+NEEDS = 5  # grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv
+LABEL = "backfuse.functional.qkv_gqa"
+FORWARD_REGIONS = (("decoder_hidden_states", Holds.INPUT), ("encoder_hidden_states", Holds.INPUT),
+                   ("q_weight", Holds.INPUT), ("k_weight", Holds.INPUT), ("v_weight", Holds.INPUT))
+BACKWARD_REGIONS = (("grad_query_states", Holds.UPSTREAM), ("grad_key_states (head-group sums)", Holds.UPSTREAM),
+                    ("grad_value_states (head-group sums)", Holds.UPSTREAM))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One call's shape and options (see `ops/wan_xattn/training.py: Plan`)."""
+
+    batch: int
+    sd: int
+    se: int
+    config: QkvGqaConfig
+    io: torch.dtype
+    save: bool = True
+    sms: int = 0
+    deterministic: bool = False
+    needs: tuple = (True,) * NEEDS
+
+    @property
+    def compute(self) -> torch.dtype:
+        return COMPUTE[self.io]
+
+    @property
+    def guarded(self) -> bool:
+        return self.compute == torch.float16
+
+    @property
+    def casts(self) -> bool:
+        return self.io == torch.float32
+
+    @property
+    def td(self) -> int:
+        return self.batch * self.sd
+
+    @property
+    def te(self) -> int:
+        return self.batch * self.se
+
+    def activations(self) -> Arena:
+        """The fp16 copies the backward's products read (float32 inputs only)."""
+        c, cfg = self.compute, self.config
+        if not self.casts:
+            return Arena([])
+        return Arena([Buffer("dec_c", (self.td, cfg.hidden), c), Buffer("enc_c", (self.te, cfg.cross_hidden), c),
+                      Buffer("wq_c", (cfg.q_out, cfg.hidden), c), Buffer("wkv_c", (2 * cfg.kv_out, cfg.cross_hidden), c)])
+
+    def forward_scratch(self) -> Arena:
+        """k and v before the repeat: one product on stacked fp16 copies, or two on the inputs."""
+        kv_out = self.config.kv_out
+        if self.casts:
+            return Arena([Buffer("kv", (self.te, 2 * kv_out), self.io)])
+        return Arena([Buffer("k", (self.te, kv_out), self.io), Buffer("v", (self.te, kv_out), self.io)])
+
+    def backward_scratch(self) -> Arena:
+        c, cfg, n = self.compute, self.config, self.needs
+        enc_side = n[1] or n[3] or n[4]
+        specs = [Buffer("gq", (self.td, cfg.q_out), c) if n[0] or n[2] else None]
+        if self.casts:
+            specs.append(Buffer("gkv", (self.te, 2 * cfg.kv_out), c) if enc_side else None)
+        else:
+            specs += [Buffer("gk", (self.te, cfg.kv_out), c) if enc_side else None,
+                      Buffer("gv", (self.te, cfg.kv_out), c) if enc_side else None]
+        if not self.save:
+            specs += self.activations().specs
+        return Arena(specs)
+
+    def weight_grads(self) -> Arena:
+        cfg, io, n = self.config, self.io, self.needs
+        return Arena([Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[2] else None,
+                      Buffer("grad_wkv", (2 * cfg.kv_out, cfg.cross_hidden), io) if self.casts and (n[3] or n[4]) else None,
+                      Buffer("grad_wk", (cfg.kv_out, cfg.cross_hidden), io) if n[3] and not self.casts else None,
+                      Buffer("grad_wv", (cfg.kv_out, cfg.cross_hidden), io) if n[4] and not self.casts else None])
+
+
+def _guard(plan: Plan, direction: str, device):
+    if not plan.guarded:
+        return None
+    regions = FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS
+    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts)
+
+
+def _casts(p: Plan, g, x, a) -> list:
+    dec, enc, wq, wk, wv = x
+    kv_out = p.config.kv_out
+    return [steps.cast(dec, a.dec_c, g, "decoder_hidden_states"), steps.cast(enc, a.enc_c, g, "encoder_hidden_states"),
+            steps.cast(wq, a.wq_c, g, "q_weight"), steps.cast(wk, a.wkv_c[:kv_out], g, "k_weight"),
+            steps.cast(wv, a.wkv_c[kv_out:], g, "v_weight")]
+
+
+def _repeat(src, dst, cfg: QkvGqaConfig):
+    """A launch step: dst[t, h * D + d] = src[t, (h // G) * D + d] (dst token-major [T, H * D])."""
+    tokens = src.shape[0]
+    shape = (tokens, cfg.kv_heads, cfg.group, cfg.head_dim)
+    wide = src.view(tokens, cfg.kv_heads, 1, cfg.head_dim).expand(shape)
+    return lambda: dst.view(shape).copy_(wide)
+
+
+def forward(inputs, plan: Plan):
+    """((query_states, key_states, value_states), activations) in the inputs' dtype."""
+    dec, enc, wq, wk, wv = inputs
+    p, cfg, device = plan, plan.config, dec.device
+    g = _guard(p, "forward", device)
+    if g is not None:
+        g.poll()
+    acts, scratch = p.activations(), p.forward_scratch()
+    a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
+    q = torch.empty((p.batch, p.sd, cfg.heads, cfg.head_dim), dtype=p.io, device=device)
+    k = torch.empty((p.batch, p.se, cfg.heads, cfg.head_dim), dtype=p.io, device=device)
+    v = torch.empty_like(k)
+
+    def build():
+        a, s = acts.views(a_flat), scratch.views(s_flat)
+        kv_out = cfg.kv_out
+        if p.casts:
+            launches = _casts(p, g, inputs, a) + [mm(a.dec_c, a.wq_c.T, q.view(p.td, cfg.q_out)),
+                                                   mm(a.enc_c, a.wkv_c.T, s.kv)]
+            k_small, v_small = s.kv[:, :kv_out], s.kv[:, kv_out:]
+        else:
+            e2 = enc.view(p.te, cfg.cross_hidden)
+            launches = [mm(dec.view(p.td, cfg.hidden), wq.T, q.view(p.td, cfg.q_out)), mm(e2, wk.T, s.k),
+                        mm(e2, wv.T, s.v)]
+            k_small, v_small = s.k, s.v
+        launches += [_repeat(k_small, k.view(p.te, cfg.q_out), cfg), _repeat(v_small, v.view(p.te, cfg.q_out), cfg)]
+        if g is not None:
+            launches.append(steps.check(g))
+        return launches
+
+    execute(("qkv_gqa forward", p), device, addresses(*inputs, q, k, v, a_flat, s_flat), build)
+    if g is not None and device.type != "cuda":
+        g.poll()
+    return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), (a_flat if p.save and p.casts else None)
+
+
+def backward(inputs, grads, plan: Plan, a_flat):
+    """(grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv); None where not needed."""
+    dec, enc, wq, wk, wv = inputs
+    p, cfg, device, n = plan, plan.config, dec.device, plan.needs
+    g = _guard(p, "backward", device)
+    if g is not None:
+        g.poll()
+    fg = _guard(p, "forward", device) if p.casts and a_flat is None else None
+    gq, gk, gv = (t if t.stride(-1) == 1 else t.contiguous() for t in grads)
+    acts, scratch, wgrads = p.activations(), p.backward_scratch(), p.weight_grads()
+    s_flat, w_flat = scratch.allocate(device), wgrads.allocate(device)
+    grad_dec = torch.empty(dec.shape, dtype=p.io, device=device) if n[0] else None
+    grad_enc = torch.empty(enc.shape, dtype=p.io, device=device) if n[1] else None
+    w = wgrads.views(w_flat)
+    kv_out = cfg.kv_out
+
+    def build():
+        s = scratch.views(s_flat)
+        a = s if a_flat is None else acts.views(a_flat)
+        launches = []
+        if p.casts:
+            if a_flat is None:
+                launches += _casts(p, fg, inputs, a) + ([steps.check(fg)] if fg is not None else [])
+            dec_c, enc_c, wq_c = a.dec_c, a.enc_c, a.wq_c
+            launches += [steps.heads_to_tokens(t, None, group, g, None, amax=True)
+                         for t, group, used in ((gq, 1, n[0] or n[2]), (gk, cfg.group, True), (gv, cfg.group, True))
+                         if used]
+        else:
+            dec_c, enc_c, wq_c = dec.view(p.td, cfg.hidden), enc.view(p.te, cfg.cross_hidden), wq
+        if n[0] or n[2]:
+            launches.append(steps.heads_to_tokens(gq, s.gq, 1, g, "grad_query_states", upstream=True))
+            if n[0]:
+                launches.append(mm(s.gq, wq_c, grad_dec.view(p.td, cfg.hidden)))
+            if n[2]:
+                launches.append(mm(s.gq.T, dec_c, w.grad_wq))
+        if n[1] or n[3] or n[4]:
+            gk_c, gv_c = (s.gkv[:, :kv_out], s.gkv[:, kv_out:]) if p.casts else (s.gk, s.gv)
+            launches += [steps.heads_to_tokens(gk, gk_c, cfg.group, g, "grad_key_states (head-group sums)", upstream=True),
+                         steps.heads_to_tokens(gv, gv_c, cfg.group, g, "grad_value_states (head-group sums)",
+                                               upstream=True)]
+            ge = grad_enc.view(p.te, cfg.cross_hidden) if n[1] else None
+            if p.casts:
+                if n[1]:
+                    launches.append(mm(s.gkv, a.wkv_c, ge))
+                if n[3] or n[4]:
+                    launches.append(mm(s.gkv.T, enc_c, w.grad_wkv))
+            else:
+                if n[1]:
+                    launches += [mm(s.gk, wk, ge), accumulate(ge, s.gv, wv)]
+                if n[3]:
+                    launches.append(mm(s.gk.T, enc_c, w.grad_wk))
+                if n[4]:
+                    launches.append(mm(s.gv.T, enc_c, w.grad_wv))
+        if g is not None and g.scaled:
+            products = [grad_dec, grad_enc] + [getattr(w, name, None) for name in ("grad_wq", "grad_wkv")]
+            launches += [steps.unscale(t, g) for t in products if t is not None]
+        if g is not None:
+            launches.append(steps.check(g))
+        return launches
+
+    made = [t for t in (grad_dec, grad_enc) if t is not None]
+    execute(("qkv_gqa backward", p), device,
+            addresses(*inputs, gq, gk, gv, *made, s_flat, w_flat, *([] if a_flat is None else [a_flat])), build)
+    for each in (g, fg):
+        if each is not None and device.type != "cuda":
+            each.poll()
+    if hasattr(w, "grad_wkv"):
+        w.grad_wk, w.grad_wv = w.grad_wkv[:kv_out], w.grad_wkv[kv_out:]
+    return (grad_dec, grad_enc, getattr(w, "grad_wq", None), getattr(w, "grad_wk", None) if n[3] else None,
+            getattr(w, "grad_wv", None) if n[4] else None)

@@ -1,0 +1,288 @@
+"""021's training path: the fused forward of Wan-style text-to-video cross-attention and its backward,
+at any width and head count (`WanXattnConfig`), on float32, bfloat16 or float16 tensors.
+
+Forward (products in the inputs' dtype for bfloat16 and float16; on fp16 copies for float32; fp32 sums):
+    Q = video Wq^T + bq, K = text Wk^T + bk, V = text Wv^T + bv      (cuBLAS, the bias in its epilogue)
+    O, lse = attention(Q, K, V) at `scale`, no mask                   (kernels/triton/attention.py)
+    out = O Wo^T + bo                                                 (cuBLAS)
+It saves Q, K, V, O, lse (and its fp16 copies of float32 inputs) for the backward, or, with
+save=False, nothing but the inputs: the backward then runs the forward's launches again first.
+
+Backward from dOut:
+    dC = dOut Wo, grad_Wo = dOut^T O, grad_bo = sum dOut
+    delta = rowsum(dC * O); dQ, dK, dV = attention backward
+    grad_video = dQ Wq, grad_Wq = dQ^T video, grad_bq = sum dQ
+    grad_text = dK Wk + dV Wv, grad_Wk = dK^T text, grad_bk = sum dK, grad_Wv = dV^T text, grad_bv = sum dV
+The products of gradients nobody needs are skipped. On fp16 products the upstream gradient is scaled
+by the guard's 2^k and the outputs divided by it again (`backfuse/train/guard.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.schedule import Holds
+from ...train import guard as guards
+from ...train import steps
+from ...train.program import COMPUTE, Arena, Buffer, accumulate, addmm, addresses, execute, mm
+from .spec import WanXattnConfig
+
+NEEDS = 10  # grad_video, grad_text, grad_Wq, grad_bq, grad_Wk, grad_bk, grad_Wv, grad_bv, grad_Wo, grad_bo
+LABEL = "backfuse.functional.wan_xattn"
+FORWARD_REGIONS = (("video_latents", Holds.INPUT), ("text_embeddings", Holds.INPUT),
+                   ("query_weight", Holds.INPUT), ("key_weight", Holds.INPUT), ("value_weight", Holds.INPUT),
+                   ("output_weight", Holds.INPUT), ("biases", Holds.INPUT),
+                   ("queries", Holds.INPUT), ("keys", Holds.INPUT), ("values", Holds.INPUT))
+BACKWARD_REGIONS = (("grad_output", Holds.UPSTREAM), ("gradient of attention output", Holds.GRADIENT),
+                    ("gradient of queries", Holds.VANISHING), ("gradient of keys", Holds.VANISHING),
+                    ("gradient of values", Holds.VANISHING))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One call's shape and options: batch, video and text tokens per entry, the config, the inputs'
+    dtype, whether the forward saves its activations, the GPU's SM count (0: the interpreter),
+    deterministic (no atomic sums), and (backward) the gradients needed."""
+
+    batch: int
+    nv: int
+    nt: int
+    config: WanXattnConfig
+    io: torch.dtype
+    save: bool = True
+    sms: int = 0
+    deterministic: bool = False
+    needs: tuple = (True,) * NEEDS
+
+    @property
+    def compute(self) -> torch.dtype:
+        return COMPUTE[self.io]
+
+    @property
+    def guarded(self) -> bool:
+        return self.compute == torch.float16
+
+    @property
+    def casts(self) -> bool:
+        """float32 inputs: fp16 copies of the activations and weights, K and V stacked (one product)."""
+        return self.io == torch.float32
+
+    @property
+    def tv(self) -> int:
+        return self.batch * self.nv
+
+    @property
+    def tt(self) -> int:
+        return self.batch * self.nt
+
+    @property
+    def attention(self) -> steps.Attention:
+        return steps.Attention(self.batch, self.nv, self.nt, self.config.heads, 1, self.config.head_dim)
+
+    @property
+    def tiles(self) -> steps.AttentionTiles:
+        return steps.attention_tiles(self.config.head_dim, self.sms > 0)
+
+    @property
+    def split(self) -> int:
+        return self.attention.split(self.tiles, self.sms, self.deterministic) if self.sms else 1
+
+    def activations(self) -> Arena:
+        """What the forward leaves for the backward (saved, or the backward's own recomputation)."""
+        tv, tt, d, c = self.tv, self.tt, self.config.hidden, self.compute
+        specs = [Buffer("q", (tv, d), c), Buffer("o", (tv, d), c),
+                 Buffer("lse", (self.batch * self.config.heads, self.nv), torch.float32)]
+        if self.casts:
+            specs += [Buffer("kv", (tt, 2 * d), c), Buffer("video_c", (tv, d), c), Buffer("text_c", (tt, d), c),
+                      Buffer("wq_c", (d, d), c), Buffer("wkv_c", (2 * d, d), c), Buffer("wo_c", (d, d), c)]
+        else:
+            specs += [Buffer("k", (tt, d), c), Buffer("v", (tt, d), c)]
+        return Arena(specs)
+
+    def forward_scratch(self) -> Arena:
+        d, c = self.config.hidden, self.compute
+        return Arena([Buffer("bq_c", (d,), c), Buffer("bkv_c", (2 * d,), c)] if self.casts else [])
+
+    def backward_scratch(self) -> Arena:
+        tv, tt, d, c, fp32 = self.tv, self.tt, self.config.hidden, self.compute, torch.float32
+        split = self.split > 1
+        specs = [Buffer("dc", (tv, d), c), Buffer("delta", (self.batch * self.config.heads, self.nv), fp32),
+                 Buffer("dq", (tv, d), c)]
+        if self.casts:
+            specs += [Buffer("go_c", (tv, d), c), Buffer("dkv", (tt, 2 * d), c),
+                      Buffer("dkv32", (tt, 2 * d), fp32) if split else None]
+        else:
+            specs += [Buffer("dk", (tt, d), c), Buffer("dv", (tt, d), c),
+                      Buffer("dk32", (tt, d), fp32) if split else None, Buffer("dv32", (tt, d), fp32) if split else None]
+        specs += [Buffer(f"parts_{name}", (steps.column_sum_parts(rows), d), fp32)
+                  for name, rows in (("bo", tv), ("bq", tv), ("bk", tt), ("bv", tt))]
+        if not self.save:  # the backward's own forward
+            specs += self.activations().specs + self.forward_scratch().specs
+        return Arena(specs)
+
+    def weight_grads(self) -> Arena:
+        """The parameters' gradients, in one allocation (they live as long as each other: until the
+        optimizer has used them); grad_Wk and grad_Wv as the row blocks of one product on fp16 copies."""
+        d, io, n = self.config.hidden, self.io, self.needs
+        stacked = self.casts
+        return Arena([Buffer("grad_wq", (d, d), io) if n[2] else None, Buffer("grad_bq", (d,), io) if n[3] else None,
+                      Buffer("grad_wkv", (2 * d, d), io) if stacked and (n[4] or n[6]) else None,
+                      Buffer("grad_wk", (d, d), io) if n[4] and not stacked else None,
+                      Buffer("grad_bk", (d,), io) if n[5] else None,
+                      Buffer("grad_wv", (d, d), io) if n[6] and not stacked else None,
+                      Buffer("grad_bv", (d,), io) if n[7] else None,
+                      Buffer("grad_wo", (d, d), io) if n[8] else None, Buffer("grad_bo", (d,), io) if n[9] else None])
+
+
+def _guard(plan: Plan, direction: str, device):
+    """The fp16 guard of the forward or the backward (None on bfloat16 products)."""
+    if not plan.guarded:
+        return None
+    regions = FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS
+    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts)
+
+
+def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
+    """The forward up to O and lse, from the inputs x (video, text, wq, bq, wk, bk, wv, bv, wo) into
+    the activations a and the scratch s (the output weight's fp16 copy too: the backward reads it)."""
+    video, text, wq, bq, wk, bk, wv, bv, wo = x
+    d = p.config.hidden
+    if p.casts:
+        launches = [steps.cast(video, a.video_c, g, "video_latents"), steps.cast(text, a.text_c, g, "text_embeddings"),
+                    steps.cast(wq, a.wq_c, g, "query_weight"), steps.cast(wk, a.wkv_c[:d], g, "key_weight"),
+                    steps.cast(wv, a.wkv_c[d:], g, "value_weight"), steps.cast(wo, a.wo_c, g, "output_weight"),
+                    steps.cast(bq, s.bq_c, g, "biases"), steps.cast(bk, s.bkv_c[:d], g, "biases"),
+                    steps.cast(bv, s.bkv_c[d:], g, "biases"),
+                    addmm(s.bq_c, a.video_c, a.wq_c.T, a.q), addmm(s.bkv_c, a.text_c, a.wkv_c.T, a.kv)]
+        k, v = a.kv[:, :d], a.kv[:, d:]
+    else:
+        launches = [addmm(bq, video.view(p.tv, d), wq.T, a.q), addmm(bk, text.view(p.tt, d), wk.T, a.k),
+                    addmm(bv, text.view(p.tt, d), wv.T, a.v)]
+        k, v = a.k, a.v
+    launches.append(steps.attention_forward(p.attention, p.tiles, a.q, k, v, a.o, a.lse, scale, g))
+    return launches
+
+
+def forward(inputs, scale: float, plan: Plan):
+    """(out, activations): out [B, Nv, hidden] in the inputs' dtype; activations the allocation the
+    backward reads (None with save=False). inputs: video, text, wq, bq, wk, bk, wv, bv, wo, bo."""
+    video, text, wq, bq, wk, bk, wv, bv, wo, bo = inputs
+    device = video.device
+    g = _guard(plan, "forward", device)
+    if g is not None:
+        g.poll()
+    acts, scratch = plan.activations(), plan.forward_scratch()
+    a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
+    out = torch.empty(video.shape, dtype=plan.io, device=device)
+
+    def build():
+        a, s = acts.views(a_flat), scratch.views(s_flat)
+        launches = _forward_launches(plan, g, inputs[:9], a, s, scale)
+        o2 = out.view(plan.tv, plan.config.hidden)
+        if plan.casts:  # fp32 output: the bias added in fp32
+            launches += [mm(a.o, a.wo_c.T, o2), lambda: o2.add_(bo)]
+        else:
+            launches.append(addmm(bo, a.o, wo.T, o2))
+        if g is not None:
+            launches.append(steps.check(g))
+        return launches
+
+    execute(("wan_xattn forward", plan, scale), device, addresses(*inputs, out, a_flat, s_flat), build)
+    if g is not None and device.type != "cuda":
+        g.poll()  # the interpreter ran it already: warn now
+    return out, (a_flat if plan.save else None)
+
+
+def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
+    """The gradients of the forward's inputs (official output order; None where not needed). a_flat:
+    the forward's activations (None: recomputed here)."""
+    video, text, wq, bq, wk, bk, wv, bv, wo, bo = inputs
+    device, p, n = video.device, plan, plan.needs
+    g = _guard(p, "backward", device)
+    fg = _guard(p, "forward", device) if a_flat is None else None
+    for each in (g, fg):
+        if each is not None:
+            each.poll()
+    tv, tt, d = p.tv, p.tt, p.config.hidden
+    acts, scratch, wgrads = p.activations(), p.backward_scratch(), p.weight_grads()
+    s_flat, w_flat = scratch.allocate(device), wgrads.allocate(device)
+    grad_video = torch.empty(video.shape, dtype=p.io, device=device) if n[0] else None
+    grad_text = torch.empty(text.shape, dtype=p.io, device=device) if n[1] else None
+    go = grad_out.contiguous().view(tv, d)
+    w = wgrads.views(w_flat)
+
+    def build():
+        s = scratch.views(s_flat)
+        a = s if a_flat is None else acts.views(a_flat)
+        launches = []
+        if a_flat is None:
+            launches += _forward_launches(p, fg, inputs[:9], a, s, scale)
+            if fg is not None:
+                launches.append(steps.check(fg))
+        if p.casts:
+            launches += [steps.amax(go, g), steps.cast(go, s.go_c, g, "grad_output", upstream=True)]
+            go_c, wq_c, wo_c, video_c, text_c = s.go_c, a.wq_c, a.wo_c, a.video_c, a.text_c
+            k, v, dk, dv = a.kv[:, :d], a.kv[:, d:], s.dkv[:, :d], s.dkv[:, d:]
+        else:
+            go_c, wq_c, wo_c, video_c, text_c = go, wq, wo, video.view(tv, d), text.view(tt, d)
+            k, v, dk, dv = a.k, a.v, s.dk, s.dv
+        if n[9]:
+            launches += steps.column_sums(go_c, w.grad_bo, s.parts_bo, g, unscale=True)
+        if n[8]:
+            launches.append(mm(go_c.T, a.o, w.grad_wo))
+        if any(n[:8]):
+            att = p.attention
+            launches += [mm(go_c, wo_c, s.dc), steps.attention_delta(att, a.o, s.dc, s.delta, g)]
+            if p.split > 1:  # fp32 atomic sums, then their fp16 copies
+                if p.casts:
+                    launches += [steps.zero(s.dkv32),
+                                 steps.attention_backward(att, p.tiles, p.split, a.q, k, v, s.dc, a.lse, s.delta, s.dq,
+                                                          s.dkv32[:, :d], s.dkv32[:, d:], scale, g),
+                                 steps.cast(s.dkv32, s.dkv, g, "gradient of keys")]
+                else:
+                    launches += [steps.zero(s.dk32), steps.zero(s.dv32),
+                                 steps.attention_backward(att, p.tiles, p.split, a.q, k, v, s.dc, a.lse, s.delta, s.dq,
+                                                          s.dk32, s.dv32, scale, g),
+                                 steps.cast(s.dk32, s.dk, g, "gradient of keys"),
+                                 steps.cast(s.dv32, s.dv, g, "gradient of values")]
+            else:
+                launches.append(steps.attention_backward(att, p.tiles, 1, a.q, k, v, s.dc, a.lse, s.delta, s.dq, dk, dv,
+                                                         scale, g))
+            for need, out, x, parts in ((n[3], "grad_bq", s.dq, s.parts_bq), (n[5], "grad_bk", dk, s.parts_bk),
+                                        (n[7], "grad_bv", dv, s.parts_bv)):
+                if need:
+                    launches += steps.column_sums(x, getattr(w, out), parts, g, unscale=True)
+            if n[0]:
+                launches.append(mm(s.dq, wq_c, grad_video.view(tv, d)))
+            if n[2]:
+                launches.append(mm(s.dq.T, video_c, w.grad_wq))
+            if n[1]:
+                gt = grad_text.view(tt, d)
+                launches += [mm(s.dkv, a.wkv_c, gt)] if p.casts else [mm(dk, wk, gt), accumulate(gt, dv, wv)]
+            if p.casts and (n[4] or n[6]):
+                launches.append(mm(s.dkv.T, text_c, w.grad_wkv))
+            if not p.casts and n[4]:
+                launches.append(mm(dk.T, text_c, w.grad_wk))
+            if not p.casts and n[6]:
+                launches.append(mm(dv.T, text_c, w.grad_wv))
+        if g is not None and g.scaled:
+            products = [grad_video, grad_text] + [getattr(w, name, None) for name in ("grad_wq", "grad_wkv", "grad_wo")]
+            launches += [steps.unscale(t, g) for t in products if t is not None]
+        if g is not None:
+            launches.append(steps.check(g))
+        return launches
+
+    made = [t for t in (grad_video, grad_text) if t is not None]
+    execute(("wan_xattn backward", p, scale), device,
+            addresses(*inputs, go, *made, s_flat, w_flat, *([] if a_flat is None else [a_flat])), build)
+    for each in (g, fg):
+        if each is not None and device.type != "cuda":
+            each.poll()
+    if p.casts and hasattr(w, "grad_wkv"):
+        w.grad_wk, w.grad_wv = w.grad_wkv[:d], w.grad_wkv[d:]
+    return (grad_video, grad_text, getattr(w, "grad_wq", None), getattr(w, "grad_bq", None),
+            getattr(w, "grad_wk", None) if n[4] else None, getattr(w, "grad_bk", None),
+            getattr(w, "grad_wv", None) if n[6] else None, getattr(w, "grad_bv", None), getattr(w, "grad_wo", None),
+            getattr(w, "grad_bo", None))

@@ -1,0 +1,121 @@
+"""The fp16 range guard of the training paths, with no host synchronization.
+
+fp16 holds magnitudes up to 65504 at full precision down to 2^-14; the products of a training call
+on float32 (or float16) inputs take fp16 operands. Every kernel that rounds a tensor to fp16, or reads
+one that cuBLAS rounded, folds the tensor's largest |value| into that tensor's region maximum on the
+device. The call's last launch, `guard_check_kernel`, then checks every region against the rule of
+`backfuse/fp16_guard.py` (overflow everywhere; underflow where a tensor's size follows its inputs')
+and writes what it found into a log in pinned host memory. Nothing is read back during the call: the
+host reads the log (a plain memory read) at the start of the op's next call, or in `check_ranges()`,
+and warns (`Fp16RangeWarning`) naming the call, the tensor and its largest |value|.
+
+The upstream gradients of a mean-reduced loss are tiny, so every call scales them by a power of two
+2^k on the device (exact: it commutes with rounding, and the outputs are divided by 2^k again), with
+k chosen on the device too: on an op's first call from the upstream gradients' largest |value|
+(an extra read of them, that call only), afterwards the choice the last call's check made from its
+maxima (kept while it fits; else 0 where that fits; else the upstream gradients' largest |value|
+into [1, 2)). So a call's graph is the same at every scale, and the host never waits.
+
+A call whose tensors did not fit is not recomputed: its outputs stand, and the warning says which
+call it was (the next calls have rescaled where scaling helps). bfloat16 products, which hold fp32's
+range, need no guard.
+
+State per op, direction, input dtype and device: a few float32 on the device (STATE_FIELDS), the
+region maxima and their flags, and the log [calls, then per region: bad calls, last bad call, its
+largest |value| unscaled]. Calls of one op on two streams at once share it (their maxima mix, which
+can only make a warning more likely, never hide one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import callsite
+from ..fp16_guard import FP16_MAX, SMALLEST_SAFE_MAX, Fp16RangeWarning
+from ..kernels import buffers
+from ..kernels.schedule import Holds
+
+STATE_FIELDS = ("ready", "next", "used", "amax", "calls")
+MAX_REGIONS = 32
+
+_guards: dict = {}
+
+
+def flags(holds: Holds, upstream: bool = False) -> int:
+    """A region's flags for the check kernel: 1 linear in the upstream gradients, 2 checked for
+    underflow, 4 the upstream gradients themselves."""
+    return int(holds.linear) | 2 * int(holds.underflow_checked) | 4 * int(upstream or holds is Holds.UPSTREAM)
+
+
+class Guard:
+    """The guard of one op direction (`label`, e.g. 'backfuse.functional.wan_xattn backward') on
+    `device`: regions (name, Holds) in index order; scaled: the calls scale their upstream gradients."""
+
+    def __init__(self, label: str, regions: tuple, device: torch.device, scaled: bool):
+        if len(regions) > MAX_REGIONS:
+            raise ValueError(f"{label}: {len(regions)} range regions, at most {MAX_REGIONS}")
+        self.label, self.regions, self.scaled = label, tuple(regions), scaled
+        self.index = {name: i for i, (name, _) in enumerate(self.regions)}
+        self.maxima = torch.zeros(max(1, len(regions)), dtype=torch.float32, device=device)
+        self.flags = torch.tensor([flags(h) for _, h in self.regions] or [0], dtype=torch.int32).to(device)
+        self.state = torch.zeros(8, dtype=torch.float32, device=device)
+        self.log = buffers.empty((1 + 3 * max(1, len(regions)),), torch.float32, "cpu",
+                                 pinned=device.type == "cuda")
+        self.log.zero_()
+        self._host = self.log.numpy()
+        self.seen = [0] * len(self.regions)
+
+    def slot(self, name: str) -> int:
+        return self.index[name]
+
+    def poll(self) -> None:
+        """Warn about the regions of calls checked since the last poll that were out of range (reads
+        pinned memory the device writes: no synchronization; a call still running is seen later)."""
+        host = self._host
+        found = []
+        for i, (name, holds) in enumerate(self.regions):
+            bad = int(host[1 + 3 * i])
+            if bad > self.seen[i]:
+                found.append((name, holds, bad - self.seen[i], int(host[2 + 3 * i]) + 1, float(host[3 + 3 * i])))
+                self.seen[i] = bad
+        if found:
+            callsite.warn(self.describe(found), Fp16RangeWarning)
+
+    def describe(self, found) -> str:
+        parts = []
+        for name, holds, count, last, value in found:
+            calls = "call" if count == 1 else f"{count} calls, the last"
+            parts.append(f"{name} ({calls} {last}: largest |value| {value:.3g})")
+        fixable = all(holds.linear for _, holds, *_ in found) and self.scaled
+        then = ("the next calls scale the upstream gradients to fit" if fixable else
+                "those calls' gradients may hold Inf or lost precision; bfloat16 inputs hold fp32's range")
+        return (f"{self.label}: {'; '.join(parts)} outside fp16's safe range [{SMALLEST_SAFE_MAX:g}, {FP16_MAX:g}]; "
+                f"{then}")
+
+    @property
+    def calls(self) -> int:
+        """Calls checked on the device so far (as far as the host sees now)."""
+        return int(self._host[0])
+
+
+def guard(label: str, regions: tuple, device: torch.device, scaled: bool) -> Guard:
+    """The Guard of (label, regions, device), made on first use."""
+    key = (label, regions, device, scaled)
+    g = _guards.get(key)
+    if g is None:
+        g = _guards[key] = Guard(label, regions, device, scaled)
+    return g
+
+
+def check_ranges() -> None:
+    """Wait for the GPU, then warn about every training call whose fp16 tensors left fp16's safe range
+    and that no warning named yet (the ops do this without waiting at their next call)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    for g in _guards.values():
+        g.poll()
+
+
+def reset() -> None:
+    """Forget every guard's state (tests: each starts with no exponent chosen and nothing seen)."""
+    _guards.clear()

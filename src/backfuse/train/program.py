@@ -1,0 +1,112 @@
+"""A training call's host side: its buffers carved from one allocation, its launches, and their
+execution as a CUDA graph kept for the call's addresses.
+
+A call of a training op (a forward, or its backward) is a `Plan` made once per shape and option set
+(`plans`: a dict lookup per call) and, per call, a few allocations (the outputs, the tensors saved for
+the backward, scratch) and one of:
+
+    hit:  the executable graph recorded for (plan, these addresses) -> one cuGraphLaunch
+    miss: views of the allocations, every launch prepared, recorded and instantiated, launched
+
+(`kernels/graphs.py: replay`). Steady training loops hit from their second or third step on. On the
+CPU (the Triton interpreter) the launches run one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ..kernels import buffers, graphs
+from ..kernels.launch import FastKernel
+
+ALIGN = 256  # bytes between the starts of the tensors carved from one allocation
+
+# The products' operand dtype for each input dtype: bfloat16 trains in bfloat16; float32 and float16
+# take fp16 operands (fp32 sums), the precision the official suites pass with.
+COMPUTE = {torch.float32: torch.float16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+
+
+class Arena:
+    """Tensors laid out in one allocation: `allocate` makes the allocation (the host's only work for
+    them on a graph hit), `views` the named tensors in it (on a miss). An arena's tensors live as long
+    as any one of them is referenced."""
+
+    def __init__(self, specs):
+        self.specs = tuple(s for s in specs if s is not None)
+        self.offsets, at = [], 0
+        for s in self.specs:
+            self.offsets.append(at)
+            at += -(-s.nbytes // ALIGN) * ALIGN
+        self.nbytes = max(at, ALIGN)
+
+    def allocate(self, device) -> torch.Tensor:
+        return buffers.empty((self.nbytes,), torch.uint8, device)
+
+    def views(self, flat: torch.Tensor) -> SimpleNamespace:
+        """The named tensors in `flat` (poisoned allocations hold 0xff bytes: NaN in every float dtype)."""
+        return SimpleNamespace(**{s.name: flat[at:at + s.nbytes].view(s.dtype).view(s.shape)
+                                  for s, at in zip(self.specs, self.offsets)})
+
+
+def execute(key, device: torch.device, addresses: tuple, build) -> None:
+    """Run the call's launches (build() returns them, prepared): as a graph kept for these addresses on
+    a GPU, one by one on the CPU."""
+    if device.type == "cuda":
+        with buffers.on_device(device):
+            graphs.replay(key, addresses, device, build)
+    else:
+        for launch in build():
+            launch()
+
+
+def addresses(*tensors) -> tuple:
+    return tuple(t.data_ptr() for t in tensors)
+
+
+class Kernel:
+    """A Triton kernel launched by parameter name (`FastKernel.prepare_named`)."""
+
+    def __init__(self, fn):
+        self.fast = FastKernel(fn)
+
+    def __call__(self, grid, args: dict, **meta):
+        return self.fast.prepare_named(tuple(grid), args, **meta)
+
+
+def mm(a, b, out):
+    """A launch step: out = a @ b by cuBLAS, fp32 sums rounded once to out's dtype (out_dtype where it
+    differs from the operands'). On the CPU (the interpreter's runs) the same in fp32 by torch."""
+    if not a.is_cuda:
+        return lambda: out.copy_(a.float() @ b.float())
+    if out.dtype != a.dtype:
+        return lambda: torch.mm(a, b, out_dtype=out.dtype, out=out)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def addmm(bias, a, b, out):
+    """A launch step: out = bias + a @ b by cuBLAS (the bias in its epilogue), all in one dtype."""
+    if not a.is_cuda:
+        return lambda: out.copy_(bias.float() + a.float() @ b.float())
+    return lambda: torch.addmm(bias, a, b, out=out)
+
+
+def accumulate(c, a, b):
+    """A launch step: c += a @ b by cuBLAS, all in one dtype."""
+    if not a.is_cuda:
+        return lambda: c.copy_(c.float() + a.float() @ b.float())
+    return lambda: torch.addmm(c, a, b, out=c)

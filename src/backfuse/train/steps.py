@@ -1,0 +1,231 @@
+"""The launch steps the training paths compose: casts, sums, the scale's undoing, the guard's check,
+and attention forward and backward, each prepared (`program.Kernel`) for one call's tensors.
+
+`guard` arguments are a `guard.Guard` (fp16 products) or None (bfloat16 products, unguarded): with
+None the kernels are compiled without their range bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.schedule import cdiv
+from ..kernels.triton import attention, passes
+from .program import Kernel
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Elements per program of the flat passes (the interpreter's cost is per program: few, large ones).
+FLAT_BLOCK = 1 << 16 if INTERPRETED else 4096
+
+CAST = Kernel(passes.cast_kernel)
+AMAX = Kernel(passes.amax_kernel)
+HEADS_TO_TOKENS = Kernel(passes.heads_to_tokens_kernel)
+PARTIALS = Kernel(passes.column_partials_kernel)
+FINISH = Kernel(passes.column_finish_kernel)
+UNSCALE = Kernel(passes.unscale_kernel)
+CHECK = Kernel(passes.guard_check_kernel)
+FORWARD = Kernel(attention.attention_forward_kernel)
+DELTA = Kernel(attention.attention_delta_kernel)
+BACKWARD = Kernel(attention.attention_backward_kernel)
+
+_dummies: dict = {}
+
+
+def _dummy(device) -> torch.Tensor:
+    """A tensor standing for the guard's buffers in kernels compiled without them."""
+    t = _dummies.get(device)
+    if t is None:
+        t = _dummies[device] = torch.zeros(8, dtype=torch.float32, device=device)
+    return t
+
+
+def _guarded(guard, device):
+    """(ranges, state, RANGES) for a kernel's arguments."""
+    if guard is None:
+        d = _dummy(device)
+        return d, d, False
+    return guard.maxima, guard.state, True
+
+
+def _slot(guard, region) -> int:
+    """A region's index for a kernel; -1 (not checked) for none."""
+    return -1 if guard is None or region is None else guard.slot(region)
+
+
+def cast(src, dst, guard, region: str, *, upstream: bool = False):
+    """dst = src in dst's dtype (both contiguous, flat); upstream: times this call's 2^k."""
+    ranges, state, checked = _guarded(guard, src.device)
+    n = src.numel()
+    return CAST((cdiv(n, FLAT_BLOCK),), dict(src=src, dst=dst, ranges=ranges, state=state, n=n,
+                                            r=_slot(guard, region)),
+                BLOCK=FLAT_BLOCK, UPSTREAM=upstream and checked, RANGES=checked)
+
+
+def amax(src, guard):
+    """The upstream gradients' largest |value| into the guard state, on an op's first call only."""
+    n = src.numel()
+    return AMAX((cdiv(n, FLAT_BLOCK),), dict(src=src, state=guard.state, n=n), BLOCK=FLAT_BLOCK)
+
+
+def heads_to_tokens(src, dst, group: int, guard, region: str, *, upstream: bool = False, amax: bool = False):
+    """dst[B * S, (H / group) * D] = src[B, H, S, D] (any strides but a contiguous last axis) summed over
+    each group of `group` heads, in dst's dtype (dst may be a column block of a wider buffer).
+    amax: instead, src's largest |value| into the guard state (an op's first call only)."""
+    batch, heads, seq, d = src.shape
+    ranges, state, checked = _guarded(guard, src.device)
+    bt = 64 if INTERPRETED else max(8, min(64, 8192 // d))
+    return HEADS_TO_TOKENS(
+        (cdiv(seq, bt), batch * heads // group),
+        dict(src=src, dst=src if amax else dst, ranges=ranges, state=state, S=seq, stride_b=src.stride(0),
+             stride_h=src.stride(1), stride_s=src.stride(2), r=_slot(guard, region)),
+        GROUP=group, D=d, HEADS_OUT=heads // group, LD=(src if amax else dst).stride(0), BT=bt, AMAX=amax,
+        UPSTREAM=upstream and checked, RANGES=checked and not amax, num_warps=4)
+
+
+def column_sum_parts(rows: int) -> int:
+    """Rows of partial sums `column_sums` needs for an input of `rows` rows."""
+    return cdiv(rows, column_rows_per_program(rows))
+
+
+def column_rows_per_program(rows: int) -> int:
+    return max(256, cdiv(rows, 64)) if not INTERPRETED else max(rows, 1)
+
+
+def column_sums(x, out, parts, guard, *, unscale: bool):
+    """out = column sums of x[R, C] (rows in order: the same bits every call), through parts
+    [column_sum_parts(R), C] fp32; unscale: times 2^-k (x holds upstream-scaled values)."""
+    rows, cols = x.shape
+    per = column_rows_per_program(rows)
+    _, state, checked = _guarded(guard, x.device)
+    strips = 64
+    return [PARTIALS((cdiv(rows, per), cdiv(cols, strips)), dict(x=x, parts=parts, R=rows, C=cols, rows_per_program=per),
+                     LD=x.stride(0), ROWS=32, COLS=strips),
+            FINISH((cdiv(cols, strips),), dict(parts=parts, out=out, state=state, n_parts=parts.shape[0], C=cols),
+                   ROWS=32, COLS=strips, UNSCALE=unscale and checked)]
+
+
+def unscale(x, guard):
+    """x *= 2^-k in place (contiguous); nothing when the call's k is 0."""
+    n = x.numel()
+    return UNSCALE((cdiv(n, FLAT_BLOCK),), dict(x=x, state=guard.state, n=n), BLOCK=FLAT_BLOCK)
+
+
+def check(guard):
+    """The guard's check of this call's maxima (the call's last launch)."""
+    return CHECK((1,), dict(maxima=guard.maxima, flags=guard.flags, state=guard.state, log=guard.log,
+                            n_regions=len(guard.regions)), R=32, SCALED=guard.scaled)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionTiles:
+    """Forward: bm queries per program, bn keys per step. Backward: kv_bn keys per dK/dV program,
+    kv_bm queries per step; q_bm queries per dQ program, q_bn keys per step."""
+
+    bm: int
+    bn: int
+    warps: int
+    stages: int
+    kv_bn: int
+    kv_bm: int
+    q_bm: int
+    q_bn: int
+    bwd_warps: int
+    bwd_stages: int
+
+
+# By head size on a GPU (registers: the backward's two fp32 accumulators are kv_bn x D each).
+GPU_TILES = {
+    16: AttentionTiles(bm=64, bn=64, warps=4, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=4, bwd_stages=2),
+    32: AttentionTiles(bm=64, bn=64, warps=4, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=4, bwd_stages=2),
+    64: AttentionTiles(bm=128, bn=64, warps=4, stages=3, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=4,
+                       bwd_stages=2),
+    128: AttentionTiles(bm=128, bn=64, warps=8, stages=3, kv_bn=64, kv_bm=32, q_bm=64, q_bn=32, bwd_warps=4,
+                        bwd_stages=2),
+    256: AttentionTiles(bm=64, bn=32, warps=4, stages=2, kv_bn=32, kv_bm=32, q_bm=32, q_bn=32, bwd_warps=8,
+                        bwd_stages=1),
+}
+INTERPRETER_TILES = AttentionTiles(bm=32, bn=32, warps=4, stages=1, kv_bn=32, kv_bm=32, q_bm=32, q_bn=32, bwd_warps=4,
+                                   bwd_stages=1)
+
+
+def attention_tiles(head_dim: int, gpu: bool) -> AttentionTiles:
+    if head_dim not in GPU_TILES:
+        raise ValueError(f"attention head size must be one of {sorted(GPU_TILES)}, got {head_dim}")
+    return GPU_TILES[head_dim] if gpu else INTERPRETER_TILES
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One attention's shape and mask: batch, query and key lengths per batch entry, query heads,
+    query heads per KV head, head size, causal, window (0: none), soft cap (0: none)."""
+
+    batch: int
+    s_q: int
+    s_k: int
+    heads: int
+    group: int
+    head_dim: int
+    causal: bool = False
+    window: int = 0
+    softcap: float = 0.0
+
+    def meta(self, guard) -> dict:
+        return dict(HEADS=self.heads, GROUP=self.group, D=self.head_dim, CAUSAL=self.causal, WINDOW=self.window > 0,
+                    HAS_CAP=self.softcap != 0.0, RANGES=guard is not None, APPROX_TANH=not INTERPRETED)
+
+    def split(self, tiles: AttentionTiles, sms: int, deterministic: bool) -> int:
+        """dK/dV programs per key block: more than one (their sums added by atomics into fp32) where the
+        key blocks alone would leave most of the GPU idle, each run keeping at least four query steps."""
+        if deterministic:
+            return 1
+        kv_programs = self.batch * (self.heads // self.group) * cdiv(self.s_k, tiles.kv_bn)
+        steps = cdiv(self.s_q, tiles.kv_bm) * self.group
+        return max(1, min(sms // max(1, kv_programs), steps // 4))
+
+
+def attention_forward(a: Attention, tiles: AttentionTiles, q, k, v, o, lse, scale: float, guard,
+                      regions=("queries", "keys", "values")):
+    """o, lse of attention a; q, k, v, o token-major views (rows ld apart, head h at column h * D)."""
+    ranges, _, _ = _guarded(guard, q.device)
+    r_q, r_k, r_v = (_slot(guard, r) for r in regions)
+    return FORWARD(
+        (a.batch * a.heads, cdiv(a.s_q, tiles.bm)),
+        dict(q=q, k=k, v=v, o=o, lse=lse, ranges=ranges, S_q=a.s_q, S_k=a.s_k, scale=float(scale),
+             cap=float(a.softcap) or 1.0, window=a.window, r_q=r_q, r_k=r_k, r_v=r_v),
+        LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_O=o.stride(0), BM=tiles.bm, BN=tiles.bn,
+        num_warps=tiles.warps, num_stages=tiles.stages, **a.meta(guard))
+
+
+def attention_delta(a: Attention, o, do, delta, guard, region="gradient of attention output"):
+    """delta = rowsum(dO * O) per (head, query); dO's largest |value| into `region`."""
+    ranges, _, checked = _guarded(guard, o.device)
+    tokens = a.batch * a.s_q
+    bt = 32 if INTERPRETED else max(16, 8192 // a.head_dim)
+    return DELTA((cdiv(tokens, bt), a.heads),
+                 dict(o=o, do=do, delta=delta, ranges=ranges, T=tokens, S_q=a.s_q, r_do=_slot(guard, region)),
+                 HEADS=a.heads, D=a.head_dim, LD_O=o.stride(0), LD_DO=do.stride(0), BT=bt, RANGES=checked, num_warps=4)
+
+
+def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v, do, lse, delta, dq, dk, dv,
+                       scale: float, guard, regions=("gradient of queries", "gradient of keys", "gradient of values")):
+    """dq, dk, dv of attention a. split > 1: dk, dv are fp32 and zeroed before (atomic sums)."""
+    ranges, _, _ = _guarded(guard, q.device)
+    r_dq, r_dk, r_dv = (_slot(guard, r) for r in regions)
+    kv_programs = a.batch * (a.heads // a.group) * cdiv(a.s_k, tiles.kv_bn) * split
+    q_programs = a.batch * a.heads * cdiv(a.s_q, tiles.q_bm)
+    return BACKWARD(
+        (kv_programs + q_programs,),
+        dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ranges=ranges, S_q=a.s_q, S_k=a.s_k,
+             scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, kv_programs=kv_programs, r_dq=r_dq,
+             r_dk=r_dk, r_dv=r_dv),
+        LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_DO=do.stride(0), LD_DQ=dq.stride(0),
+        LD_DK=dk.stride(0), LD_DV=dv.stride(0), KV_BN=tiles.kv_bn, KV_BM=tiles.kv_bm, Q_BM=tiles.q_bm,
+        Q_BN=tiles.q_bn, SPLIT=split, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages, **a.meta(guard))
+
+
+def zero(t):
+    """A launch step: t = 0."""
+    return lambda: t.zero_()
