@@ -14,6 +14,7 @@ import os
 import pathlib
 import statistics
 import sys
+import time
 
 from . import PROBLEM_IDS, __version__, problem
 from .bench import report, schema
@@ -132,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --json: keep the file's other problems and impls (refused across devices or shapes)")
     bench.add_argument("--plot", metavar="FILE.png",
                        help="write a PNG of per-case latencies against SOL (needs timings: a CUDA GPU)")
+    bench.add_argument("--train", action="store_true",
+                       help="instead: one layer's training step (forward + backward, steps queued back to back, one "
+                       "synchronization at the end) of backfuse on float32 and on bfloat16 against the layer written "
+                       "plainly in bfloat16, eager and torch.compile'd; host time per step and peak memory; fp32 "
+                       "outputs and gradients checked by the official rule (needs a CUDA GPU; JSON under \"train\")")
+    bench.add_argument("--steps", type=_at_least(1), default=20, help="--train: timed steps per case (default 20)")
 
     check = sub.add_parser(
         "check",
@@ -228,7 +235,52 @@ def _dispatch(parser, args) -> int:
         return _sol(problems, args.gpu)
     if args.command == "bench" and args.merge and not args.json:
         parser.error("--merge needs --json FILE")
+    if args.command == "bench" and args.train:
+        return _bench_train(problems, args)
     return _bench(problems, args, timing=args.command == "bench")
+
+
+def _bench_train(problems, args) -> int:
+    import torch
+
+    from .bench import train
+
+    if args.json:
+        _check_writable(args.json)
+    if not torch.cuda.is_available():
+        raise CLIError("--train times training steps on a CUDA GPU, and none is visible; without one, `backfuse check` "
+                       "and the tests check the training paths' arithmetic in the Triton interpreter")
+    if args.impl or args.plot or args.baseline:
+        raise CLIError("--train compares its own set of implementations (backfuse fp32 and bf16, eager and compiled bf16); "
+                       "drop --impl, --plot and --baseline")
+    warmup = min(args.warmup, 5)
+    doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=warmup, iters=args.steps), "problems": {},
+           "train": {}}
+    selection = {prob.id: args.cases or list(range(len(prob.workloads))) for prob in problems}
+    total, done = sum(map(len, selection.values())), 0
+    failed = False
+    for prob in problems:
+        entries = doc["train"][prob.id] = {}
+        for index in selection[prob.id]:
+            start = time.perf_counter()
+            entry = entries[str(index)] = train.run_case(prob, index, "cuda", warmup=warmup, steps=args.steps)
+            done += 1
+            failed |= not (entry["fp32_forward_passed"] and entry["fp32_backward_passed"] and entry["sync_free"])
+            log(f"[{done}/{total}] {prob.id} case {index} ({report.axes_text(prob.workloads[index].axes)}): "
+                + ", ".join(f"{name} {entry[name + '_ms']:.3f} ms" for name in train.IMPLEMENTATIONS)
+                + f" ({time.perf_counter() - start:.1f} s)")
+        print(report.train_table(prob.id, entries))
+        print()
+    if args.json:
+        if args.merge and os.path.exists(args.json):
+            old = _load_results(args.json)
+            trained = old.get("train", {})
+            for pid, entries in doc["train"].items():
+                trained[pid] = {**trained.get(pid, {}), **entries}
+            doc = {**old, "train": trained}
+        _write_file(args.json, json.dumps(doc, indent=1))
+        log(f"wrote {args.json}")
+    return FAILED if failed else 0
 
 
 def _sol(problems, gpu: str) -> int:

@@ -1,159 +1,446 @@
-"""Differentiable forwards whose backward is backfuse's (the fused kernels where an operator has them).
+"""Differentiable training ops on backfuse's fused kernels: forward and backward, any model size the
+operator's config takes, float32, bfloat16 or float16 tensors.
 
-Each function is a `torch.library` custom op (`torch.ops.backfuse.<stem>`: `qkv_gqa`, `gemma3_core`,
-`wan_xattn`) with a registered
-autograd formula, so `torch.compile` keeps it in one graph and activation checkpointing simply
-re-runs it. The forward is plain PyTorch; autograd saves only the forward's inputs, and the
-backward recomputes what it needs (less memory than autograd through the plain forward, which
-keeps the attention probabilities). Gradients of inputs that do not require grad are not
-computed: the fused kernels skip their products (e.g. all weight gradients for frozen weights).
+    out = F.wan_xattn(video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale, heads=16)
+    out = F.gemma3_core(hidden, cos, sin, wq, wk, wv, wo, q_norm_w, k_norm_w, scaling, softcap, eps, window=0)
+    q, k, v = F.qkv_gqa(decoder_hidden, encoder_hidden, wq, wk, wv, head_dim=256)
 
-Schemas are derived from each operator's input specs, so the ops take exactly the official
-forward inputs, in official order. The forward validates them as `Problem.validate` does (errors name
-the input, what was expected and what was given), except that it takes any layout (the backward
-copies what it saves to contiguous memory) and float32, bfloat16 or float16 tensors of one dtype.
+Each is the operator's training path (`ops/<stem>/training.py`): a fused forward that saves what its
+backward reads (`save_activations=False`: only the inputs; the backward then recomputes), and a
+backward that computes only the gradients autograd asks for. Products run in the inputs' dtype
+(bfloat16, float16) or on fp16 copies of float32 inputs, with fp32 sums; each output and gradient
+comes back in its input's dtype. Neither direction makes the host wait for the GPU: the fp16 range
+guard checks on the device and warns at the op's next call (`backfuse/train/guard.py`).
 
-Dtypes: the output has the inputs' dtype; the forward computes in float32 from them (and rounds its
-output once), and the backward (`Problem.backward`) converts to float32, accumulates in float32 and
-returns each gradient in its input's dtype, so both differentiate the same function. Under
-`torch.autocast` the ops are float32 ops (like autocast's own float32 list): their floating inputs are
-cast to float32 (recorded by autograd, so gradients flow back to each input in its own dtype) and they
-run with autocast off, returning float32.
+Under `torch.autocast` an op casts its floating inputs to the autocast dtype (as `F.linear` does;
+autograd records the casts, so float32 weights get float32 gradients) and runs in it. Under
+`torch.compile` an op is one opaque custom op (`torch.ops.backfuse.<stem>_forward` and `_backward`)
+with the same kernels, saving its activations; eager calls go through `torch.autograd.Function`,
+which costs the host less.
 
-Upstream gradients too small (or large) for fp16, as a mean-reduced loss gives, are scaled by a power
-of two inside `Problem.backward` rather than sent to the fp32 fallback; each op remembers the last
-power it used and tries it first on its next backward, so a steady run costs one fused call.
+Validation: the first call of each shape and dtype checks every input (errors name the input, what
+was expected and what was given) and makes the call's plan; later calls of that shape look the plan up.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from . import callsite
 from . import problem as _problem
-from .problem import TRAINING_DTYPES, Scalar, check_real
+from .ops.gemma3_core import training as _gemma
+from .ops.gemma3_core.spec import Gemma3CoreConfig
+from .ops.qkv_gqa import training as _qkv
+from .ops.qkv_gqa.spec import QkvGqaConfig
+from .ops.wan_xattn import training as _wan
+from .ops.wan_xattn.spec import WanXattnConfig
+from .problem import TRAINING_DTYPES, Tensor, check_real
 
+_plans: dict = {}  # (op, signature, options) -> plan
+_sms: dict = {}  # device -> SM count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    n = _sms.get(device)
+    if n is None:
+        n = _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def _signature(tensors) -> tuple:
+    return tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in tensors)
+
+
+def _validate(label: str, pid: str, specs, tensors) -> dict:
+    """The axes the tensors imply (validated as Problem.validate does: errors name the input)."""
+    return _problem(pid).validate(tensors, specs=specs, dtypes=TRAINING_DTYPES, contiguous=False, same_dtype=True,
+                                  label=label)
+
+
+def _autocast(tensors):
+    """The floating tensors cast to the autocast dtype where autocast is on for their device."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
+
+
+def _contiguous(tensors):
+    return [t.contiguous() for t in tensors]
+
+
+def _needs_plan(plan, needs: tuple):
+    key = (id(plan), needs)
+    p = _plans.get(key)
+    if p is None:
+        p = _plans[key] = dataclasses.replace(plan, needs=needs)
+    return p
+
+
+def _site(plan):
+    """Where a backward's warnings point: the forward's caller (fp16 products only: bfloat16's never warn)."""
+    return callsite.user_site() if plan.guarded else None
+
+
+# ---------------------------------------------------------------- 021 -------------------------------------------
+_WAN_LABEL = "backfuse.functional.wan_xattn"
+
+
+def _wan_plan(tensors, scale, heads, save) -> _wan.Plan:
+    key = ("021", _signature(tensors), heads, save, torch.are_deterministic_algorithms_enabled())
+    plan = _plans.get(key)
+    if plan is None:
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"{_WAN_LABEL}: heads must be a positive int, got {heads!r}")
+        hidden = tensors[0].shape[-1] if tensors[0].dim() == 3 else None
+        if hidden is None or hidden % heads:
+            raise ValueError(f"{_WAN_LABEL}: input 'video_latents' must be [batch, tokens, hidden] with hidden a multiple "
+                             f"of heads={heads}, got shape {tuple(tensors[0].shape)}")
+        try:
+            config = WanXattnConfig(hidden, heads)
+        except ValueError as e:
+            raise ValueError(f"{_WAN_LABEL}: {e}") from None
+        b, nv, nt = "batch_size", "num_video_tokens", "num_text_tokens"
+        specs = [Tensor("video_latents", (b, nv, hidden)), Tensor("text_embeddings", (b, nt, hidden))] + [
+            Tensor(f"{n}_{kind}", (hidden, hidden) if kind == "weight" else (hidden,))
+            for n in ("query", "key", "value", "output") for kind in ("weight", "bias")]
+        axes = _validate(_WAN_LABEL, "021", specs, tensors)
+        device = tensors[0].device
+        plan = _plans[key] = _wan.Plan(axes[b], axes[nv], axes[nt], config, tensors[0].dtype, save=save,
+                                       sms=_sm_count(device), deterministic=key[-1])
+    return plan
+
+
+class _WanXattn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scale, heads, save, *tensors):
+        plan = _wan_plan(tensors, scale, heads, save)
+        tensors = _contiguous(tensors)
+        out, acts = _wan.forward(tensors, scale, plan)
+        ctx.save_for_backward(*tensors, *([] if acts is None else [acts]))
+        ctx.plan, ctx.scale, ctx.site = plan, scale, _site(plan)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        needs = tuple(ctx.needs_input_grad[3:])
+        if not any(needs):
+            return (None,) * 13
+        saved = ctx.saved_tensors
+        acts = saved[10] if len(saved) > 10 else None
+        with callsite.attributed_to(ctx.site):
+            grads = _wan.backward(saved[:10], grad_out, ctx.scale, _needs_plan(ctx.plan, needs), acts)
+        return (None, None, None, *grads)
+
+
+def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, scale, *,
+              heads: int = 16, save_activations: bool = True):
+    """Wan-style text-to-video cross-attention (`ops/wan_xattn/training.py`): video [B, Nv, hidden],
+    text [B, Nt, hidden], the four projections' weights [hidden, hidden] and biases [hidden], `heads`
+    heads of hidden / heads; softmax(scale * Q K^T) V, no mask -> [B, Nv, hidden]."""
+    scale = check_real(scale, f"{_WAN_LABEL}: input 'scale'")
+    tensors = _autocast([video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias])
+    if torch.compiler.is_compiling():
+        return torch.ops.backfuse.wan_xattn_forward(*tensors, scale, heads)[0]
+    with torch.autocast(tensors[0].device.type, enabled=False):
+        return _WanXattn.apply(scale, heads, save_activations, *tensors)
+
+
+# ---------------------------------------------------------------- 072 -------------------------------------------
+_QKV_LABEL = "backfuse.functional.qkv_gqa"
+
+
+def _qkv_plan(tensors, head_dim, save) -> _qkv.Plan:
+    key = ("072", _signature(tensors), head_dim, save)
+    plan = _plans.get(key)
+    if plan is None:
+        dec, enc, wq, wk, wv = tensors
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"{_QKV_LABEL}: head_dim must be a positive int, got {head_dim!r}")
+        for name, w in (("q_weight", wq), ("k_weight", wk)):
+            if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] % head_dim:
+                shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+                raise ValueError(f"{_QKV_LABEL}: input '{name}' must be [heads * head_dim, hidden] with head_dim="
+                                 f"{head_dim}, got {shape}")
+        try:
+            config = QkvGqaConfig(wq.shape[1], wk.shape[1], wq.shape[0] // head_dim, wk.shape[0] // head_dim, head_dim)
+        except ValueError as e:
+            raise ValueError(f"{_QKV_LABEL}: {e}") from None
+        b, sd, se = "batch_size", "seq_len_dec", "seq_len_enc"
+        specs = [Tensor("decoder_hidden_states", (b, sd, config.hidden)),
+                 Tensor("encoder_hidden_states", (b, se, config.cross_hidden)),
+                 Tensor("q_weight", (config.q_out, config.hidden)), Tensor("k_weight", (config.kv_out, config.cross_hidden)),
+                 Tensor("v_weight", (config.kv_out, config.cross_hidden))]
+        axes = _validate(_QKV_LABEL, "072", specs, tensors)
+        plan = _plans[key] = _qkv.Plan(axes[b], axes[sd], axes[se], config, dec.dtype, save=save,
+                                       sms=_sm_count(dec.device), deterministic=torch.are_deterministic_algorithms_enabled())
+    return plan
+
+
+class _QkvGqa(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, head_dim, save, *tensors):
+        plan = _qkv_plan(tensors, head_dim, save)
+        tensors = _contiguous(tensors)
+        outs, acts = _qkv.forward(tensors, plan)
+        ctx.save_for_backward(*tensors, *([] if acts is None else [acts]))
+        ctx.plan, ctx.site = plan, _site(plan)
+        return outs
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        needs = tuple(ctx.needs_input_grad[2:])
+        if not any(needs):
+            return (None,) * 7
+        saved = ctx.saved_tensors
+        grads = [g if g is not None else torch.zeros(s, dtype=ctx.plan.io, device=saved[0].device) for g, s in
+                 zip((gq, gk, gv), _qkv_shapes(ctx.plan))]
+        with callsite.attributed_to(ctx.site):
+            out = _qkv.backward(saved[:5], grads, _needs_plan(ctx.plan, needs), saved[5] if len(saved) > 5 else None)
+        return (None, None, *out)
+
+
+def _qkv_shapes(plan) -> tuple:
+    c = plan.config
+    return ((plan.batch, c.heads, plan.sd, c.head_dim), (plan.batch, c.heads, plan.se, c.head_dim),
+            (plan.batch, c.heads, plan.se, c.head_dim))
+
+
+def qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight, *, head_dim: int = 256,
+            save_activations: bool = True):
+    """Cross-attention q, k, v projections with grouped KV heads (`ops/qkv_gqa/training.py`):
+    (query_states [B, H, Sd, D], key_states and value_states [B, H, Se, D], each KV head repeated to
+    its H / KV query heads), H = q_weight rows / head_dim, KV = k_weight rows / head_dim."""
+    tensors = _autocast([decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight])
+    if torch.compiler.is_compiling():
+        return tuple(torch.ops.backfuse.qkv_gqa_forward(*tensors, head_dim)[:3])
+    with torch.autocast(tensors[0].device.type, enabled=False):
+        return _QkvGqa.apply(head_dim, save_activations, *tensors)
+
+
+# ---------------------------------------------------------------- 037 -------------------------------------------
+_GEMMA_LABEL = "backfuse.functional.gemma3_core"
+
+
+def _softcap(softcap) -> float:
+    if softcap is None:
+        return 0.0
+    return abs(check_real(softcap, f"{_GEMMA_LABEL}: input 'attn_logit_softcapping'"))  # tanh(z / c) c is even in c
+
+
+def _gemma_plan(tensors, softcap, window, save) -> _gemma.Plan:
+    key = ("037", _signature(tensors), softcap, window, save, torch.are_deterministic_algorithms_enabled())
+    plan = _plans.get(key)
+    if plan is None:
+        hidden, cos, sin, wq, wk, wv, wo, qnw, knw = tensors
+        for name, t, dims in (("q_norm_weight", qnw, 1), ("q_weight", wq, 2), ("k_weight", wk, 2)):
+            if not isinstance(t, torch.Tensor) or t.dim() != dims:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{_GEMMA_LABEL}: input '{name}' must have {dims} dim(s), got {shape}")
+        head_dim = qnw.shape[0]
+        if wq.shape[0] % head_dim or wk.shape[0] % head_dim:
+            raise ValueError(f"{_GEMMA_LABEL}: inputs 'q_weight' {tuple(wq.shape)} and 'k_weight' {tuple(wk.shape)} must "
+                             f"have a multiple of head_dim={head_dim} (q_norm_weight's size) rows")
+        try:
+            config = Gemma3CoreConfig(wq.shape[1], wq.shape[0] // head_dim, wk.shape[0] // head_dim, head_dim, window)
+        except ValueError as e:
+            raise ValueError(f"{_GEMMA_LABEL}: {e}") from None
+        b, s = "batch_size", "seq_len"
+        specs = [Tensor("hidden_states", (b, s, config.hidden)), Tensor("cos", (b, s, head_dim)),
+                 Tensor("sin", (b, s, head_dim)), Tensor("q_weight", (config.q_out, config.hidden)),
+                 Tensor("k_weight", (config.kv_out, config.hidden)), Tensor("v_weight", (config.kv_out, config.hidden)),
+                 Tensor("o_weight", (config.hidden, config.q_out)), Tensor("q_norm_weight", (head_dim,)),
+                 Tensor("k_norm_weight", (head_dim,))]
+        axes = _validate(_GEMMA_LABEL, "037", specs, tensors)
+        plan = _plans[key] = _gemma.Plan(axes[b], axes[s], config, hidden.dtype, softcap=softcap, save=save,
+                                         sms=_sm_count(hidden.device), deterministic=key[-1])
+    return plan
+
+
+class _Gemma3Core(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scaling, softcap, eps, window, save, *tensors):
+        plan = _gemma_plan(tensors, softcap, window, save)
+        tensors = _contiguous(tensors)
+        out, acts = _gemma.forward(tensors, scaling, eps, plan)
+        ctx.save_for_backward(*tensors, *([] if acts is None else [acts]))
+        ctx.plan, ctx.scalars, ctx.site = plan, (scaling, eps), _site(plan)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        n = ctx.needs_input_grad[5:]
+        needs = (n[0], *n[3:9])  # cos and sin get none
+        if not any(needs):
+            return (None,) * 14
+        saved = ctx.saved_tensors
+        with callsite.attributed_to(ctx.site):
+            g = _gemma.backward(saved[:9], grad_out, *ctx.scalars, _needs_plan(ctx.plan, needs),
+                                saved[9] if len(saved) > 9 else None)
+        return (None,) * 5 + (g[0], None, None, *g[1:])
+
+
+def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight, scaling,
+                softcap, eps, *, window: int = 0, save_activations: bool = True):
+    """Gemma's attention core (`ops/gemma3_core/training.py`): hidden [B, S, hidden], RoPE tables cos,
+    sin [B, S, D]; per-head QK RMSNorm (weight 1 + w), RoPE, causal GQA attention at `scaling` with
+    the logits soft-capped at `softcap` (None or 0: no cap), each query seeing its `window` latest
+    tokens (0: all earlier ones), output projection -> [B, S, hidden]. D = q_norm_weight's size,
+    heads = q_weight rows / D, KV heads = k_weight rows / D. cos and sin get no gradient."""
+    scaling = check_real(scaling, f"{_GEMMA_LABEL}: input 'scaling'")
+    eps = check_real(eps, f"{_GEMMA_LABEL}: input 'rms_norm_eps'")
+    softcap = _softcap(softcap)
+    tensors = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight])
+    if torch.compiler.is_compiling():
+        return torch.ops.backfuse.gemma3_core_forward(*tensors, scaling, softcap, eps, window)[0]
+    with torch.autocast(tensors[0].device.type, enabled=False):
+        return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, *tensors)
+
+
+# ----------------------------------------------------- the ops under torch.compile --------------------------------
 _LIB = torch.library.Library("backfuse", "DEF")  # noqa: TOR901 (the ops are defined below)
-# Per op, the power of two (its exponent) its last backward scaled the upstream gradients by: the next
-# backward tries it first (tiny gradients stay tiny from step to step).
-LAST_EXPONENT: dict = {}
 
 
-def _forward_specs(prob):
-    return [s for s in prob.inputs if s.name not in prob.upstream_grads]
-
-
-def _schema(specs, outputs: str) -> str:
-    args = ", ".join(f"{'float' if isinstance(s, Scalar) else 'Tensor'} {s.name}" for s in specs)
-    return f"({args}) -> {outputs}"
-
-
-def _define(name: str, pid: str, n_out: int):
-    """backfuse::<name> (forward) and backfuse::<name>_backward for operator `pid`; returns the op."""
-    prob = _problem(pid)
-    specs = _forward_specs(prob)
-    grad_specs = [s for s in prob.inputs if s.name in prob.upstream_grads]
-    label = f"backfuse.functional.{name}"
-    _LIB.define(name + _schema(specs, "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"))
-    # The backward takes one bool per gradient it could return (autograd's needs_input_grad); an
-    # unwanted gradient comes back as an empty tensor and its products are skipped.
-    _LIB.define(f"{name}_backward" + _schema(grad_specs + specs, "Tensor[]").replace(") ->", ", bool[] needs) ->"))
-
-    def forward(*inputs):
-        prob.validate(inputs, specs=specs, dtypes=TRAINING_DTYPES, contiguous=False, same_dtype=True, label=label)
-        dtype = next(x.dtype for x in inputs if isinstance(x, torch.Tensor))
-        with torch.no_grad():
-            if dtype == torch.float32:
-                out = prob.forward(*inputs)
-            else:  # computed in float32, rounded once
-                out = prob.forward(*(x.float() if isinstance(x, torch.Tensor) else x for x in inputs))
-        # custom ops may not return views of their inputs or of each other
-        outs = tuple(o.to(dtype, memory_format=torch.contiguous_format) for o in (out if n_out > 1 else (out,)))
-        return outs if n_out > 1 else outs[0]
-
-    def backward_impl(*args):
-        *inputs, needs = args
-        empty = inputs[0].new_empty(0)
-        grads, LAST_EXPONENT[name] = prob._backward(inputs, needs, dtypes=TRAINING_DTYPES,
-                                                    exponent=LAST_EXPONENT.get(name, 0))
-        return [empty if g is None else g for g in grads]
-
-    def backward_fake(*args):
-        *inputs, needs = args
-        named = dict(zip([s.name for s in grad_specs + specs], inputs))
-        return [torch.empty_like(named[n], memory_format=torch.contiguous_format) if need else inputs[0].new_empty(0)
-                for n, need in zip(prob.differentiates, needs)]
-
-    _LIB.impl(name, forward, "CompositeExplicitAutograd")
-    _LIB.impl(f"{name}_backward", backward_impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"backfuse::{name}", forward, lib=_LIB)
-    torch.library.register_fake(f"backfuse::{name}_backward", backward_fake, lib=_LIB)
-    for device_type in ("cpu", "cuda"):  # float32 ops under autocast: forward and backward see the same inputs
-        torch.library.register_autocast(f"backfuse::{name}", device_type, torch.float32, lib=_LIB)
+def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, backward, fake_forward, fake_backward,
+              grads_of):
+    """backfuse::<name>_forward (outputs, then the activations it saves) and backfuse::<name>_backward
+    (the gradients of the inputs at grads_of, in that order; empty where not needed), with an autograd
+    formula, for torch.compile: the same training path as the eager ops."""
+    tensors = ", ".join(f"Tensor {n}" for n in tensor_names)
+    _LIB.define(f"{name}_forward({tensors}, {scalar_schema}) -> ({', '.join(['Tensor'] * (n_out + 1))})")
+    _LIB.define(f"{name}_backward(Tensor[] grads, {tensors}, Tensor acts, {scalar_schema}, bool[] needs) -> Tensor[]")
+    _LIB.impl(f"{name}_forward", forward, "CompositeExplicitAutograd")
+    _LIB.impl(f"{name}_backward", backward, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"backfuse::{name}_forward", fake_forward, lib=_LIB)
+    torch.library.register_fake(f"backfuse::{name}_backward", fake_backward, lib=_LIB)
     backward_op = getattr(torch.ops.backfuse, f"{name}_backward")
-    tensor_at = [i for i, s in enumerate(specs) if not isinstance(s, Scalar)]
-    differentiated_at = [i for i, s in enumerate(specs) if s.name in prob.differentiates]
+    count = len(tensor_names)
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*(inputs[i] for i in tensor_at))
-        ctx.inputs = [None if isinstance(x, torch.Tensor) else x for x in inputs]  # the scalars
-        outputs = output if isinstance(output, tuple) else (output,)
-        ctx.output_like = [(o.shape, o.dtype, o.device) for o in outputs]
-        # The backward's warnings point at the forward's caller: on a GPU the backward runs on an
-        # autograd worker thread, whose stack holds no user frame.
-        ctx.site = callsite.user_site()
+        ctx.save_for_backward(*inputs[:count], output[-1])
+        ctx.scalars = inputs[count:]
+        ctx.output_like = [(o.shape, o.dtype, o.device) for o in output[:n_out]]
 
-    def backward(ctx, *grads):
-        inputs = list(ctx.inputs)
-        for i, t in zip(tensor_at, ctx.saved_tensors):
-            inputs[i] = t.contiguous()
-        # an output that did not reach the loss has no gradient: it contributes zero
-        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
-                 for g, (shape, dtype, device) in zip(grads, ctx.output_like)]
-        needs = [bool(ctx.needs_input_grad[i]) for i in differentiated_at]
-        result = [None] * len(specs)
-        with callsite.attributed_to(ctx.site):
-            computed = backward_op(*grads, *inputs, needs)
-        for i, g, need in zip(differentiated_at, computed, needs):
+    def formula(ctx, *grads):
+        *saved, acts = ctx.saved_tensors
+        needs = [bool(ctx.needs_input_grad[i]) for i in grads_of]
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(grads[:n_out], ctx.output_like)]  # an output unused: zero
+        computed = backward_op(grads, *saved, acts, *ctx.scalars, needs)
+        result = [None] * (count + len(ctx.scalars))
+        for i, g, need in zip(grads_of, computed, needs):
             result[i] = g if need else None
         return tuple(result)
 
-    torch.library.register_autograd(f"backfuse::{name}", backward, setup_context=setup_context, lib=_LIB)
-    return getattr(torch.ops.backfuse, name)
+    torch.library.register_autograd(f"backfuse::{name}_forward", formula, setup_context=setup_context, lib=_LIB)
 
 
-_QKV_GQA = _define("qkv_gqa", "072", 3)
-_GEMMA3_CORE = _define("gemma3_core", "037", 1)
-_WAN_XATTN = _define("wan_xattn", "021", 1)
+def _wan_forward_op(*args):
+    *tensors, scale, heads = args
+    plan = _wan_plan(tensors, scale, heads, True)
+    out, acts = _wan.forward(_contiguous(tensors), scale, plan)
+    return out, acts
 
 
-def qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight):
-    """Parakeet cross-attention projections: (query_states [B,16,Sd,256], key_states and value_states
-    [B,16,Se,256], the 4 KV heads repeated to 16). Backward: the fused 072 kernels."""
-    return _QKV_GQA(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight)
+def _wan_backward_op(grads, *args):
+    *tensors, acts, scale, heads, needs = args
+    plan = _needs_plan(_wan_plan(tensors, scale, heads, True), tuple(needs))
+    out = _wan.backward(_contiguous(tensors), grads[0], scale, plan, acts)
+    return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out]
 
 
-def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight, scaling, softcap,
-                eps):
-    """Gemma 3 attention core (QK RMSNorm with 1 + w, RoPE, soft-capped causal GQA, output
-    projection): output [B,S,3072]. Backward: the fused 037 kernels (cos and sin get none)."""
-    return _GEMMA3_CORE(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight,
-                        *_reals("gemma3_core", "037", scaling, softcap, eps))
+def _wan_fake_forward(*args):
+    *tensors, scale, heads = args
+    video, text = tensors[:2]
+    plan = _wan.Plan(video.shape[0], video.shape[1], text.shape[1], WanXattnConfig(video.shape[2], heads), video.dtype)
+    return torch.empty_like(video), video.new_empty((plan.activations().nbytes,), dtype=torch.uint8)
 
 
-def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, scale):
-    """Wan 2.2 text-to-video cross-attention: output [B,Nv,1024]. Backward: the fused 021 kernels."""
-    return _WAN_XATTN(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias,
-                      *_reals("wan_xattn", "021", scale))
+def _wan_fake_backward(grads, *args):
+    *tensors, acts, scale, heads, needs = args
+    return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(tensors, needs)]
 
 
-def _reals(name: str, pid: str, *values) -> list:
-    """The scalar inputs as floats (the ops' schemas take floats), refused as the forward's validation words it."""
-    specs = [s for s in _problem(pid).inputs if isinstance(s, Scalar)]
-    return [check_real(v, f"backfuse.functional.{name}: input '{s.name}'") for s, v in zip(specs, values)]
+_register("wan_xattn", ["video_latents", "text_embeddings", "query_weight", "query_bias", "key_weight", "key_bias",
+                        "value_weight", "value_bias", "output_weight", "output_bias"],
+          "float scale, int heads", 1, _wan_forward_op, _wan_backward_op, _wan_fake_forward,
+          _wan_fake_backward, range(10))
+
+
+def _qkv_forward_op(*args):
+    *tensors, head_dim = args
+    plan = _qkv_plan(tensors, head_dim, True)
+    (q, k, v), acts = _qkv.forward(_contiguous(tensors), plan)
+    return q, k, v, acts if acts is not None else tensors[0].new_empty(0, dtype=torch.uint8)
+
+
+def _qkv_backward_op(grads, *args):
+    *tensors, acts, head_dim, needs = args
+    plan = _needs_plan(_qkv_plan(tensors, head_dim, True), tuple(needs))
+    out = _qkv.backward(_contiguous(tensors), list(grads), plan, acts if acts.numel() else None)
+    return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out]
+
+
+def _qkv_fake_forward(*args):
+    dec, enc, wq, wk, wv, head_dim = args
+    heads = wq.shape[0] // head_dim
+    q = dec.new_empty((dec.shape[0], dec.shape[1], heads, head_dim)).transpose(1, 2)  # as the eager op's views
+    k, v = (dec.new_empty((dec.shape[0], enc.shape[1], heads, head_dim)).transpose(1, 2) for _ in range(2))
+    plan = _qkv.Plan(dec.shape[0], dec.shape[1], enc.shape[1],
+                     QkvGqaConfig(wq.shape[1], wk.shape[1], heads, wk.shape[0] // head_dim, head_dim), dec.dtype)
+    return q, k, v, dec.new_empty((plan.activations().nbytes if plan.casts else 0,), dtype=torch.uint8)
+
+
+def _qkv_fake_backward(grads, *args):
+    *tensors, acts, head_dim, needs = args
+    return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(tensors, needs)]
+
+
+_register("qkv_gqa", ["decoder_hidden_states", "encoder_hidden_states", "q_weight", "k_weight", "v_weight"],
+          "int head_dim", 3, _qkv_forward_op, _qkv_backward_op, _qkv_fake_forward, _qkv_fake_backward,
+          range(5))
+
+
+def _gemma_forward_op(*args):
+    *tensors, scaling, softcap, eps, window = args
+    plan = _gemma_plan(tensors, softcap, window, True)
+    return _gemma.forward(_contiguous(tensors), scaling, eps, plan)
+
+
+def _gemma_backward_op(grads, *args):
+    *tensors, acts, scaling, softcap, eps, window, needs = args
+    plan = _needs_plan(_gemma_plan(tensors, softcap, window, True), tuple(needs))
+    g = _gemma.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts)
+    return [torch.empty(0, device=tensors[0].device) if x is None else x for x in g]
+
+
+def _gemma_fake_forward(*args):
+    hidden, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, softcap, eps, window = args
+    d = qnw.shape[0]
+    config = Gemma3CoreConfig(wq.shape[1], wq.shape[0] // d, wk.shape[0] // d, d, window)
+    plan = _gemma.Plan(hidden.shape[0], hidden.shape[1], config, hidden.dtype)
+    return torch.empty_like(hidden), hidden.new_empty((plan.activations().nbytes,), dtype=torch.uint8)
+
+
+def _gemma_fake_backward(grads, *args):
+    *tensors, acts, scaling, softcap, eps, window, needs = args
+    differentiated = [tensors[i] for i in (0, 3, 4, 5, 6, 7, 8)]
+    return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(differentiated, needs)]
+
+
+_register("gemma3_core", ["hidden_states", "cos", "sin", "q_weight", "k_weight", "v_weight", "o_weight",
+                          "q_norm_weight", "k_norm_weight"],
+          "float scaling, float softcap, float eps, int window", 1, _gemma_forward_op, _gemma_backward_op,
+          _gemma_fake_forward, _gemma_fake_backward, [0, 3, 4, 5, 6, 7, 8])
 
 
 # The names of earlier releases.
 cross_attn_qkv_gqa = qkv_gqa
 gemma3_attention_core = gemma3_core
 wan_text_video_cross_attention = wan_xattn
+

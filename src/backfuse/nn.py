@@ -8,9 +8,9 @@ model families' reference code (NeMo's `linear_q`, Hugging Face Gemma's `q_proj`
 parameters it finds no key for, are listed in one error (`strict=False`: in a warning instead, the
 missing parameters keeping their initialisation).
 
-The sizes are the benchmark operators' (fixed widths and head counts; batch and token counts are
-free): they are not the released models' (README, "Training"), so a released checkpoint's tensors
-are refused by shape.
+Sizes come from each module's config (`QkvGqaConfig`, `Gemma3CoreConfig`, `WanXattnConfig`; the
+default is the benchmark operator's); a checkpoint's tensors of other sizes are refused by shape,
+naming the key.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 
 from . import callsite
 from . import functional as F
-from .ops.gemma3_core import spec as _gemma
-from .ops.qkv_gqa import spec as _qkv
-from .ops.wan_xattn import spec as _wan
+from .ops.gemma3_core.spec import Gemma3CoreConfig
+from .ops.qkv_gqa.spec import QkvGqaConfig
+from .ops.wan_xattn.spec import WanXattnConfig
 from .problem import TRAINING_DTYPES, check_real, dtypes_text
 
 
@@ -32,21 +32,31 @@ def _linear_default(w):  # torch.nn.Linear's own initialisation (kaiming uniform
 
 
 class _Block(torch.nn.Module):
-    PARAMS: tuple = ()  # (name, shape, init)
+    CONFIG: type  # the operator's config class; its default is the benchmark operator's sizes
     ALIASES: dict = {}  # parameter name -> key names used by the model family's reference code
     UNSUPPORTED: dict = {}  # key suffix of the family's layer that this block has no parameter for -> why
 
-    def __init__(self, *, device=None, dtype=torch.float32):
-        """Parameters of `dtype` (one the forward takes) on `device` (None: torch's default); bad values are
-        refused here, in one line naming the argument, rather than at the first forward."""
+    def __init__(self, config=None, *, device=None, dtype=torch.float32):
+        """Parameters of the config's sizes (None: the benchmark operator's), of `dtype` (one the forward
+        takes) on `device` (None: torch's default); bad values are refused here, in one line naming the
+        argument, rather than at the first forward."""
         super().__init__()
+        config = self.CONFIG() if config is None else config
+        if not isinstance(config, self.CONFIG):
+            raise TypeError(f"{self._label()}: config must be a {self.CONFIG.__name__}, got {type(config).__name__}")
         if dtype not in TRAINING_DTYPES:
             raise TypeError(f"{self._label()}: dtype must be {dtypes_text(TRAINING_DTYPES)} (what the forward takes), "
                             f"got {dtype!r}")
+        self.config = config
         device = self._device(device)
-        for name, shape, _ in self.PARAMS:
+        for name, shape, _ in self.params(config):
             self.register_parameter(name, torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
         self.reset_parameters()
+
+    @classmethod
+    def params(cls, config) -> tuple:
+        """(name, shape, init) of each parameter at config's sizes."""
+        raise NotImplementedError
 
     @classmethod
     def _label(cls) -> str:
@@ -70,7 +80,7 @@ class _Block(torch.nn.Module):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            for name, _, init in self.PARAMS:
+            for name, _, init in self.params(self.config):
                 init(getattr(self, name))
 
     @classmethod
@@ -85,7 +95,8 @@ class _Block(torch.nn.Module):
         either way.
         """
         values, used, missing = {}, set(), []
-        for name, shape, _ in cls.PARAMS:
+        config = kwargs.get("config") or cls.CONFIG()
+        for name, shape, _ in cls.params(config):
             keys = [prefix + k for k in (name, *cls.ALIASES.get(name, ()))]
             found = [k for k in keys if k in state_dict]
             if not found:
@@ -129,86 +140,98 @@ class _Block(torch.nn.Module):
 
 
 class QkvGqa(_Block):
-    """072's cross-attention projections (benchmark attributed to Parakeet TDT 0.6B v3, which has no such
-    layer: README, "Sizes"): decoder states to 16 query heads of 256, encoder states to 4 KV heads
-    repeated to 16, no biases. Initialised like NeMo's `nn.Linear` layers."""
+    """Cross-attention q, k, v projections with grouped KV heads (072's operator; `QkvGqaConfig`, whose
+    default is the benchmark's: 16 query heads of 256 from width 1536, 4 KV heads from width 1024), no
+    biases. Initialised like `torch.nn.Linear`."""
 
-    PARAMS = (
-        ("q_weight", (_qkv.Q_OUT, _qkv.HIDDEN), _linear_default),
-        ("k_weight", (_qkv.KV_OUT, _qkv.CROSS_HIDDEN), _linear_default),
-        ("v_weight", (_qkv.KV_OUT, _qkv.CROSS_HIDDEN), _linear_default),
-    )
+    CONFIG = QkvGqaConfig
     ALIASES = {"q_weight": ("linear_q.weight", "q_proj.weight"), "k_weight": ("linear_k.weight", "k_proj.weight"),
                "v_weight": ("linear_v.weight", "v_proj.weight")}
     UNSUPPORTED = {**{f"linear_out.{kind}": "072 is the q, k, v projections only" for kind in ("weight", "bias")},
                    **{f"linear_{n}.bias": "072's projections have no bias" for n in "qkv"}}
 
+    @classmethod
+    def params(cls, c):
+        return (("q_weight", (c.q_out, c.hidden), _linear_default), ("k_weight", (c.kv_out, c.cross_hidden), _linear_default),
+                ("v_weight", (c.kv_out, c.cross_hidden), _linear_default))
+
     def _sizes(self):
-        return dict(hidden=_qkv.HIDDEN, cross_hidden=_qkv.CROSS_HIDDEN, heads=_qkv.HEADS, kv_heads=_qkv.KV_HEADS,
-                    head_dim=_qkv.HEAD_DIM)
+        c = self.config
+        return dict(hidden=c.hidden, cross_hidden=c.cross_hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim)
 
     def forward(self, decoder_hidden, encoder_hidden):
-        """decoder_hidden [B,Sd,1536], encoder_hidden [B,Se,1024] -> query_states [B,16,Sd,256], key_states
-        and value_states [B,16,Se,256]."""
-        return F.qkv_gqa(decoder_hidden, encoder_hidden, self.q_weight, self.k_weight, self.v_weight)
+        """decoder_hidden [B, Sd, hidden], encoder_hidden [B, Se, cross_hidden] -> query_states
+        [B, H, Sd, D], key_states and value_states [B, H, Se, D]."""
+        return F.qkv_gqa(decoder_hidden, encoder_hidden, self.q_weight, self.k_weight, self.v_weight,
+                         head_dim=self.config.head_dim)
 
 
 class Gemma3Core(_Block):
-    """037's Gemma 3-style attention core at the benchmark's sizes (hidden 3072, 24 / 8 heads of 128; not
-    Gemma 3 4B's: README, "Sizes"): QK RMSNorm (weight applied as 1 + w), RoPE, soft-capped causal GQA,
-    output projection. Initialised like Hugging Face Gemma 3: projections N(0, 0.02²), norms 0."""
+    """Gemma's attention core (037's operator; `Gemma3CoreConfig`, whose default is the benchmark's:
+    hidden 3072, 24 / 8 heads of 128): QK RMSNorm (weight applied as 1 + w), RoPE, causal GQA attention
+    with an optional soft cap (softcap None: none, as Gemma 3) and sliding window (the config's),
+    output projection. Initialised like Hugging Face Gemma: projections N(0, 0.02^2), norms 0."""
 
-    PARAMS = tuple((n, shape, lambda w: torch.nn.init.normal_(w, std=0.02)) for n, shape in (
-        ("q_weight", (_gemma.Q_OUT, _gemma.HIDDEN)), ("k_weight", (_gemma.KV_OUT, _gemma.HIDDEN)),
-        ("v_weight", (_gemma.KV_OUT, _gemma.HIDDEN)), ("o_weight", (_gemma.HIDDEN, _gemma.Q_OUT)))) + (
-        ("q_norm_weight", (_gemma.HEAD_DIM,), torch.nn.init.zeros_),
-        ("k_norm_weight", (_gemma.HEAD_DIM,), torch.nn.init.zeros_),
-    )
+    CONFIG = Gemma3CoreConfig
     ALIASES = {"q_weight": ("q_proj.weight",), "k_weight": ("k_proj.weight",), "v_weight": ("v_proj.weight",),
                "o_weight": ("o_proj.weight",), "q_norm_weight": ("q_norm.weight",),
                "k_norm_weight": ("k_norm.weight",)}
     SCALARS = ("scaling", "softcap", "eps")
 
-    def __init__(self, *, scaling: float = 1 / math.sqrt(_gemma.HEAD_DIM), softcap: float = 50.0,
-                 eps: float = 1e-6, device=None, dtype=torch.float32):
-        scalars = [check_real(v, f"{self._label()}: {n}") for n, v in zip(self.SCALARS, (scaling, softcap, eps))]
-        super().__init__(device=device, dtype=dtype)
-        self.scaling, self.softcap, self.eps = scalars
+    def __init__(self, config=None, *, scaling: float | None = None, softcap: float | None = 50.0, eps: float = 1e-6,
+                 device=None, dtype=torch.float32):
+        """scaling None: 1 / sqrt(head_dim); softcap None (or 0): no soft cap."""
+        config = Gemma3CoreConfig() if config is None else config
+        scaling = 1 / math.sqrt(config.head_dim) if scaling is None else scaling
+        scaling, eps = (check_real(v, f"{self._label()}: {n}") for n, v in (("scaling", scaling), ("eps", eps)))
+        if softcap is not None:
+            softcap = check_real(softcap, f"{self._label()}: softcap")
+            if softcap <= 0:
+                raise ValueError(f"{self._label()}: softcap must be positive, or None for no soft cap, got {softcap:g}")
+        super().__init__(config, device=device, dtype=dtype)
+        self.scaling, self.softcap, self.eps = scaling, softcap, eps
+
+    @classmethod
+    def params(cls, c):
+        init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+        return (("q_weight", (c.q_out, c.hidden), init), ("k_weight", (c.kv_out, c.hidden), init),
+                ("v_weight", (c.kv_out, c.hidden), init), ("o_weight", (c.hidden, c.q_out), init),
+                ("q_norm_weight", (c.head_dim,), torch.nn.init.zeros_), ("k_norm_weight", (c.head_dim,), torch.nn.init.zeros_))
 
     @classmethod
     def from_state_dict(cls, state_dict: dict, prefix: str = "", *, strict: bool = True, **kwargs):
         """As `_Block.from_state_dict`. A state dict holds no scalars: when it uses Hugging Face's
-        names and scaling, softcap or eps is not passed, a BackfuseWarning says which benchmark values
-        are kept (released Gemma 3 configs scale by query_pre_attn_scalar**-0.5 and have no
-        attention soft cap, which these kernels do not support)."""
+        names and scaling, softcap or eps is not passed, a BackfuseWarning says which values are kept
+        (Gemma 3 scales by query_pre_attn_scalar**-0.5 and has no soft cap: softcap=None; Gemma 2 caps
+        at 50)."""
         module = super().from_state_dict(state_dict, prefix, strict=strict, **kwargs)
         unset = [n for n in cls.SCALARS if n not in kwargs]
         family = any(prefix + alias in state_dict for aliases in cls.ALIASES.values() for alias in aliases)
         if family and unset:
-            kept = ", ".join(f"{n}={getattr(module, n):g}" for n in unset)
-            callsite.warn(f"{cls.__name__}.from_state_dict: the state dict holds no scalars; kept the benchmark's "
-                          f"{kept} (pass {', '.join(n + '=' for n in unset)} to set them; released Gemma 3 configs "
-                          f"scale by query_pre_attn_scalar**-0.5 and have no attention soft cap)", callsite.BackfuseWarning)
+            kept = ", ".join(f"{n}={getattr(module, n):g}" if getattr(module, n) is not None else f"{n}=None"
+                             for n in unset)
+            callsite.warn(f"{cls.__name__}.from_state_dict: the state dict holds no scalars; kept {kept} (pass "
+                          f"{', '.join(n + '=' for n in unset)} to set them; Gemma 3 scales by "
+                          f"query_pre_attn_scalar**-0.5 and has no soft cap: softcap=None)", callsite.BackfuseWarning)
         return module
 
     def _sizes(self):
-        return dict(hidden=_gemma.HIDDEN, heads=_gemma.HEADS, kv_heads=_gemma.KV_HEADS, head_dim=_gemma.HEAD_DIM,
+        c = self.config
+        return dict(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, window=c.window,
                     scaling=self.scaling, softcap=self.softcap, eps=self.eps)
 
     def forward(self, hidden, cos, sin):
-        """hidden [B,S,3072]; cos, sin [B,S,128] (RoPE tables)."""
+        """hidden [B, S, hidden]; cos, sin [B, S, head_dim] (RoPE tables)."""
         return F.gemma3_core(hidden, cos, sin, self.q_weight, self.k_weight, self.v_weight, self.o_weight,
-                             self.q_norm_weight, self.k_norm_weight, self.scaling, self.softcap, self.eps)
+                             self.q_norm_weight, self.k_norm_weight, self.scaling, self.softcap, self.eps,
+                             window=self.config.window)
 
 
 class WanXattn(_Block):
-    """021's Wan-style text-to-video cross-attention at the benchmark's sizes (hidden 1024, 16 heads of 64,
-    no q/k norm; not Wan 2.2 A14B's: README, "Sizes"). Initialised like Wan: weights Xavier-uniform,
-    biases 0."""
+    """Wan-style text-to-video cross-attention (021's operator; `WanXattnConfig`, whose default is the
+    benchmark's: hidden 1024, 16 heads of 64). Initialised like Wan: weights Xavier-uniform, biases 0."""
 
-    PARAMS = tuple(p for n in ("query", "key", "value", "output") for p in (
-        (f"{n}_weight", (_wan.HIDDEN, _wan.HIDDEN), torch.nn.init.xavier_uniform_),
-        (f"{n}_bias", (_wan.HIDDEN,), torch.nn.init.zeros_)))
+    CONFIG = WanXattnConfig
     ALIASES = {f"{n}_{kind}": (f"{wan}.{kind}", f"{diffusers}.{kind}")  # Wan's own names, then diffusers'
                for n, wan, diffusers in (("query", "q", "to_q"), ("key", "k", "to_k"), ("value", "v", "to_v"),
                                          ("output", "o", "to_out.0"))
@@ -216,17 +239,27 @@ class WanXattn(_Block):
     UNSUPPORTED = {f"{norm}.weight": "021 has no q/k RMSNorm; Wan 2.2's cross-attention normalises q and k"
                    for norm in ("norm_q", "norm_k")}
 
-    def __init__(self, *, scale: float = 1 / math.sqrt(_wan.HEAD_DIM), device=None, dtype=torch.float32):
-        scale = check_real(scale, f"{self._label()}: scale")
-        super().__init__(device=device, dtype=dtype)
+    def __init__(self, config=None, *, scale: float | None = None, device=None, dtype=torch.float32):
+        """scale None: 1 / sqrt(head size)."""
+        config = WanXattnConfig() if config is None else config
+        scale = check_real(1 / math.sqrt(config.head_dim) if scale is None else scale, f"{self._label()}: scale")
+        super().__init__(config, device=device, dtype=dtype)
         self.scale = scale
 
+    @classmethod
+    def params(cls, c):
+        return tuple(p for n in ("query", "key", "value", "output") for p in (
+            (f"{n}_weight", (c.hidden, c.hidden), torch.nn.init.xavier_uniform_),
+            (f"{n}_bias", (c.hidden,), torch.nn.init.zeros_)))
+
     def _sizes(self):
-        return dict(hidden=_wan.HIDDEN, heads=_wan.HEADS, head_dim=_wan.HEAD_DIM, scale=self.scale)
+        c = self.config
+        return dict(hidden=c.hidden, heads=c.heads, head_dim=c.head_dim, scale=self.scale)
 
     def forward(self, video, text):
-        """video [B,Nv,1024], text [B,Nt,1024] -> [B,Nv,1024]."""
-        return F.wan_xattn(video, text, *(getattr(self, n) for n, _, _ in self.PARAMS), self.scale)
+        """video [B, Nv, hidden], text [B, Nt, hidden] -> [B, Nv, hidden]."""
+        return F.wan_xattn(video, text, *(getattr(self, n) for n, _, _ in self.params(self.config)), self.scale,
+                           heads=self.config.heads)
 
 
 # The names of earlier releases.

@@ -306,3 +306,36 @@ def markdown_report(results: dict, plots: dict, *, gpu: str = "h200") -> str:
         lines += ["```", case_table(pid, entry, gpu=gpu, meta=results), "```", "",
                   f"What was tried, predicted and measured: [notes/{pid}.md](notes/{pid}.md).", ""]
     return "\n".join(lines)
+
+
+TRAIN_COLUMNS = ("backfuse_fp32_ms", "backfuse_bf16_ms", "eager_bf16_ms", "compile_bf16_ms")
+
+
+def train_ratios(entries: dict) -> tuple:
+    """(geometric means over the cases of backfuse fp32 / compile bf16, backfuse bf16 / compile bf16, and the
+    largest of either ratio on any case)."""
+    r32 = [e["backfuse_fp32_ms"] / e["compile_bf16_ms"] for e in entries.values()]
+    r16 = [e["backfuse_bf16_ms"] / e["compile_bf16_ms"] for e in entries.values()]
+    return statistics.geometric_mean(r32), statistics.geometric_mean(r16), max(r32 + r16)
+
+
+def train_table(pid: str, entries: dict) -> str:
+    """Markdown table of a problem's `bench --train` cases: ms per step, ratios to compile bf16, host time,
+    peak memory, and the fp32 checks."""
+    prob = get_problem(pid)
+    lines = [f"### {pid} training step (forward + backward), ms per step",
+             "", "| case | axes | backfuse fp32 | backfuse bf16 | eager bf16 | compile bf16 | fp32 / compile | "
+             "bf16 / compile | host us (fp32) | peak MiB (bf16) | eager bf16 peak MiB | fp32 checks |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for index, e in sorted(entries.items(), key=lambda kv: int(kv[0])):
+        c = e["compile_bf16_ms"]
+        checks = "pass" if e.get("fp32_forward_passed") and e.get("fp32_backward_passed") else "FAIL"
+        if e.get("sync_free") is False:
+            checks += ", syncs"
+        lines.append(f"| {index} | {axes_text(prob.workloads[int(index)].axes)} | "
+                     + " | ".join(f"{e[k]:.3f}" for k in TRAIN_COLUMNS)
+                     + f" | {e['backfuse_fp32_ms'] / c:.2f} | {e['backfuse_bf16_ms'] / c:.2f} | {e['host_us']:.0f} | "
+                     f"{e['peak_mib']:.0f} | {e['eager_bf16_peak_mib']:.0f} | {checks} |")
+    g32, g16, worst = train_ratios(entries)
+    lines.append(f"\ngeometric mean of the ratios to compile bf16: fp32 {g32:.2f}, bf16 {g16:.2f}; largest ratio {worst:.2f}")
+    return "\n".join(lines)

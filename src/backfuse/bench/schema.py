@@ -53,7 +53,12 @@ _TOP = (
     ("warmup", _is_count(0), "an integer >= 0", False),
     ("iters", _is_count(1), "an integer >= 1", False),
     ("triton_interpret", lambda v: isinstance(v, bool), "true or false", False),
+    ("train", lambda v: isinstance(v, dict), "an object of problems by id (`bench --train`)", False),
 )
+# `bench --train`: per problem, per official case index (a string), one training step's figures.
+_TRAIN_CASE = tuple((name, _is_number, "a number", True) for name in (
+    "backfuse_fp32_ms", "backfuse_bf16_ms", "eager_bf16_ms", "compile_bf16_ms", "host_us", "peak_mib",
+    "eager_bf16_peak_mib"))
 _PROBLEM = (
     ("sol_h200_mean_ms", _is_number, "a number", True),
     ("impls", lambda v: isinstance(v, dict) and len(v) > 0, "a non-empty object of implementations by name", True),
@@ -95,6 +100,13 @@ def _fields(obj, where: str, spec) -> None:
 def validate(doc) -> None:
     """Raise SchemaError, naming the first field that departs from the schema, unless `doc` follows it."""
     _fields(doc, "results", _TOP)
+    for pid, cases in doc.get("train", {}).items():
+        if pid not in ("072", "037", "021") or not isinstance(cases, dict):
+            raise SchemaError(f"train.{pid}: expected one of 072, 037, 021 with an object of cases")
+        for index, case in cases.items():
+            if not (index.isdigit() and int(index) < 16):
+                raise SchemaError(f"train.{pid}: case keys are official indices 0..15, got {index!r}")
+            _fields(case, f"train.{pid}.{index}", _TRAIN_CASE)
     for pid, entry in doc["problems"].items():
         where = f"problems.{pid}"
         try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels import buffers
 from ...kernels.schedule import Holds, cdiv
 from ...kernels.triton import rope
 from ...train import guard as guards
@@ -184,7 +185,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan):
         g.poll()
     acts = p.activations()
     a_flat = acts.allocate(device)
-    out = torch.empty(hidden.shape, dtype=p.io, device=device)
+    out = buffers.empty(hidden.shape, p.io, device)
 
     def build():
         a = acts.views(a_flat)
@@ -212,7 +213,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
     t, qo, ko = p.tokens, cfg.q_out, cfg.kv_out
     acts, scratch, wgrads = p.activations(), p.backward_scratch(), p.weight_grads()
     s_flat, w_flat = scratch.allocate(device), wgrads.allocate(device)
-    grad_hidden = torch.empty(hidden.shape, dtype=p.io, device=device) if n[0] else None
+    grad_hidden = buffers.empty(hidden.shape, p.io, device) if n[0] else None
     go = grad_out.contiguous().view(t, cfg.hidden)
     w = wgrads.views(w_flat)
 

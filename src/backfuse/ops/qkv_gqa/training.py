@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import steps
@@ -135,9 +136,9 @@ def forward(inputs, plan: Plan):
         g.poll()
     acts, scratch = p.activations(), p.forward_scratch()
     a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
-    q = torch.empty((p.batch, p.sd, cfg.heads, cfg.head_dim), dtype=p.io, device=device)
-    k = torch.empty((p.batch, p.se, cfg.heads, cfg.head_dim), dtype=p.io, device=device)
-    v = torch.empty_like(k)
+    q = buffers.empty((p.batch, p.sd, cfg.heads, cfg.head_dim), p.io, device)
+    k = buffers.empty((p.batch, p.se, cfg.heads, cfg.head_dim), p.io, device)
+    v = buffers.empty(k.shape, k.dtype, device)
 
     def build():
         a, s = acts.views(a_flat), scratch.views(s_flat)
@@ -173,8 +174,8 @@ def backward(inputs, grads, plan: Plan, a_flat):
     gq, gk, gv = (t if t.stride(-1) == 1 else t.contiguous() for t in grads)
     acts, scratch, wgrads = p.activations(), p.backward_scratch(), p.weight_grads()
     s_flat, w_flat = scratch.allocate(device), wgrads.allocate(device)
-    grad_dec = torch.empty(dec.shape, dtype=p.io, device=device) if n[0] else None
-    grad_enc = torch.empty(enc.shape, dtype=p.io, device=device) if n[1] else None
+    grad_dec = buffers.empty(dec.shape, p.io, device) if n[0] else None
+    grad_enc = buffers.empty(enc.shape, p.io, device) if n[1] else None
     w = wgrads.views(w_flat)
     kv_out = cfg.kv_out
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import steps
@@ -175,7 +176,7 @@ def forward(inputs, scale: float, plan: Plan):
         g.poll()
     acts, scratch = plan.activations(), plan.forward_scratch()
     a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
-    out = torch.empty(video.shape, dtype=plan.io, device=device)
+    out = buffers.empty(video.shape, plan.io, device)
 
     def build():
         a, s = acts.views(a_flat), scratch.views(s_flat)
@@ -208,8 +209,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
     tv, tt, d = p.tv, p.tt, p.config.hidden
     acts, scratch, wgrads = p.activations(), p.backward_scratch(), p.weight_grads()
     s_flat, w_flat = scratch.allocate(device), wgrads.allocate(device)
-    grad_video = torch.empty(video.shape, dtype=p.io, device=device) if n[0] else None
-    grad_text = torch.empty(text.shape, dtype=p.io, device=device) if n[1] else None
+    grad_video = buffers.empty(video.shape, p.io, device) if n[0] else None
+    grad_text = buffers.empty(text.shape, p.io, device) if n[1] else None
     go = grad_out.contiguous().view(tv, d)
     w = wgrads.views(w_flat)
 
