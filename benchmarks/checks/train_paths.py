@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import math
+import os
 import pstats
 import time
 
@@ -22,7 +23,6 @@ from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig
 from backfuse.ops.qkv_gqa.spec import QkvGqaConfig
 from backfuse.ops.wan_xattn.spec import WanXattnConfig
 
-import os
 DEV = os.environ.get("DEV", "cuda")
 
 
@@ -62,7 +62,7 @@ def make(pid, config, dtype, axes, seed=0):
 
 def plain(pid, m, acts):
     """The module's function in float64, by plain PyTorch."""
-    from backfuse.bench.train import plain_021, plain_037, plain_072
+    from backfuse.bench.train import plain_021, plain_072
 
     p = {n: t.detach().double().requires_grad_() for n, t in m.named_parameters()}
     a = [x.detach().double().requires_grad_(i == 0 or pid != "037") for i, x in enumerate(acts)]
@@ -88,9 +88,10 @@ def _plain_gemma(a, p, m):
     d = c.head_dim
     from backfuse.bench.train import _gemma_norm, _rotate_half
 
-    q = _gemma_norm(torch.nn.functional.linear(x, p["q_weight"]).view(b, s, c.heads, d).transpose(1, 2), p["q_norm_weight"], m.eps)
-    k = _gemma_norm(torch.nn.functional.linear(x, p["k_weight"]).view(b, s, c.kv_heads, d).transpose(1, 2), p["k_norm_weight"], m.eps)
-    v = torch.nn.functional.linear(x, p["v_weight"]).view(b, s, c.kv_heads, d).transpose(1, 2)
+    lin = torch.nn.functional.linear
+    q = _gemma_norm(lin(x, p["q_weight"]).view(b, s, c.heads, d).transpose(1, 2), p["q_norm_weight"], m.eps)
+    k = _gemma_norm(lin(x, p["k_weight"]).view(b, s, c.kv_heads, d).transpose(1, 2), p["k_norm_weight"], m.eps)
+    v = lin(x, p["v_weight"]).view(b, s, c.kv_heads, d).transpose(1, 2)
     q, k = q * cos[:, None] + _rotate_half(q) * sin[:, None], k * cos[:, None] + _rotate_half(k) * sin[:, None]
     k, v = k.repeat_interleave(c.group, 1), v.repeat_interleave(c.group, 1)
     w = q @ k.transpose(2, 3) * m.scaling

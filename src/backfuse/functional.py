@@ -24,6 +24,7 @@ was expected and what was given) and makes the call's plan; later calls of that 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -68,6 +69,12 @@ def _autocast(tensors):
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
+
+
+def _autocast_off(tensors):
+    """Autocast off inside the op (its products run in the dtype its inputs now have), where it is on."""
+    device = tensors[0].device.type
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
 def _contiguous(tensors):
@@ -147,7 +154,7 @@ def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
     tensors = _autocast([video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias])
     if torch.compiler.is_compiling():
         return torch.ops.backfuse.wan_xattn_forward(*tensors, scale, heads)[0]
-    with torch.autocast(tensors[0].device.type, enabled=False):
+    with _autocast_off(tensors):
         return _WanXattn.apply(scale, heads, save_activations, *tensors)
 
 
@@ -219,7 +226,7 @@ def qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight, *, hea
     tensors = _autocast([decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight])
     if torch.compiler.is_compiling():
         return tuple(torch.ops.backfuse.qkv_gqa_forward(*tensors, head_dim)[:3])
-    with torch.autocast(tensors[0].device.type, enabled=False):
+    with _autocast_off(tensors):
         return _QkvGqa.apply(head_dim, save_activations, *tensors)
 
 
@@ -298,7 +305,7 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
     tensors = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight])
     if torch.compiler.is_compiling():
         return torch.ops.backfuse.gemma3_core_forward(*tensors, scaling, softcap, eps, window)[0]
-    with torch.autocast(tensors[0].device.type, enabled=False):
+    with _autocast_off(tensors):
         return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, *tensors)
 
 

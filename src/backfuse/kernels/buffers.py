@@ -25,6 +25,8 @@ def poisoned():
 
 def empty(shape, dtype, device, pinned: bool = False) -> torch.Tensor:
     """pinned: page-locked host memory (device "cpu"), which GPU kernels can write directly."""
+    if not _poison and not pinned and not torch.are_deterministic_algorithms_enabled():
+        return torch.empty(shape, dtype=dtype, device=device)
     # Our kernels write every element they later read (the poisoned tests check it), so torch's
     # deterministic-mode fill of fresh memory would only add a kernel per buffer.
     deterministic = torch.utils.deterministic

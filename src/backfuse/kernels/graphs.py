@@ -221,29 +221,29 @@ def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequ
     miss does build() prepare the launches, which are then recorded. A plan whose addresses keep
     changing (more misses than hits after MISSES_BEFORE_UPDATING calls) records every call into one
     executable it updates instead (`run`), which costs the recording but no new instantiation.
-    Direct launches where `enabled` says no graph can run (the first call of a kernel compiles it).
+    Direct launches where `enabled` says no graph can run (the first call of a kernel compiles it),
+    and for a plan whose recording failed.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index)
-    slot = (key, addresses, index, stream.cuda_stream)
+    stream = raw_stream(device.index)
+    slot = (key, addresses, device.index, stream)
     exec_ = _replays.get(slot)
-    stats = _replay_stats.setdefault(key, [0, 0])
     if exec_ is not None:
         _replays.move_to_end(slot)
-        stats[0] += 1
-        counts["replayed"] += 1
-        driver().launch(exec_, stream.cuda_stream)
+        _replay_stats[key][0] += 1
+        _driver.launch(exec_, stream)
         return
+    stats = _replay_stats.setdefault(key, [0, 0])
     stats[1] += 1
     launches = list(build())
-    if not enabled(device, launches):
+    if key in _unrecordable or not enabled(device, launches):
         counts["direct"] += 1
         return _direct(launches)
     if stats[0] + stats[1] > MISSES_BEFORE_UPDATING and stats[1] > stats[0]:
         return run(("updated", key), device, launches)
     drv = driver()
-    graph = _record(drv, index, stream, launches)
+    graph = _record(drv, device.index, torch.cuda.current_stream(device.index), launches)
     if graph is None:
+        _unrecordable.add(key)
         return
     try:
         exec_ = drv.instantiate(graph)
@@ -253,36 +253,61 @@ def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequ
     _replays[slot] = exec_
     while len(_replays) > REPLAYS_KEPT:
         drv.destroy_exec(_replays.popitem(last=False)[1])
-    drv.launch(exec_, stream.cuda_stream)
+    drv.launch(exec_, stream)
     counts["launched"] += 1
+
+
+_unrecordable: set = set()  # keys whose launches could not be recorded: they launch directly
+
+
+def raw_stream(index: int) -> int:
+    """The current stream's handle on device `index` (no Python stream object made)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _freed(index: int) -> int:
+    return torch.cuda.memory_stats(index).get("allocation.all.freed", 0)
 
 
 def _record(drv, index: int, stream, launches):
     """The graph of the launches recorded on our recording stream for (device, thread, caller's
     stream), or None after a warning and direct launches when recording fails. Recording must not
-    allocate: a block taken from torch's caching allocator during the recording would be freed and
-    handed to other tensors while the graph still writes it, so every buffer is made before."""
+    use temporary buffers: a block taken from torch's caching allocator during the recording and freed
+    would be handed to other tensors while the graph still writes it, so every buffer is made before,
+    and a launch that frees a block while it is recorded is named in the warning (cuBLAS's workspace
+    for the recording stream, taken at its first product there, stays allocated)."""
     where = (index, threading.get_ident(), stream.cuda_stream)
     recorder = _capture_streams.get(where)
     if recorder is None:
         recorder = _capture_streams[where] = torch.cuda.Stream(index)
-    allocations = torch.cuda.memory_stats(index).get("allocation.all.allocated", 0)
+    culprits = []
+
+    def record():
+        for launch in launches:
+            before = _freed(index)
+            launch()
+            if _freed(index) != before:
+                culprits.append(getattr(launch, "what", getattr(launch, "__qualname__", "a launch")))
+
     torch.cuda.set_stream(recorder)
     try:
-        graph = drv.capture(recorder.cuda_stream, lambda: _direct(launches))
+        graph = drv.capture(recorder.cuda_stream, record)
     except Exception as e:  # noqa: BLE001 - any failure to record leaves the direct launches, which raise real errors
-        callsite.warn(f"backfuse: this call's launches could not be recorded as a CUDA graph ({e}); "
-                      "it launches its kernels one by one", GraphWarning)
-        counts["direct"] += 1
         torch.cuda.set_stream(stream)
+        callsite.warn(f"backfuse: this call's launches could not be recorded as a CUDA graph ({e}); "
+                      "calls of this shape launch their kernels one by one", GraphWarning)
+        counts["direct"] += 1
         _direct(launches)
         return None
     finally:
         torch.cuda.set_stream(stream)
-    if torch.cuda.memory_stats(index).get("allocation.all.allocated", 0) != allocations:
+    if culprits:
         drv.destroy_graph(graph)
-        raise RuntimeError("backfuse: a launch allocated memory while it was recorded into a CUDA graph "
-                           "(a torch op without out=, or a copy torch made of an operand)")
+        callsite.warn(f"backfuse: {', '.join(culprits)} used a temporary buffer while recorded into a CUDA graph; calls of "
+                      "this shape launch their kernels one by one", GraphWarning)
+        counts["direct"] += 1
+        _direct(launches)
+        return None
     return graph
 
 

@@ -30,6 +30,9 @@ ALIGN = 256  # bytes between the starts of the tensors carved from one allocatio
 COMPUTE = {torch.float32: torch.float16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
 
 
+SIZES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int32: 4, torch.uint8: 1}
+
+
 @dataclass(frozen=True)
 class Buffer:
     name: str
@@ -38,7 +41,7 @@ class Buffer:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * SIZES[self.dtype]
 
 
 class Arena:
@@ -63,12 +66,24 @@ class Arena:
                                   for s, at in zip(self.specs, self.offsets)})
 
 
+class Outputs:
+    """A call's outputs, each its own allocation (each lives as long as its user keeps it)."""
+
+    def __init__(self, specs):
+        self.specs = tuple(s for s in specs if s is not None)
+
+    def allocate(self, device) -> SimpleNamespace:
+        return SimpleNamespace(**{s.name: buffers.empty(s.shape, s.dtype, device) for s in self.specs})
+
+
 def execute(key, device: torch.device, addresses: tuple, build) -> None:
     """Run the call's launches (build() returns them, prepared): as a graph kept for these addresses on
     a GPU, one by one on the CPU."""
     if device.type == "cuda":
-        with buffers.on_device(device):
-            graphs.replay(key, addresses, device, build)
+        if device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return graphs.replay(key, addresses, device, build)
+        graphs.replay(key, addresses, device, build)
     else:
         for launch in build():
             launch()
@@ -85,7 +100,20 @@ class Kernel:
         self.fast = FastKernel(fn)
 
     def __call__(self, grid, args: dict, **meta):
-        return self.fast.prepare_named(tuple(grid), args, **meta)
+        return described(self.fast.prepare_named(tuple(grid), args, **meta), self.fast.fn.__name__)
+
+
+def described(launch, what: str):
+    """launch, with `what` it is (named where a CUDA graph could not record it)."""
+    try:
+        launch.what = what
+    except AttributeError:  # a bound method
+        pass
+    return launch
+
+
+def _product(a, b, out) -> str:
+    return f"torch.mm {tuple(a.shape)} {str(a.dtype)[6:]} x {tuple(b.shape)} -> {str(out.dtype)[6:]}"
 
 
 def mm(a, b, out):
@@ -94,19 +122,19 @@ def mm(a, b, out):
     if not a.is_cuda:
         return lambda: out.copy_(a.float() @ b.float())
     if out.dtype != a.dtype:
-        return lambda: torch.mm(a, b, out_dtype=out.dtype, out=out)
-    return lambda: torch.mm(a, b, out=out)
+        return described(lambda: torch.mm(a, b, out_dtype=out.dtype, out=out), _product(a, b, out))
+    return described(lambda: torch.mm(a, b, out=out), _product(a, b, out))
 
 
 def addmm(bias, a, b, out):
     """A launch step: out = bias + a @ b by cuBLAS (the bias in its epilogue), all in one dtype."""
     if not a.is_cuda:
         return lambda: out.copy_(bias.float() + a.float() @ b.float())
-    return lambda: torch.addmm(bias, a, b, out=out)
+    return described(lambda: torch.addmm(bias, a, b, out=out), "torch.addmm (bias) " + _product(a, b, out))
 
 
 def accumulate(c, a, b):
     """A launch step: c += a @ b by cuBLAS, all in one dtype."""
     if not a.is_cuda:
         return lambda: c.copy_(c.float() + a.float() @ b.float())
-    return lambda: torch.addmm(c, a, b, out=c)
+    return described(lambda: torch.addmm(c, a, b, out=c), "torch.addmm (accumulate) " + _product(a, b, c))

@@ -19,6 +19,7 @@ Backward from dOut:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from ...kernels.schedule import Holds, cdiv
 from ...kernels.triton import rope
 from ...train import guard as guards
 from ...train import steps
-from ...train.program import COMPUTE, Arena, Buffer, Kernel, accumulate, addresses, execute, mm
+from ...train.program import COMPUTE, Arena, Buffer, Kernel, Outputs, accumulate, addresses, execute, mm
 from .spec import Gemma3CoreConfig
 
 NEEDS = 7  # grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w
@@ -45,7 +46,7 @@ ATTENTION_FORWARD_REGIONS = ("normed, rotated q", "normed, rotated k", "v projec
 ATTENTION_BACKWARD_REGIONS = (None, None, "gradient of v projection")  # dq, dk: fp32, checked after the norm
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """One call's shape and options (see `ops/wan_xattn/training.py: Plan`); softcap 0: none."""
 
@@ -94,7 +95,8 @@ class Plan:
         """Tokens per program of the norm and RoPE launches."""
         return 32 if steps.INTERPRETED else max(8, 4096 // self.config.head_dim)
 
-    def activations(self) -> Arena:
+    @functools.cached_property
+    def activations(self):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         specs = [Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c), Buffer("o", (t, cfg.q_out), c),
                  Buffer("lse", (self.batch * cfg.heads, self.seq), fp32)]
@@ -107,7 +109,8 @@ class Plan:
                       Buffer("v", (t, cfg.kv_out), c)]
         return Arena(specs)
 
-    def backward_scratch(self) -> Arena:
+    @functools.cached_property
+    def backward_scratch(self):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         blocks = cdiv(t, self.norm_rows)
         specs = [Buffer("da", (t, cfg.q_out), c), Buffer("delta", (self.batch * cfg.heads, self.seq), fp32),
@@ -122,13 +125,14 @@ class Plan:
         else:
             specs += [Buffer("gq", (t, cfg.q_out), c), Buffer("gk", (t, cfg.kv_out), c), Buffer("gv", (t, cfg.kv_out), c)]
         if not self.save:
-            specs += self.activations().specs
+            specs += self.activations.specs
         return Arena(specs)
 
-    def weight_grads(self) -> Arena:
+    @functools.cached_property
+    def weight_grads(self):
         cfg, io, n = self.config, self.io, self.needs
         width = cfg.q_out + 2 * cfg.kv_out
-        return Arena([Buffer("grad_wqkv", (width, cfg.hidden), io) if self.casts and any(n[1:4]) else None,
+        return Outputs([Buffer("grad_wqkv", (width, cfg.hidden), io) if self.casts and any(n[1:4]) else None,
                       Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[1] and not self.casts else None,
                       Buffer("grad_wk", (cfg.kv_out, cfg.hidden), io) if n[2] and not self.casts else None,
                       Buffer("grad_wv", (cfg.kv_out, cfg.hidden), io) if n[3] and not self.casts else None,
@@ -183,7 +187,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan):
     g = _guard(p, "forward", device)
     if g is not None:
         g.poll()
-    acts = p.activations()
+    acts = p.activations
     a_flat = acts.allocate(device)
     out = buffers.empty(hidden.shape, p.io, device)
 
@@ -211,11 +215,10 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
         if each is not None:
             each.poll()
     t, qo, ko = p.tokens, cfg.q_out, cfg.kv_out
-    acts, scratch, wgrads = p.activations(), p.backward_scratch(), p.weight_grads()
-    s_flat, w_flat = scratch.allocate(device), wgrads.allocate(device)
+    acts, scratch, wgrads = p.activations, p.backward_scratch, p.weight_grads
+    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
     grad_hidden = buffers.empty(hidden.shape, p.io, device) if n[0] else None
     go = grad_out.contiguous().view(t, cfg.hidden)
-    w = wgrads.views(w_flat)
 
     def build():
         s = scratch.views(s_flat)
@@ -282,7 +285,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
 
     made = [grad_hidden] if grad_hidden is not None else []
     execute(("gemma3_core backward", p, scaling, eps), device,
-            addresses(*inputs, go, *made, s_flat, w_flat, *([] if a_flat is None else [a_flat])), build)
+            addresses(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()

@@ -15,6 +15,7 @@ Backward from the three upstream gradients (any strides; `heads_to_tokens_kernel
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import steps
-from ...train.program import COMPUTE, Arena, Buffer, accumulate, addresses, execute, mm
+from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addresses, execute, mm
 from .spec import QkvGqaConfig
 
 NEEDS = 5  # grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv
@@ -34,7 +35,7 @@ BACKWARD_REGIONS = (("grad_query_states", Holds.UPSTREAM), ("grad_key_states (he
                     ("grad_value_states (head-group sums)", Holds.UPSTREAM))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """One call's shape and options (see `ops/wan_xattn/training.py: Plan`)."""
 
@@ -68,7 +69,8 @@ class Plan:
     def te(self) -> int:
         return self.batch * self.se
 
-    def activations(self) -> Arena:
+    @functools.cached_property
+    def activations(self):
         """The fp16 copies the backward's products read (float32 inputs only)."""
         c, cfg = self.compute, self.config
         if not self.casts:
@@ -76,14 +78,16 @@ class Plan:
         return Arena([Buffer("dec_c", (self.td, cfg.hidden), c), Buffer("enc_c", (self.te, cfg.cross_hidden), c),
                       Buffer("wq_c", (cfg.q_out, cfg.hidden), c), Buffer("wkv_c", (2 * cfg.kv_out, cfg.cross_hidden), c)])
 
-    def forward_scratch(self) -> Arena:
+    @functools.cached_property
+    def forward_scratch(self):
         """k and v before the repeat: one product on stacked fp16 copies, or two on the inputs."""
         kv_out = self.config.kv_out
         if self.casts:
             return Arena([Buffer("kv", (self.te, 2 * kv_out), self.io)])
         return Arena([Buffer("k", (self.te, kv_out), self.io), Buffer("v", (self.te, kv_out), self.io)])
 
-    def backward_scratch(self) -> Arena:
+    @functools.cached_property
+    def backward_scratch(self):
         c, cfg, n = self.compute, self.config, self.needs
         enc_side = n[1] or n[3] or n[4]
         specs = [Buffer("gq", (self.td, cfg.q_out), c) if n[0] or n[2] else None]
@@ -93,12 +97,13 @@ class Plan:
             specs += [Buffer("gk", (self.te, cfg.kv_out), c) if enc_side else None,
                       Buffer("gv", (self.te, cfg.kv_out), c) if enc_side else None]
         if not self.save:
-            specs += self.activations().specs
+            specs += self.activations.specs
         return Arena(specs)
 
-    def weight_grads(self) -> Arena:
+    @functools.cached_property
+    def weight_grads(self):
         cfg, io, n = self.config, self.io, self.needs
-        return Arena([Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[2] else None,
+        return Outputs([Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[2] else None,
                       Buffer("grad_wkv", (2 * cfg.kv_out, cfg.cross_hidden), io) if self.casts and (n[3] or n[4]) else None,
                       Buffer("grad_wk", (cfg.kv_out, cfg.cross_hidden), io) if n[3] and not self.casts else None,
                       Buffer("grad_wv", (cfg.kv_out, cfg.cross_hidden), io) if n[4] and not self.casts else None])
@@ -134,7 +139,7 @@ def forward(inputs, plan: Plan):
     g = _guard(p, "forward", device)
     if g is not None:
         g.poll()
-    acts, scratch = p.activations(), p.forward_scratch()
+    acts, scratch = p.activations, p.forward_scratch
     a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
     q = buffers.empty((p.batch, p.sd, cfg.heads, cfg.head_dim), p.io, device)
     k = buffers.empty((p.batch, p.se, cfg.heads, cfg.head_dim), p.io, device)
@@ -172,11 +177,10 @@ def backward(inputs, grads, plan: Plan, a_flat):
         g.poll()
     fg = _guard(p, "forward", device) if p.casts and a_flat is None else None
     gq, gk, gv = (t if t.stride(-1) == 1 else t.contiguous() for t in grads)
-    acts, scratch, wgrads = p.activations(), p.backward_scratch(), p.weight_grads()
-    s_flat, w_flat = scratch.allocate(device), wgrads.allocate(device)
+    acts, scratch, wgrads = p.activations, p.backward_scratch, p.weight_grads
+    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
     grad_dec = buffers.empty(dec.shape, p.io, device) if n[0] else None
     grad_enc = buffers.empty(enc.shape, p.io, device) if n[1] else None
-    w = wgrads.views(w_flat)
     kv_out = cfg.kv_out
 
     def build():
@@ -225,7 +229,7 @@ def backward(inputs, grads, plan: Plan, a_flat):
 
     made = [t for t in (grad_dec, grad_enc) if t is not None]
     execute(("qkv_gqa backward", p), device,
-            addresses(*inputs, gq, gk, gv, *made, s_flat, w_flat, *([] if a_flat is None else [a_flat])), build)
+            addresses(*inputs, gq, gk, gv, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()

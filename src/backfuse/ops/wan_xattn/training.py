@@ -19,6 +19,7 @@ by the guard's 2^k and the outputs divided by it again (`backfuse/train/guard.py
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import steps
-from ...train.program import COMPUTE, Arena, Buffer, accumulate, addmm, addresses, execute, mm
+from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addmm, addresses, execute, mm
 from .spec import WanXattnConfig
 
 NEEDS = 10  # grad_video, grad_text, grad_Wq, grad_bq, grad_Wk, grad_bk, grad_Wv, grad_bv, grad_Wo, grad_bo
@@ -41,7 +42,7 @@ BACKWARD_REGIONS = (("grad_output", Holds.UPSTREAM), ("gradient of attention out
                     ("gradient of values", Holds.VANISHING))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """One call's shape and options: batch, video and text tokens per entry, the config, the inputs'
     dtype, whether the forward saves its activations, the GPU's SM count (0: the interpreter),
@@ -90,7 +91,8 @@ class Plan:
     def split(self) -> int:
         return self.attention.split(self.tiles, self.sms, self.deterministic) if self.sms else 1
 
-    def activations(self) -> Arena:
+    @functools.cached_property
+    def activations(self):
         """What the forward leaves for the backward (saved, or the backward's own recomputation)."""
         tv, tt, d, c = self.tv, self.tt, self.config.hidden, self.compute
         specs = [Buffer("q", (tv, d), c), Buffer("o", (tv, d), c),
@@ -102,11 +104,13 @@ class Plan:
             specs += [Buffer("k", (tt, d), c), Buffer("v", (tt, d), c)]
         return Arena(specs)
 
-    def forward_scratch(self) -> Arena:
+    @functools.cached_property
+    def forward_scratch(self):
         d, c = self.config.hidden, self.compute
         return Arena([Buffer("bq_c", (d,), c), Buffer("bkv_c", (2 * d,), c)] if self.casts else [])
 
-    def backward_scratch(self) -> Arena:
+    @functools.cached_property
+    def backward_scratch(self):
         tv, tt, d, c, fp32 = self.tv, self.tt, self.config.hidden, self.compute, torch.float32
         split = self.split > 1
         specs = [Buffer("dc", (tv, d), c), Buffer("delta", (self.batch * self.config.heads, self.nv), fp32),
@@ -120,15 +124,16 @@ class Plan:
         specs += [Buffer(f"parts_{name}", (steps.column_sum_parts(rows), d), fp32)
                   for name, rows in (("bo", tv), ("bq", tv), ("bk", tt), ("bv", tt))]
         if not self.save:  # the backward's own forward
-            specs += self.activations().specs + self.forward_scratch().specs
+            specs += self.activations.specs + self.forward_scratch.specs
         return Arena(specs)
 
-    def weight_grads(self) -> Arena:
+    @functools.cached_property
+    def weight_grads(self):
         """The parameters' gradients, in one allocation (they live as long as each other: until the
         optimizer has used them); grad_Wk and grad_Wv as the row blocks of one product on fp16 copies."""
         d, io, n = self.config.hidden, self.io, self.needs
         stacked = self.casts
-        return Arena([Buffer("grad_wq", (d, d), io) if n[2] else None, Buffer("grad_bq", (d,), io) if n[3] else None,
+        return Outputs([Buffer("grad_wq", (d, d), io) if n[2] else None, Buffer("grad_bq", (d,), io) if n[3] else None,
                       Buffer("grad_wkv", (2 * d, d), io) if stacked and (n[4] or n[6]) else None,
                       Buffer("grad_wk", (d, d), io) if n[4] and not stacked else None,
                       Buffer("grad_bk", (d,), io) if n[5] else None,
@@ -174,7 +179,7 @@ def forward(inputs, scale: float, plan: Plan):
     g = _guard(plan, "forward", device)
     if g is not None:
         g.poll()
-    acts, scratch = plan.activations(), plan.forward_scratch()
+    acts, scratch = plan.activations, plan.forward_scratch
     a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
     out = buffers.empty(video.shape, plan.io, device)
 
@@ -207,12 +212,11 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
         if each is not None:
             each.poll()
     tv, tt, d = p.tv, p.tt, p.config.hidden
-    acts, scratch, wgrads = p.activations(), p.backward_scratch(), p.weight_grads()
-    s_flat, w_flat = scratch.allocate(device), wgrads.allocate(device)
+    acts, scratch, wgrads = p.activations, p.backward_scratch, p.weight_grads
+    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
     grad_video = buffers.empty(video.shape, p.io, device) if n[0] else None
     grad_text = buffers.empty(text.shape, p.io, device) if n[1] else None
     go = grad_out.contiguous().view(tv, d)
-    w = wgrads.views(w_flat)
 
     def build():
         s = scratch.views(s_flat)
@@ -277,7 +281,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
 
     made = [t for t in (grad_video, grad_text) if t is not None]
     execute(("wan_xattn backward", p, scale), device,
-            addresses(*inputs, go, *made, s_flat, w_flat, *([] if a_flat is None else [a_flat])), build)
+            addresses(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()

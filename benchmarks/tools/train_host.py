@@ -1,0 +1,143 @@
+"""Host time of a training step on the GPU machine: the floor (autograd.Function, a graph launch, an
+allocation) and where backfuse's step spends it (inclusive time of each layer of the call, by
+wrapping those functions with timers).
+
+    PYTHONPATH=src python3 benchmarks/tools/train_host.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from backfuse import functional
+from backfuse.kernels import graphs
+from backfuse.ops.gemma3_core import training as gemma
+from backfuse.ops.qkv_gqa import training as qkv
+from backfuse.ops.wan_xattn import training as wan
+
+DEV = "cuda"
+
+
+def per_call_us(fn, calls=200) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+class Trivial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *xs):
+        ctx.save_for_backward(*xs)
+        return torch.empty_like(xs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        return tuple(torch.empty_like(x) for x in ctx.saved_tensors)
+
+
+def floors():
+    xs = [torch.randn(64, 64, device=DEV, requires_grad=True) for _ in range(10)]
+    g = torch.randn(64, 64, device=DEV)
+
+    def step():
+        for x in xs:
+            x.grad = None
+        torch.autograd.backward(Trivial.apply(*xs), g)
+
+    a = torch.randn(16, device=DEV)
+    print(f"autograd.Function, 10 inputs, forward + backward: {per_call_us(step):.1f} us")
+    print(f"torch.empty: {per_call_us(lambda: torch.empty(1024, device=DEV)):.1f} us")
+    print(f"data_ptr: {per_call_us(lambda: a.data_ptr(), 2000):.2f} us")
+    print(f"view + slice: {per_call_us(lambda: a[4:8].view(torch.int32), 2000):.2f} us")
+    print(f"torch.are_deterministic_algorithms_enabled: {per_call_us(torch.are_deterministic_algorithms_enabled, 2000):.2f} us")
+    # one graph of one small kernel, launched through ctypes as the training paths do
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            a.add_(1)
+    print(f"torch CUDAGraph.replay: {per_call_us(graph.replay):.1f} us")
+    print(f"raw stream handle: {per_call_us(lambda: graphs.raw_stream(0), 2000):.2f} us")
+
+
+TIMED = [(functional, "_WanXattn"), (wan, "forward"), (wan, "backward"), (qkv, "forward"), (qkv, "backward"),
+         (gemma, "forward"), (gemma, "backward"), (wan, "execute"), (qkv, "execute"), (gemma, "execute"),
+         (graphs, "replay"), (functional, "_wan_plan"),
+         (functional, "_qkv_plan"), (functional, "_gemma_plan")]
+totals: dict = {}
+
+
+def instrument():
+    for module, name in TIMED:
+        fn = getattr(module, name)
+        if isinstance(fn, type):
+            for method in ("forward", "backward"):
+                _wrap_static(fn, method)
+            continue
+
+        def wrapped(*a, _fn=fn, _name=f"{module.__name__.split('.')[-2]}.{name}", **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_name] = totals.get(_name, 0) + time.perf_counter_ns() - t0
+
+        setattr(module, name, wrapped)
+
+
+def _wrap_static(cls, method):
+    fn = getattr(cls, method)
+
+    def wrapped(*a, _fn=fn, _name=f"{cls.__name__}.{method}", **k):
+        t0 = time.perf_counter_ns()
+        try:
+            return _fn(*a, **k)
+        finally:
+            totals[_name] = totals.get(_name, 0) + time.perf_counter_ns() - t0
+
+    setattr(cls, method, staticmethod(wrapped))
+
+
+def layer(pid, dtype):
+    import backfuse
+    from backfuse.bench.train import Layer
+
+    prob = backfuse.problem(pid)
+    axes = {"021": prob.workloads[8].axes, "072": prob.workloads[3].axes, "037": prob.workloads[9].axes}[pid]
+    return Layer(prob, axes, "backfuse_fp32" if dtype == torch.float32 else "backfuse_bf16", DEV)
+
+
+def main():
+    print(torch.cuda.get_device_name(), torch.__version__)
+    floors()
+    for pid in ("021", "072", "037"):
+        for dtype in (torch.float32, torch.bfloat16):
+            lay = layer(pid, dtype)
+            print(f"{pid} {str(dtype)[6:]} step: {per_call_us(lay.step, 100):.0f} us host")
+    instrument()
+    for pid in ("021", "072", "037"):
+        lay = layer(pid, torch.float32)
+        for _ in range(10):
+            lay.step()
+        torch.cuda.synchronize()
+        totals.clear()
+        steps = 100
+        t0 = time.perf_counter_ns()
+        for _ in range(steps):
+            lay.step()
+        total = time.perf_counter_ns() - t0
+        torch.cuda.synchronize()
+        print(f"{pid} float32 instrumented step {total / steps / 1e3:.0f} us: " + ", ".join(
+            f"{k} {v / steps / 1e3:.0f}" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])))
+
+
+if __name__ == "__main__":
+    main()
