@@ -53,7 +53,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _signature(tensors) -> tuple:
-    return tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in tensors)
+    """What a plan depends on, as cheaply as the host can read it: each input's shape, dtype and device index."""
+    return tuple((t.shape, t.dtype, t.get_device()) if isinstance(t, torch.Tensor) else type(t) for t in tensors)
 
 
 def _validate(label: str, pid: str, specs, tensors) -> dict:
@@ -87,6 +88,11 @@ def _needs_plan(plan, needs: tuple):
     if p is None:
         p = _plans[key] = dataclasses.replace(plan, needs=needs)
     return p
+
+
+def _attributed(site):
+    """Warnings inside point at `site` (none: no warning can come, bfloat16 products)."""
+    return contextlib.nullcontext() if site is None else callsite.attributed_to(site)
 
 
 def _site(plan):
@@ -140,7 +146,7 @@ class _WanXattn(torch.autograd.Function):
             return (None,) * 13
         saved = ctx.saved_tensors
         acts = saved[10] if len(saved) > 10 else None
-        with callsite.attributed_to(ctx.site):
+        with _attributed(ctx.site):
             grads = _wan.backward(saved[:10], grad_out, ctx.scale, _needs_plan(ctx.plan, needs), acts)
         return (None, None, None, *grads)
 
@@ -207,7 +213,7 @@ class _QkvGqa(torch.autograd.Function):
         saved = ctx.saved_tensors
         grads = [g if g is not None else torch.zeros(s, dtype=ctx.plan.io, device=saved[0].device) for g, s in
                  zip((gq, gk, gv), _qkv_shapes(ctx.plan))]
-        with callsite.attributed_to(ctx.site):
+        with _attributed(ctx.site):
             out = _qkv.backward(saved[:5], grads, _needs_plan(ctx.plan, needs), saved[5] if len(saved) > 5 else None)
         return (None, None, *out)
 
@@ -286,7 +292,7 @@ class _Gemma3Core(torch.autograd.Function):
         if not any(needs):
             return (None,) * 14
         saved = ctx.saved_tensors
-        with callsite.attributed_to(ctx.site):
+        with _attributed(ctx.site):
             g = _gemma.backward(saved[:9], grad_out, *ctx.scalars, _needs_plan(ctx.plan, needs),
                                 saved[9] if len(saved) > 9 else None)
         return (None,) * 5 + (g[0], None, None, *g[1:])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -265,30 +266,48 @@ def raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-def _freed(index: int) -> int:
-    return torch.cuda.memory_stats(index).get("allocation.all.freed", 0)
+def _allocated(index: int) -> int:
+    return torch.cuda.memory_stats(index).get("allocation.all.allocated", 0)
+
+
+def _recorder(index: int, stream) -> torch.cuda.Stream:
+    """Our recording stream for (device, thread, caller's stream); a new one first runs a product of
+    each form the training paths record there, so that cuBLAS takes its workspaces for that stream
+    now, not while a call is recorded."""
+    where = (index, threading.get_ident(), stream.cuda_stream)
+    recorder = _capture_streams.get(where)
+    if recorder is None:
+        recorder = _capture_streams[where] = torch.cuda.Stream(index)
+        with torch.cuda.stream(recorder):
+            for dtype in (torch.float16, torch.bfloat16):
+                a = torch.ones(64, 64, dtype=dtype, device=torch.device("cuda", index))
+                torch.mm(a, a, out_dtype=torch.float32)
+                torch.mm(a, a.T)
+                torch.addmm(a[0], a, a.T)
+        recorder.synchronize()
+    return recorder
 
 
 def _record(drv, index: int, stream, launches):
     """The graph of the launches recorded on our recording stream for (device, thread, caller's
     stream), or None after a warning and direct launches when recording fails. Recording must not
-    use temporary buffers: a block taken from torch's caching allocator during the recording and freed
-    would be handed to other tensors while the graph still writes it, so every buffer is made before,
-    and a launch that frees a block while it is recorded is named in the warning (cuBLAS's workspace
-    for the recording stream, taken at its first product there, stays allocated)."""
-    where = (index, threading.get_ident(), stream.cuda_stream)
-    recorder = _capture_streams.get(where)
-    if recorder is None:
-        recorder = _capture_streams[where] = torch.cuda.Stream(index)
+    allocate: a block taken from torch's caching allocator while recording (a temporary of a torch op)
+    would go back to the pool and to other tensors while the graph still uses it, so every buffer is
+    made before, and a launch that allocates while it is recorded is named in the warning. (Python's
+    garbage collector is held off meanwhile: what it frees is no concern, but it allocates nothing
+    either.)"""
+    recorder = _recorder(index, stream)
     culprits = []
 
     def record():
         for launch in launches:
-            before = _freed(index)
+            before = _allocated(index)
             launch()
-            if _freed(index) != before:
+            if _allocated(index) != before:
                 culprits.append(getattr(launch, "what", getattr(launch, "__qualname__", "a launch")))
 
+    collecting = gc.isenabled()
+    gc.disable()
     torch.cuda.set_stream(recorder)
     try:
         graph = drv.capture(recorder.cuda_stream, record)
@@ -301,9 +320,11 @@ def _record(drv, index: int, stream, launches):
         return None
     finally:
         torch.cuda.set_stream(stream)
+        if collecting:
+            gc.enable()
     if culprits:
         drv.destroy_graph(graph)
-        callsite.warn(f"backfuse: {', '.join(culprits)} used a temporary buffer while recorded into a CUDA graph; calls of "
+        callsite.warn(f"backfuse: {', '.join(culprits)} allocated memory while recorded into a CUDA graph; calls of "
                       "this shape launch their kernels one by one", GraphWarning)
         counts["direct"] += 1
         _direct(launches)

@@ -21,9 +21,9 @@ call it was (the next calls have rescaled where scaling helps). bfloat16 product
 range, need no guard.
 
 State per op, direction, input dtype and device: a few float32 on the device (STATE_FIELDS), the
-region maxima and their flags, and the log [calls, then per region: bad calls, last bad call, its
-largest |value| unscaled]. Calls of one op on two streams at once share it (their maxima mix, which
-can only make a warning more likely, never hide one).
+region maxima and their flags, and the log [calls, regions found out of range in all, then per
+region: bad calls, last bad call, its largest |value| unscaled]. Calls of one op on two streams at
+once share it (their maxima mix, which can only make a warning more likely, never hide one).
 """
 
 from __future__ import annotations
@@ -59,11 +59,12 @@ class Guard:
         self.maxima = torch.zeros(max(1, len(regions)), dtype=torch.float32, device=device)
         self.flags = torch.tensor([flags(h) for _, h in self.regions] or [0], dtype=torch.int32).to(device)
         self.state = torch.zeros(8, dtype=torch.float32, device=device)
-        self.log = buffers.empty((1 + 3 * max(1, len(regions)),), torch.float32, "cpu",
+        self.log = buffers.empty((2 + 3 * max(1, len(regions)),), torch.float32, "cpu",
                                  pinned=device.type == "cuda")
         self.log.zero_()
         self._host = self.log.numpy()
         self.seen = [0] * len(self.regions)
+        self.seen_total = 0.0
 
     def slot(self, name: str) -> int:
         return self.index[name]
@@ -72,11 +73,14 @@ class Guard:
         """Warn about the regions of calls checked since the last poll that were out of range (reads
         pinned memory the device writes: no synchronization; a call still running is seen later)."""
         host = self._host
+        if host[1] == self.seen_total:
+            return  # nothing new (one read of host memory: the common case)
+        self.seen_total = float(host[1])
         found = []
         for i, (name, holds) in enumerate(self.regions):
-            bad = int(host[1 + 3 * i])
+            bad = int(host[2 + 3 * i])
             if bad > self.seen[i]:
-                found.append((name, holds, bad - self.seen[i], int(host[2 + 3 * i]) + 1, float(host[3 + 3 * i])))
+                found.append((name, holds, bad - self.seen[i], int(host[3 + 3 * i]) + 1, float(host[4 + 3 * i])))
                 self.seen[i] = bad
         if found:
             callsite.warn(self.describe(found), Fp16RangeWarning)

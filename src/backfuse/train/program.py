@@ -67,13 +67,21 @@ class Arena:
 
 
 class Outputs:
-    """A call's outputs, each its own allocation (each lives as long as its user keeps it)."""
+    """A call's parameter gradients: one allocation split into them (they live as long as each other, until
+    the optimizer has used them; autograd takes each as the parameter's .grad without a copy), all in
+    one dtype. `allocate` costs the host one allocation, one split and a view per tensor of 2 dims or more."""
 
     def __init__(self, specs):
         self.specs = tuple(s for s in specs if s is not None)
+        self.sizes = [math.prod(s.shape) for s in self.specs]
+        self.total = max(1, sum(self.sizes))
+        self.dtype = self.specs[0].dtype if self.specs else torch.float32
 
     def allocate(self, device) -> SimpleNamespace:
-        return SimpleNamespace(**{s.name: buffers.empty(s.shape, s.dtype, device) for s in self.specs})
+        if not self.specs:
+            return SimpleNamespace()
+        parts = buffers.empty((self.total,), self.dtype, device).split_with_sizes(self.sizes)
+        return SimpleNamespace(**{s.name: p if len(s.shape) == 1 else p.view(s.shape) for s, p in zip(self.specs, parts)})
 
 
 def execute(key, device: torch.device, addresses: tuple, build) -> None:

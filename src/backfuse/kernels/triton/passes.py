@@ -157,11 +157,11 @@ def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SC
     maxima for the next call.
 
     flags per region: 1 linear in the upstream gradients, 2 checked for underflow, 4 the upstream
-    gradients themselves. log (pinned host memory): [calls, then per region bad calls, last bad call,
-    its largest |value| unscaled]. Next exponent, among those where every linear region fits with
-    MARGIN bits to spare at both ends (without the margins where none does): this call's where it is
-    one of them; else 0 where that is; else the one nearest to bringing the upstream gradients'
-    largest |value| into [1, 2)."""
+    gradients themselves. log (pinned host memory): [calls, regions found out of range in all, then per
+    region: calls it was out of range in, the last such call, its largest |value| unscaled]. Next
+    exponent, among those where every linear region fits with MARGIN bits to spare at both ends
+    (without the margins where none does): this call's where it is one of them; else 0 where that is;
+    else the one nearest to bringing the upstream gradients' largest |value| into [1, 2)."""
     i = tl.arange(0, R)
     ok = i < n_regions
     m = tl.load(maxima + i, mask=ok, other=0.0)
@@ -176,10 +176,11 @@ def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SC
     unscaled = tl.where(linear, m * tl.exp2(-k), m)
     bad = ok & ((m > FP16_MAX) | (m != m) | (under & (m > 0.0) & (m < SMALLEST_SAFE)))
     call = tl.load(log)
-    n_bad = tl.load(log + 1 + 3 * i, mask=ok, other=0.0)
-    tl.store(log + 1 + 3 * i, n_bad + 1.0, mask=bad)
-    tl.store(log + 2 + 3 * i, tl.zeros((R,), dtype=tl.float32) + call, mask=bad)
-    tl.store(log + 3 + 3 * i, unscaled, mask=bad)
+    n_bad = tl.load(log + 2 + 3 * i, mask=ok, other=0.0)
+    tl.store(log + 2 + 3 * i, n_bad + 1.0, mask=bad)
+    tl.store(log + 3 + 3 * i, tl.zeros((R,), dtype=tl.float32) + call, mask=bad)
+    tl.store(log + 4 + 3 * i, unscaled, mask=bad)
+    tl.store(log + 1, tl.load(log + 1) + tl.sum(bad.to(tl.float32), 0))
     tl.store(log, call + 1.0)
     if SCALED:
         finite = (m == m) & (m <= FP16_MAX)
