@@ -47,14 +47,27 @@ class Buffer:
 class Arena:
     """Tensors laid out in one allocation: `allocate` makes the allocation (the host's only work for
     them on a graph hit), `views` the named tensors in it (on a miss). An arena's tensors live as long
-    as any one of them is referenced."""
+    as any one of them is referenced. An item may be a `Phases`: groups of tensors that the launches use
+    one group after the other, laid out over the same bytes."""
 
     def __init__(self, specs):
-        self.specs = tuple(s for s in specs if s is not None)
-        self.offsets, at = [], 0
-        for s in self.specs:
-            self.offsets.append(at)
-            at += -(-s.nbytes // ALIGN) * ALIGN
+        self.specs, self.offsets, at = [], [], 0
+        for item in specs:
+            if item is None:
+                continue
+            groups = item.groups if isinstance(item, Phases) else ([item],)
+            end = at
+            for group in groups:
+                here = at
+                for s in group:
+                    if s is None:
+                        continue
+                    self.specs.append(s)
+                    self.offsets.append(here)
+                    here += -(-s.nbytes // ALIGN) * ALIGN
+                end = max(end, here)
+            at = end
+        self.specs = tuple(self.specs)
         self.nbytes = max(at, ALIGN)
 
     def allocate(self, device) -> torch.Tensor:
@@ -64,6 +77,14 @@ class Arena:
         """The named tensors in `flat` (poisoned allocations hold 0xff bytes: NaN in every float dtype)."""
         return SimpleNamespace(**{s.name: flat[at:at + s.nbytes].view(s.dtype).view(s.shape)
                                   for s, at in zip(self.specs, self.offsets)})
+
+
+class Phases:
+    """Groups of an arena's tensors over the same bytes: the launches finish with one group (on the
+    stream) before they write the next."""
+
+    def __init__(self, *groups):
+        self.groups = tuple(tuple(g) for g in groups)
 
 
 class Outputs:

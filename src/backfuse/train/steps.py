@@ -18,11 +18,13 @@ from .program import Kernel
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements per program of the flat passes (the interpreter's cost is per program: few, large ones).
-FLAT_BLOCK = 1 << 16 if INTERPRETED else 4096
+FLAT_BLOCK = 1 << 16 if INTERPRETED else 8192
+FLAT_WARPS = 8
 
 CAST = Kernel(passes.cast_kernel)
 AMAX = Kernel(passes.amax_kernel)
 HEADS_TO_TOKENS = Kernel(passes.heads_to_tokens_kernel)
+REPEAT = Kernel(passes.repeat_heads_kernel)
 PARTIALS = Kernel(passes.column_partials_kernel)
 FINISH = Kernel(passes.column_finish_kernel)
 UNSCALE = Kernel(passes.unscale_kernel)
@@ -61,7 +63,7 @@ def cast(src, dst, guard, region: str, *, upstream: bool = False):
     n = src.numel()
     return CAST((cdiv(n, FLAT_BLOCK),), dict(src=src, dst=dst, ranges=ranges, state=state, n=n,
                                             r=_slot(guard, region)),
-                BLOCK=FLAT_BLOCK, UPSTREAM=upstream and checked, RANGES=checked)
+                BLOCK=FLAT_BLOCK, UPSTREAM=upstream and checked, RANGES=checked, num_warps=FLAT_WARPS)
 
 
 def amax(src, guard):
@@ -83,6 +85,14 @@ def heads_to_tokens(src, dst, group: int, guard, region: str, *, upstream: bool 
              stride_h=src.stride(1), stride_s=src.stride(2), r=_slot(guard, region)),
         GROUP=group, D=d, HEADS_OUT=heads // group, LD=(src if amax else dst).stride(0), BT=bt, AMAX=amax,
         UPSTREAM=upstream and checked, RANGES=checked and not amax, num_warps=4)
+
+
+def repeat_heads(src, dst, group: int, head_dim: int):
+    """dst[T, H * D] = src[T, (H / group) * D] with each head repeated `group` times (same dtype)."""
+    tokens, width = src.shape
+    bt = 64 if INTERPRETED else max(8, min(64, 8192 // head_dim))
+    return REPEAT((cdiv(tokens, bt), width // head_dim), dict(src=src, dst=dst, T=tokens), GROUP=group, D=head_dim,
+                  LD_SRC=src.stride(0), LD_DST=dst.stride(0), BT=bt, num_warps=4)
 
 
 def column_sum_parts(rows: int) -> int:

@@ -103,6 +103,20 @@ def heads_to_tokens_kernel(src, dst, ranges, state, S, stride_b, stride_h, strid
             fold(ranges, r, largest(acc))
 
 
+@triton.jit(do_not_specialize=["T"])
+def repeat_heads_kernel(src, dst, T, GROUP: tl.constexpr, D: tl.constexpr, LD_SRC: tl.constexpr,
+                        LD_DST: tl.constexpr, BT: tl.constexpr):
+    """dst[t, (j * GROUP + g) * D + d] = src[t, j * D + d] for g < GROUP: each KV head's rows written
+    once per query head it serves (token-major, rows LD_* apart). Grid (token blocks of BT, KV heads)."""
+    j = tl.program_id(1)
+    tok = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    ok = (tok < T)[:, None]
+    d = tl.arange(0, D)
+    x = tl.load(src + tok[:, None] * LD_SRC + j * D + d[None, :], mask=ok, other=0.0)
+    for g in tl.static_range(GROUP):
+        tl.store(dst + tok[:, None] * LD_DST + (j * GROUP + g) * D + d[None, :], x, mask=ok)
+
+
 @triton.jit(do_not_specialize=["R", "C", "rows_per_program"])
 def column_partials_kernel(x, parts, R, C, rows_per_program, LD: tl.constexpr, ROWS: tl.constexpr,
                            COLS: tl.constexpr):

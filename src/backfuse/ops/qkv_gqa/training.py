@@ -24,7 +24,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import steps
-from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addresses, execute, mm
+from ...train.program import COMPUTE, Arena, Buffer, Outputs, Phases, accumulate, addresses, execute, mm
 from .spec import QkvGqaConfig
 
 NEEDS = 5  # grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv
@@ -80,25 +80,21 @@ class Plan:
 
     @functools.cached_property
     def forward_scratch(self):
-        """k and v before the repeat: one product on stacked fp16 copies, or two on the inputs."""
-        kv_out = self.config.kv_out
-        if self.casts:
-            return Arena([Buffer("kv", (self.te, 2 * kv_out), self.io)])
-        return Arena([Buffer("k", (self.te, kv_out), self.io), Buffer("v", (self.te, kv_out), self.io)])
+        """k, then v, before its repeat (one buffer: k's repeat reads it before v's product writes it)."""
+        return Arena([Buffer("kv", (self.te, self.config.kv_out), self.io)])
 
     @functools.cached_property
     def backward_scratch(self):
         c, cfg, n = self.compute, self.config, self.needs
         enc_side = n[1] or n[3] or n[4]
-        specs = [Buffer("gq", (self.td, cfg.q_out), c) if n[0] or n[2] else None]
+        # The query side's products finish with GQ before the encoder side's sums are written.
+        queries = [Buffer("gq", (self.td, cfg.q_out), c) if n[0] or n[2] else None]
         if self.casts:
-            specs.append(Buffer("gkv", (self.te, 2 * cfg.kv_out), c) if enc_side else None)
+            keys = [Buffer("gkv", (self.te, 2 * cfg.kv_out), c) if enc_side else None]
         else:
-            specs += [Buffer("gk", (self.te, cfg.kv_out), c) if enc_side else None,
-                      Buffer("gv", (self.te, cfg.kv_out), c) if enc_side else None]
-        if not self.save:
-            specs += self.activations.specs
-        return Arena(specs)
+            keys = [Buffer("gk", (self.te, cfg.kv_out), c) if enc_side else None,
+                    Buffer("gv", (self.te, cfg.kv_out), c) if enc_side else None]
+        return Arena([*(self.activations.specs if not self.save else ()), Phases(queries, keys)])
 
     @functools.cached_property
     def weight_grads(self):
@@ -124,14 +120,6 @@ def _casts(p: Plan, g, x, a) -> list:
             steps.cast(wv, a.wkv_c[kv_out:], g, "v_weight")]
 
 
-def _repeat(src, dst, cfg: QkvGqaConfig):
-    """A launch step: dst[t, h * D + d] = src[t, (h // G) * D + d] (dst token-major [T, H * D])."""
-    tokens = src.shape[0]
-    shape = (tokens, cfg.kv_heads, cfg.group, cfg.head_dim)
-    wide = src.view(tokens, cfg.kv_heads, 1, cfg.head_dim).expand(shape)
-    return lambda: dst.view(shape).copy_(wide)
-
-
 def forward(inputs, plan: Plan):
     """((query_states, key_states, value_states), activations) in the inputs' dtype."""
     dec, enc, wq, wk, wv = inputs
@@ -149,15 +137,15 @@ def forward(inputs, plan: Plan):
         a, s = acts.views(a_flat), scratch.views(s_flat)
         kv_out = cfg.kv_out
         if p.casts:
-            launches = _casts(p, g, inputs, a) + [mm(a.dec_c, a.wq_c.T, q.view(p.td, cfg.q_out)),
-                                                   mm(a.enc_c, a.wkv_c.T, s.kv)]
-            k_small, v_small = s.kv[:, :kv_out], s.kv[:, kv_out:]
+            launches = _casts(p, g, inputs, a)
+            dec_c, enc_c, wq_c, wk_c, wv_c = a.dec_c, a.enc_c, a.wq_c, a.wkv_c[:kv_out], a.wkv_c[kv_out:]
         else:
-            e2 = enc.view(p.te, cfg.cross_hidden)
-            launches = [mm(dec.view(p.td, cfg.hidden), wq.T, q.view(p.td, cfg.q_out)), mm(e2, wk.T, s.k),
-                        mm(e2, wv.T, s.v)]
-            k_small, v_small = s.k, s.v
-        launches += [_repeat(k_small, k.view(p.te, cfg.q_out), cfg), _repeat(v_small, v.view(p.te, cfg.q_out), cfg)]
+            launches = []
+            dec_c, enc_c, wq_c, wk_c, wv_c = dec.view(p.td, cfg.hidden), enc.view(p.te, cfg.cross_hidden), wq, wk, wv
+        launches.append(mm(dec_c, wq_c.T, q.view(p.td, cfg.q_out)))
+        for w_c, out in ((wk_c, k), (wv_c, v)):
+            launches += [mm(enc_c, w_c.T, s.kv), steps.repeat_heads(s.kv, out.view(p.te, cfg.q_out), cfg.group,
+                                                                     cfg.head_dim)]
         if g is not None:
             launches.append(steps.check(g))
         return launches
