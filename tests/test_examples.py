@@ -1,5 +1,5 @@
-"""examples/train_tiny.py: every block trains on the fused path (no fp32 fallback: its warning fails
-the test) and its losses follow the plain-PyTorch twin's; run as a user runs it, it prints what its
+"""examples/train_tiny.py: every block trains on the fused path (no fp16 range warning) and its losses
+follow the plain-PyTorch twin's; run as a user runs it, it prints what its
 docstring says and refuses bad arguments in one line."""
 
 import importlib.util
@@ -24,7 +24,7 @@ def train_tiny():
 @pytest.mark.parametrize("pid", ["072", "021", "037"])
 def test_train_tiny_stays_fused(train_tiny, pid, capsys):
     history = train_tiny.train(pid, steps=2)
-    assert "fp32 fallbacks: 0" in capsys.readouterr().out
+    assert "fp16 range warnings: 0" in capsys.readouterr().out
     assert len(history) == 2 and history[1][1] < history[0][1]  # the twin's loss falls
     assert all(abs(ours - twin) <= 1e-4 * twin for ours, twin in history)
 
@@ -43,7 +43,7 @@ def test_train_tiny_prints_what_its_docstring_says():
                         "relative difference")
     step, ours, twin, diff = lines[1].split()
     assert step == "0" and abs(float(ours) - float(twin)) <= 1e-4 * float(twin) and float(diff) < 1e-4
-    assert lines[2:] == ["  fp32 fallbacks: 0"] and r.stderr == ""
+    assert lines[2:] == ["  fp16 range warnings: 0"] and r.stderr == ""
 
 
 @pytest.mark.parametrize("args, words", [(["--blocks", "72"], "argument --blocks: expected comma-separated problem ids "

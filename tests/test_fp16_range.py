@@ -1,5 +1,8 @@
-"""The fp16 range guard: values fp16 cannot hold (inputs or intermediates) send a call to fp32, unless
-they are linear in the upstream gradients: then the upstream gradients are scaled by a power of two.
+"""The fp16 range guards. The official interface's (`Problem.run`): values fp16 cannot hold (inputs or
+intermediates) send a call to fp32, unless they are linear in the upstream gradients: then the upstream
+gradients are scaled by a power of two. The training paths' (`backfuse/train/guard.py`): the same rule
+checked on the device, a power-of-two scale chosen there, and a warning naming the call instead of a
+fallback.
 
 Without a GPU these run in the Triton interpreter (set up in conftest.py).
 """
@@ -17,6 +20,7 @@ import backfuse
 from backfuse.bench import check_outputs
 from backfuse.fp16_guard import FP16_MAX, SMALLEST_SAFE_MAX, RangeSlots, scale_exponent
 from backfuse.kernels.schedule import Holds, Region
+from backfuse.train import guard
 
 SMALL_AXES = {
     "072": dict(batch_size=1, seq_len_dec=7, seq_len_enc=5),
@@ -93,9 +97,8 @@ def test_intermediates_beyond_fp16_fall_back_to_fp32(pid, names, culprit):
     else:
         inputs = _scaled(prob, inputs, 2e3 if pid == "037" else 2e5, names)
     assert max(x.abs().max().item() for x in inputs if isinstance(x, torch.Tensor)) < FP16_MAX
-    needs = [i == 0 for i in range(len(prob.outputs))]  # the first output only: no weight products to run
     with _falls_back() as caught:
-        first = prob.backward(*inputs, needs=needs)[0]
+        first = prob.run(*inputs)[0]
     assert any(culprit in str(w.message) for w in caught)
     ref = prob.reference(*inputs)[0]
     assert torch.isfinite(first).all() and rel_err(first, ref) < 1e-5
@@ -168,30 +171,77 @@ def test_tiny_upstream_gradients_are_scaled_not_sent_to_fp32(prob, monkeypatch, 
 
 
 @OVERFLOWS
-def test_upstream_gradients_beyond_fp16_are_scaled():
-    """072: grad_key_states = 30000 everywhere (head-group sums 120000, beyond 65504): scaled down."""
+def test_upstream_gradients_beyond_fp16_are_scaled(monkeypatch):
+    """072: grad_key_states = 30000 everywhere (head-group sums 120000, beyond 65504): scaled down, in
+    a second fused call."""
     prob = backfuse.problem("072")
     inputs = prob.make_inputs(SMALL_AXES["072"], seed=2, device=DEVICE)
     inputs[1] = torch.full_like(inputs[1], 30000.0)
-    outs, k = prob._backward(inputs, None, dtypes=(torch.float32,))
-    assert k < 0
+    calls = _counting_fused(monkeypatch, prob)
+    outs = prob.run(*inputs)
+    assert len(calls) == 2
     _check_close(prob, outs, prob.reference(*inputs))
+
+
+@pytest.fixture
+def fresh_guards():
+    guard.reset()
+    yield
+    guard.reset()
+
+
+def _train_step(pid, factor, seed=5, inputs=None):
+    """Problem.backward (the training path) on the suite's inputs with the upstream gradients times factor."""
+    prob = backfuse.problem(pid)
+    inputs = inputs or _scaled(prob, prob.make_inputs(SMALL_AXES[pid], seed=seed, device=DEVICE), factor,
+                               prob.upstream_grads)
+    return prob, inputs, prob.backward(*inputs)
+
+
+@pytest.mark.parametrize("pid", ["072", "021", "037"])
+def test_training_guard_scales_tiny_upstream_gradients_on_the_first_call(pid, fresh_guards):
+    """A first call with upstream gradients of 1e-7 (fp16 subnormals): the device measures them first and
+    scales by 2^k, so the gradients are as accurate as at ordinary sizes, with no warning (which would
+    fail the test); the next call keeps that k."""
+    prob, inputs, outs = _train_step(pid, 1e-7)
+    _check_close(prob, outs, prob.reference(*inputs), 1e-7)
+    (g,) = [g for g in guard._guards.values() if g.label.endswith("backward")]
+    assert g.state[1].item() == g.state[2].item() > 0  # the next call's exponent: this one's
 
 
 @OVERFLOWS
-def test_the_last_scale_is_tried_first(monkeypatch):
-    """A training op passes the last call's exponent: when it fits, one fused call; when it no longer
-    fits (the gradients grew back), one rerun and the exponent goes back to 0."""
+def test_training_guard_warns_about_a_call_it_could_not_fit_and_rescales(fresh_guards):
+    """021: calls at ordinary sizes, then one whose upstream gradients are 1e6 times larger (the last
+    scale no longer fits): that call's tensor is named in a warning (on the CPU at the end of the call),
+    and the call after it is back in range and accurate."""
+    prob, inputs, _ = _train_step("021", 1.0)
+    large = _scaled(prob, inputs, 1e6, prob.upstream_grads)
+    with _falls_back() as caught:
+        prob.backward(*large)
+    message = " ".join(str(w.message) for w in caught)
+    assert "backfuse.functional.wan_xattn backward" in message and "call 2" in message
+    assert "the next calls scale the upstream gradients to fit" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", backfuse.Fp16RangeWarning)
+        outs = prob.backward(*large)
+    _check_close(prob, outs, prob.reference(*large), 1e6)
+
+
+@OVERFLOWS
+def test_training_guard_names_inputs_fp16_cannot_hold(fresh_guards):
+    """A value weight 2e5 times too large (V overflows fp16; no scale of the upstream gradients helps): the
+    forward's check names the tensor; bfloat16 inputs, with fp32's range, need no guard and warn nothing."""
     prob = backfuse.problem("021")
-    inputs = prob.make_inputs(SMALL_AXES["021"], seed=4, device=DEVICE)
-    tiny = _scaled(prob, inputs, 2.0**-20, prob.upstream_grads)
-    calls = _counting_fused(monkeypatch, prob)
-    outs, k = prob._backward(tiny, None, dtypes=(torch.float32,), exponent=20)
-    assert (len(calls), k) == (1, 20)
-    _check_close(prob, outs, prob.reference(*tiny), 2.0**-20)
-    outs, k = prob._backward(inputs, None, dtypes=(torch.float32,), exponent=20)
-    assert (len(calls), k) == (3, 0)
-    _check_close(prob, outs, prob.reference(*inputs))
+    inputs = prob.make_inputs(SMALL_AXES["021"], seed=2, device=DEVICE)
+    inputs = _scaled(prob, inputs, 2e5, ("value_weight",))
+    with _falls_back() as caught:
+        prob.backward(*inputs)
+    assert any("values (call 1" in str(w.message) for w in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", backfuse.Fp16RangeWarning)
+        outs = prob.backward(*[x.bfloat16() if isinstance(x, torch.Tensor) else x for x in inputs])
+    ref = prob.reference(*inputs)
+    assert torch.isfinite(outs[0]).all() and rel_err(outs[0], ref[0]) < 3e-2
 
 
 def test_scale_exponent_rules():

@@ -7,10 +7,18 @@ from .ops import PROBLEMS
 from .problem import Problem
 
 __version__ = "0.1.0"
-__all__ = ["PROBLEM_IDS", "BackfuseWarning", "Fp16RangeWarning", "GraphWarning", "Problem", "cuda_graphs", "fp16_range_check",
-           "problem"]
+__all__ = ["PROBLEM_IDS", "BackfuseWarning", "Fp16RangeWarning", "GraphWarning", "Problem", "check_ranges", "cuda_graphs",
+           "fp16_range_check", "problem"]
 
 PROBLEM_IDS = tuple(PROBLEMS)
+
+
+def check_ranges() -> None:
+    """Wait for the GPU, then warn about every training call whose fp16 tensors left fp16's safe range that
+    no warning named yet (the training ops do this without waiting, at their next call)."""
+    from .train.guard import check_ranges as check
+
+    check()
 
 
 def problem(pid: str) -> Problem:

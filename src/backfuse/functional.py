@@ -26,18 +26,34 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 
 import torch
 
 from . import callsite
 from . import problem as _problem
-from .ops.gemma3_core import training as _gemma
 from .ops.gemma3_core.spec import Gemma3CoreConfig
-from .ops.qkv_gqa import training as _qkv
 from .ops.qkv_gqa.spec import QkvGqaConfig
-from .ops.wan_xattn import training as _wan
 from .ops.wan_xattn.spec import WanXattnConfig
 from .problem import TRAINING_DTYPES, Tensor, check_real
+
+
+class _Lazy:
+    """A training module, imported at its first use (importing backfuse imports no Triton: the Triton
+    interpreter must be turned on before triton is first imported); then it takes this object's name."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __getattr__(self, attr):
+        module = importlib.import_module(self.module)
+        globals()[self.name] = module
+        return getattr(module, attr)
+
+
+_wan = _Lazy("backfuse.ops.wan_xattn.training", "_wan")
+_qkv = _Lazy("backfuse.ops.qkv_gqa.training", "_qkv")
+_gemma = _Lazy("backfuse.ops.gemma3_core.training", "_gemma")
 
 _plans: dict = {}  # (op, signature, options) -> plan
 _sms: dict = {}  # device -> SM count
@@ -104,7 +120,7 @@ def _site(plan):
 _WAN_LABEL = "backfuse.functional.wan_xattn"
 
 
-def _wan_plan(tensors, scale, heads, save) -> _wan.Plan:
+def _wan_plan(tensors, scale, heads, save):
     key = ("021", _signature(tensors), heads, save, torch.are_deterministic_algorithms_enabled())
     plan = _plans.get(key)
     if plan is None:
@@ -168,7 +184,7 @@ def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
 _QKV_LABEL = "backfuse.functional.qkv_gqa"
 
 
-def _qkv_plan(tensors, head_dim, save) -> _qkv.Plan:
+def _qkv_plan(tensors, head_dim, save):
     key = ("072", _signature(tensors), head_dim, save)
     plan = _plans.get(key)
     if plan is None:
@@ -246,7 +262,7 @@ def _softcap(softcap) -> float:
     return abs(check_real(softcap, f"{_GEMMA_LABEL}: input 'attn_logit_softcapping'"))  # tanh(z / c) c is even in c
 
 
-def _gemma_plan(tensors, softcap, window, save) -> _gemma.Plan:
+def _gemma_plan(tensors, softcap, window, save):
     key = ("037", _signature(tensors), softcap, window, save, torch.are_deterministic_algorithms_enabled())
     plan = _plans.get(key)
     if plan is None:
@@ -315,6 +331,25 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
         return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, *tensors)
 
 
+# ------------------------------------------- Problem.backward: the official inputs ---------------------------------
+def problem_backward(pid: str, inputs, needs: tuple) -> tuple:
+    """`Problem.backward` of operator `pid` (inputs in official order, validated): the training path's
+    backward without saved activations, at the benchmark operator's sizes."""
+    if pid == "021":
+        go, *fwd, scale = inputs
+        tensors = _contiguous(fwd)
+        plan = _needs_plan(_wan_plan(tensors, scale, 16, False), needs)
+        return _wan.backward(tensors, go, scale, plan, None)
+    if pid == "072":
+        tensors = _contiguous(inputs[3:])
+        plan = _needs_plan(_qkv_plan(tensors, 256, False), needs)
+        return _qkv.backward(tensors, list(inputs[:3]), plan, None)
+    go, *fwd, scaling, cap, eps = inputs
+    tensors = _contiguous(fwd)
+    plan = _needs_plan(_gemma_plan(tensors, _softcap(cap), 0, False), needs)
+    return _gemma.backward(tensors, go, scaling, eps, plan, None)
+
+
 # ----------------------------------------------------- the ops under torch.compile --------------------------------
 _LIB = torch.library.Library("backfuse", "DEF")  # noqa: TOR901 (the ops are defined below)
 
@@ -371,7 +406,7 @@ def _wan_fake_forward(*args):
     *tensors, scale, heads = args
     video, text = tensors[:2]
     plan = _wan.Plan(video.shape[0], video.shape[1], text.shape[1], WanXattnConfig(video.shape[2], heads), video.dtype)
-    return torch.empty_like(video), video.new_empty((plan.activations().nbytes,), dtype=torch.uint8)
+    return torch.empty_like(video), video.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
 def _wan_fake_backward(grads, *args):
@@ -406,7 +441,7 @@ def _qkv_fake_forward(*args):
     k, v = (dec.new_empty((dec.shape[0], enc.shape[1], heads, head_dim)).transpose(1, 2) for _ in range(2))
     plan = _qkv.Plan(dec.shape[0], dec.shape[1], enc.shape[1],
                      QkvGqaConfig(wq.shape[1], wk.shape[1], heads, wk.shape[0] // head_dim, head_dim), dec.dtype)
-    return q, k, v, dec.new_empty((plan.activations().nbytes if plan.casts else 0,), dtype=torch.uint8)
+    return q, k, v, dec.new_empty((plan.activations.nbytes if plan.casts else 0,), dtype=torch.uint8)
 
 
 def _qkv_fake_backward(grads, *args):
@@ -437,7 +472,7 @@ def _gemma_fake_forward(*args):
     d = qnw.shape[0]
     config = Gemma3CoreConfig(wq.shape[1], wq.shape[0] // d, wk.shape[0] // d, d, window)
     plan = _gemma.Plan(hidden.shape[0], hidden.shape[1], config, hidden.dtype)
-    return torch.empty_like(hidden), hidden.new_empty((plan.activations().nbytes,), dtype=torch.uint8)
+    return torch.empty_like(hidden), hidden.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
 def _gemma_fake_backward(grads, *args):

@@ -310,72 +310,59 @@ class Problem:
 
     def run(self, *inputs) -> tuple:
         """The fastest implementation available for the inputs' device (the official interface:
-        float32 inputs, float32 outputs)."""
-        return self._backward(inputs, None, dtypes=(torch.float32,))[0]
+        float32 inputs, float32 outputs).
 
-    def backward(self, *inputs, needs=None) -> tuple:
-        """`run` for training: computing only the outputs flagged in `needs` (one bool per output;
-        None: all), and taking float32, bfloat16 or float16 tensors.
-
-        Outputs not needed come back as None; the fused kernels skip the products that only they need.
-        bfloat16 and float16 inputs are converted to float32 first (the kernels take float32 and
-        accumulate in it); each gradient comes back in the dtype of the input it differentiates.
-        Under `torch.use_deterministic_algorithms(True)` the fused kernels give the same bits every call.
         When a tensor the fused kernels round to fp16 is outside fp16's safe range (see
         `fp16_range_check`) and that tensor is linear in the upstream gradients (the upstream gradients
         themselves, their sums, the gradients formed from them), the kernels run again on the upstream
         gradients times an exact power of two 2^k that brings every such tensor into range, and the
         outputs are divided by 2^k; otherwise the outputs come from the fp32 reference instead, with an
-        Fp16RangeWarning.
-        """
-        return self._backward(inputs, needs, dtypes=TRAINING_DTYPES)[0]
+        Fp16RangeWarning. (The host reads the guard's maxima after the call: this interface waits for
+        the GPU, as the benchmark does; the training paths never do.)"""
+        self.validate(inputs)
+        first = next(x for x in inputs if isinstance(x, torch.Tensor))
+        if not fused_kernels_usable(first.device):
+            return self.fp32_backward(*inputs)
+        return self._guarded(inputs, fp16_guard.checking(first.device))
 
-    def _backward(self, inputs, needs, *, dtypes, exponent: int = 0) -> tuple:
-        """(outputs, the exponent k the upstream gradients were scaled by); exponent: the k to try first
-        (the training ops pass the last call's, so a steady run of tiny gradients costs one fused call)."""
-        self.validate(inputs, dtypes=dtypes)
+    def backward(self, *inputs, needs=None) -> tuple:
+        """The training backward from the official inputs (upstream gradients, then the forward's
+        inputs): float32, bfloat16 or float16 tensors of one dtype, each gradient in that dtype; only
+        the outputs flagged in `needs` (one bool per output; None: all) are computed, the others come
+        back as None. It is the training path of `backfuse.functional` without saved activations (the
+        forward's launches run again first): products in the inputs' dtype, or on fp16 copies of
+        float32 inputs with the device-side fp16 guard; the host never waits for the GPU."""
+        self.validate(inputs, dtypes=TRAINING_DTYPES)
         if needs is not None and len(needs) != len(self.outputs):
             raise ValueError(f"{self.name}: needs has {len(needs)} flags, expected one per output "
                              f"{list(self.output_names)}")
-        needs = tuple(bool(n) for n in needs) if needs is not None else (True,) * len(self.outputs)
-        low = [isinstance(x, torch.Tensor) and x.dtype != torch.float32 for x in inputs]
-        if any(low):  # float32 copies; each gradient goes back to its input's dtype
-            named = dict(zip(self.input_names, inputs))
-            out_dtypes = [named[name].dtype for name in self.differentiates]
-            inputs = [x.float() if converted else x for x, converted in zip(inputs, low)]
-        first = next(x for x in inputs if isinstance(x, torch.Tensor))
-        if fused_kernels_usable(first.device):
-            outs, exponent = self._guarded(inputs, needs, exponent, fp16_guard.checking(first.device))
-        else:
-            outs, exponent = self.fp32_backward(*inputs), 0
-        if any(low):
-            outs = [o if not n or o.dtype == d else o.to(d) for o, n, d in zip(outs, needs, out_dtypes)]
-        return tuple(o if n else None for o, n in zip(outs, needs)), exponent
+        from . import functional
 
-    def _guarded(self, inputs, needs, exponent, checking) -> tuple:
-        """The fused kernels under the fp16 range guard: (outputs, exponent) as `_backward` describes."""
+        return functional.problem_backward(self.id, inputs, tuple(bool(n) for n in needs) if needs is not None
+                                           else (True,) * len(self.outputs))
+
+    def _guarded(self, inputs, checking) -> tuple:
+        """The fused kernels under the fp16 range guard, as `run` describes."""
         extra = {"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}
-        if not all(needs):
-            extra["needs"] = needs
         if not checking:
-            return self.fused(*inputs, **extra), 0  # nothing would tell whether a scale fits
-        attempt, tried = exponent, []
+            return self.fused(*inputs, **extra)  # nothing would tell whether a scale fits
+        attempt, tried = 0, []
         while True:
             ranges = RangeSlots()
             outs = self.fused(*self._scale_upstream(inputs, attempt), ranges=ranges, **extra)
             maxima = ranges.maxima()
             outside = fp16_guard.outside(maxima)
             if not outside:
-                return self._unscale(outs, needs, attempt), attempt
+                return self._unscale(outs, attempt)
             tried.append(attempt)
             attempt = fp16_guard.scale_exponent(maxima, attempt)
             if attempt is None or attempt in tried or len(tried) == 2:
-                break  # at most one rerun: after the first guess (0, or the last call's), one from the maxima
+                break  # at most one rerun, with the exponent the maxima choose
         linear = {name: holds.linear for name, _, holds in maxima}
         unscaled = [(name, m * 2.0 ** -tried[-1] if linear[name] else m) for name, m in outside]
         callsite.warn(f"{self.name}: {describe(unscaled)} outside fp16's safe range [{SMALLEST_SAFE_MAX:g}, "
                       f"{FP16_MAX:g}]; computed in fp32 instead (slower)", Fp16RangeWarning)
-        return self.fp32_backward(*inputs), 0
+        return self.fp32_backward(*inputs)
 
     def _scale_upstream(self, inputs, exponent: int) -> list:
         """The inputs with the upstream gradients times 2^exponent (fresh tensors: the caller's stay as
@@ -385,12 +372,11 @@ class Problem:
         return [x * 2.0**exponent if name in self.upstream_grads else x for name, x in zip(self.input_names, inputs)]
 
     @staticmethod
-    def _unscale(outs, needs, exponent: int) -> tuple:
+    def _unscale(outs, exponent: int) -> tuple:
         if exponent:
-            for o, n in zip(outs, needs):
-                if n:
-                    o.mul_(2.0**-exponent)  # in place: the outputs are the kernels' fresh buffers
-        return outs
+            for o in outs:
+                o.mul_(2.0**-exponent)  # in place: the outputs are the kernels' fresh buffers
+        return tuple(outs)
 
     # ---- cost model ----------------------------------------------------------------------
     def io_bytes(self, axes: dict) -> int:

@@ -305,6 +305,11 @@ def markdown_report(results: dict, plots: dict, *, gpu: str = "h200") -> str:
             lines += [f"![{pid} per-case latency against speed of light]({plots[pid]})", ""]
         lines += ["```", case_table(pid, entry, gpu=gpu, meta=results), "```", "",
                   f"What was tried, predicted and measured: [notes/{pid}.md](notes/{pid}.md).", ""]
+    if results.get("train"):
+        lines += ["## Training step (`bench --train`)", "", train_readme_table(results), ""]
+        for pid, entries in results["train"].items():
+            lines += [train_table(pid, entries), ""]
+        lines += ["Notes: [notes/training.md](notes/training.md).", ""]
     return "\n".join(lines)
 
 
@@ -338,4 +343,37 @@ def train_table(pid: str, entries: dict) -> str:
                      f"{e['peak_mib']:.0f} | {e['eager_bf16_peak_mib']:.0f} | {checks} |")
     g32, g16, worst = train_ratios(entries)
     lines.append(f"\ngeometric mean of the ratios to compile bf16: fp32 {g32:.2f}, bf16 {g16:.2f}; largest ratio {worst:.2f}")
+    return "\n".join(lines)
+
+
+def train_readme_table(results: dict) -> str:
+    """README's training table from a results file's "train" object: per problem the geometric means of
+    the step-time ratios to compile bf16, the largest ratio, the host time per step and the peak-memory
+    comparison."""
+    train = results.get("train")
+    if not train:
+        return "(no `bench --train` results yet)"
+    run = results.get("train_run", {})
+    lines = [f"Measured on {run.get('device', results['device'])} (torch {run.get('torch', results['torch'])}, "
+             f"triton {run.get('triton', results['triton'])}, {run.get('date', results['date'])}"
+             + (f", commit {run['commit']}" if "commit" in run else "") + "): one layer's forward + backward, "
+             f"{run.get('steps', 15)} steps queued back to back after {run.get('warmup', 5)}, one synchronization "
+             "at the end; ms per step over the official cases.", "",
+             "| problem | backfuse fp32 / compile bf16 (geomean, largest) | backfuse bf16 / compile bf16 (geomean, "
+             "largest) | cases at most 0.75x (fp32, bf16) | host us per step (median, fp32) | peak memory above eager "
+             "bf16's (bf16) | fp32 checks |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for pid in sorted(train, key=lambda p: ["072", "037", "021"].index(p)):
+        entries = train[pid]
+        r32 = [e["backfuse_fp32_ms"] / e["compile_bf16_ms"] for e in entries.values()]
+        r16 = [e["backfuse_bf16_ms"] / e["compile_bf16_ms"] for e in entries.values()]
+        host = statistics.median(e["host_us"] for e in entries.values())
+        above = [e["peak_mib"] - e["eager_bf16_peak_mib"] for e in entries.values()]
+        worse = sum(a > 0.5 for a in above)
+        checks = all(e.get("fp32_forward_passed") and e.get("fp32_backward_passed") for e in entries.values())
+        lines.append(f"| {pid} | {statistics.geometric_mean(r32):.2f}, {max(r32):.2f} | "
+                     f"{statistics.geometric_mean(r16):.2f}, {max(r16):.2f} | {sum(r <= 0.75 for r in r32)}/{len(r32)}, "
+                     f"{sum(r <= 0.75 for r in r16)}/{len(r16)} | {host:.0f} | "
+                     f"{worse}/{len(above)} cases, at most {max(above):.1f} MiB | "
+                     f"{'16/16 pass' if checks and len(entries) == 16 else 'see report'} |")
     return "\n".join(lines)

@@ -162,6 +162,7 @@ def attention_forward_kernel(
         if RANGES:
             k_max = tl.maximum(k_max, largest(kt))
             v_max = tl.maximum(v_max, largest(vt))
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows past S_q (nothing stored) see no key: no 0 / 0
     _store_head_tile(o, b * S_q + rows, row_ok, LD_O, h * D, D, acc / l_i[:, None])
     tl.store(lse + bh * S_q + rows, m_i + tl.log2(l_i), mask=row_ok)
     if RANGES:

@@ -197,7 +197,7 @@ def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SC
     tl.store(log + 1, tl.load(log + 1) + tl.sum(bad.to(tl.float32), 0))
     tl.store(log, call + 1.0)
     if SCALED:
-        finite = (m == m) & (m <= FP16_MAX)
+        finite = (m == m) & (m < float("inf"))  # measured (also beyond 65504); Inf or NaN: only "smaller" is known
         positive = linear & ok & finite & (unscaled > 0.0)
         safe_u = tl.where(positive, unscaled, 1.0)
         high = tl.min(tl.where(positive, tl.floor(tl.log2(FP16_MAX / safe_u)), 1.0e9), 0)
