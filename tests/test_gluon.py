@@ -1,6 +1,6 @@
 """The Gluon (Hopper) kernels compiled for sm_90 on any machine: Gluon has no interpreter, so this is
 what CI checks of them (API, shared memory, registers, spills, wgmma). Their numbers run on the GPU
-(test_qkv_gqa.py's GPU tests, benchmarks/experiments/gluon_*.py).
+(test_qkv_gqa.py's GPU tests).
 
 Each compile runs in a subprocess without TRITON_INTERPRET: under the interpreter (which the test
 session sets on a CPU before Triton is imported) the standard library's jit functions that Gluon
@@ -29,17 +29,7 @@ CASES = [*ENGINE_CASES, "072 one launch"]
 # (benchmarks/notes/gluon.md: the streamed pack partition that spilled more was 1.9x slower).
 STACK_BUDGET = {name: 0 for name in ENGINE_CASES} | {"072 one launch": 128}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The studies prepared for a device call (benchmarks/experiments: issues 23, 24 and 25; Gluon, and two `tl`), compiled so
-# that an API change shows before it: each kernel's line of `--compile-only`; those marked must show
-# no stack (the SM-roles study's 128 x 256 product kernel spills 168 bytes today, and 021's attention study
-# 520 bytes where it keeps dK and dV over a run: they are measured as they are).
-STUDIES = {"gluon_attention_forward.py": (["--variants", "base,pingpong+3slots"], True),
-           "gluon_attention_backward.py": ([], True),
-           "sm_roles_072.py": ([], False),
-           "gluon_grouped_037.py": ([], True),
-           "gluon_attention_021.py": ([], False),
-           "tf32_forward_021.py": ([], True),
-           "persistent_cast.py": ([], True)}
+
 
 
 def _compile(case: str):
@@ -85,21 +75,6 @@ def test_compiles_for_sm90(case):
     assert result["stack"] <= STACK_BUDGET[case], f"spills beyond the budget: {result}"
     assert result["wgmma"] > 0, result
     assert result["registers"] <= result["maxnreg"], result
-
-
-@pytest.mark.parametrize("study", STUDIES)
-def test_studies_compile_for_sm90(study):
-    args, no_stack = STUDIES[study]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src")] + [p for p in sys.path if p])
-    script = os.path.join(ROOT, "benchmarks", "experiments", study)
-    done = subprocess.run([sys.executable, script, "--compile-only", *args], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = [line for line in done.stdout.splitlines() if "HGMMA" in line]
-    assert lines, done.stdout
-    for line in lines:
-        assert " local    0 B" in line and (" stack    0 B" in line or not no_stack), line
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def tma_tile(a_desc, b_desc, a_row, b_row, k_lo, k_hi, BM: tl.constexpr, BN: tl.
 
     Persistent programs that loop over tiles with this body, the tile loop flattened
     (`tl.range(..., flatten=True)`), keep the next tile's loads in flight during an epilogue:
-    benchmarks/experiments/persistent_products.py measured 590 against 471 TFLOP/s for one program per
+    the study `git show a0074fa:benchmarks/experiments/persistent_products.py` measured 590 against 471 TFLOP/s for one program per
     128 x 128 tile at 8192 x 1024 x 1024.
     """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
