@@ -530,6 +530,17 @@ def _check_writable(path: str, *, directory: bool = False) -> None:
         raise CLIError(f"cannot write {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
         raise CLIError(f"cannot write {path}: permission denied")
+    # Access bits are not the whole story (/proc, read-only mounts, root): make the missing directories
+    # now and try the file there, leaving nothing behind that was not there.
+    folder = target if directory else os.path.dirname(target)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".backfuse-write-check-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise CLIError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _make_parent(path: str) -> None:

@@ -95,7 +95,7 @@ def _autocast_off(tensors):
 
 
 def _contiguous(tensors):
-    return [t.contiguous() for t in tensors]
+    return [t if t is None else t.contiguous() for t in tensors]
 
 
 def _needs_plan(plan, needs: tuple):
@@ -120,8 +120,8 @@ def _site(plan):
 _WAN_LABEL = "backfuse.functional.wan_xattn"
 
 
-def _wan_plan(tensors, scale, heads, save):
-    key = ("021", _signature(tensors), heads, save, torch.are_deterministic_algorithms_enabled())
+def _wan_plan(tensors, scale, heads, save, eps=1e-6):
+    key = ("021", _signature(tensors), heads, save, eps, torch.are_deterministic_algorithms_enabled())
     plan = _plans.get(key)
     if plan is None:
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
@@ -130,54 +130,66 @@ def _wan_plan(tensors, scale, heads, save):
         if hidden is None or hidden % heads:
             raise ValueError(f"{_WAN_LABEL}: input 'video_latents' must be [batch, tokens, hidden] with hidden a multiple "
                              f"of heads={heads}, got shape {tuple(tensors[0].shape)}")
+        norm = len(tensors) > 10
         try:
-            config = WanXattnConfig(hidden, heads)
+            config = WanXattnConfig(hidden, heads, qk_norm=norm)
         except ValueError as e:
             raise ValueError(f"{_WAN_LABEL}: {e}") from None
         b, nv, nt = "batch_size", "num_video_tokens", "num_text_tokens"
         specs = [Tensor("video_latents", (b, nv, hidden)), Tensor("text_embeddings", (b, nt, hidden))] + [
             Tensor(f"{n}_{kind}", (hidden, hidden) if kind == "weight" else (hidden,))
             for n in ("query", "key", "value", "output") for kind in ("weight", "bias")]
+        if norm:
+            specs += [Tensor("norm_q_weight", (hidden,)), Tensor("norm_k_weight", (hidden,))]
         axes = _validate(_WAN_LABEL, "021", specs, tensors)
         device = tensors[0].device
         plan = _plans[key] = _wan.Plan(axes[b], axes[nv], axes[nt], config, tensors[0].dtype, save=save,
-                                       sms=_sm_count(device), deterministic=key[-1])
+                                       sms=_sm_count(device), deterministic=key[-1], eps=eps)
     return plan
 
 
 class _WanXattn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scale, heads, save, *tensors):
-        plan = _wan_plan(tensors, scale, heads, save)
+    def forward(ctx, scale, heads, save, eps, *tensors):
+        plan = _wan_plan(tensors, scale, heads, save, eps)
         tensors = _contiguous(tensors)
         out, acts = _wan.forward(tensors, scale, plan)
         ctx.save_for_backward(*tensors, *([] if acts is None else [acts]))
-        ctx.plan, ctx.scale, ctx.site = plan, scale, _site(plan)
+        ctx.plan, ctx.scale, ctx.site, ctx.count = plan, scale, _site(plan), len(tensors)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        needs = tuple(ctx.needs_input_grad[3:])
+        needs = tuple(ctx.needs_input_grad[4:])
         if not any(needs):
-            return (None,) * 13
+            return (None,) * (4 + ctx.count)
         saved = ctx.saved_tensors
-        acts = saved[10] if len(saved) > 10 else None
+        acts = saved[ctx.count] if len(saved) > ctx.count else None
         with _attributed(ctx.site):
-            grads = _wan.backward(saved[:10], grad_out, ctx.scale, _needs_plan(ctx.plan, needs), acts)
-        return (None, None, None, *grads)
+            grads = _wan.backward(saved[:ctx.count], grad_out, ctx.scale, _needs_plan(ctx.plan, needs), acts)
+        return (None, None, None, None, *grads)
 
 
 def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, scale, *,
-              heads: int = 16, save_activations: bool = True):
+              heads: int = 16, norm_q_weight=None, norm_k_weight=None, eps: float = 1e-6,
+              save_activations: bool = True):
     """Wan-style text-to-video cross-attention (`ops/wan_xattn/training.py`): video [B, Nv, hidden],
     text [B, Nt, hidden], the four projections' weights [hidden, hidden] and biases [hidden], `heads`
-    heads of hidden / heads; softmax(scale * Q K^T) V, no mask -> [B, Nv, hidden]."""
+    heads of hidden / heads; with norm_q_weight and norm_k_weight ([hidden] each), q and k RMS-normed
+    across all heads (eps) as Wan 2.1 / 2.2's cross-attention does; softmax(scale * Q K^T) V, no mask
+    -> [B, Nv, hidden]."""
     scale = check_real(scale, f"{_WAN_LABEL}: input 'scale'")
-    tensors = _autocast([video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias])
+    eps = check_real(eps, f"{_WAN_LABEL}: eps")
+    if (norm_q_weight is None) != (norm_k_weight is None):
+        raise ValueError(f"{_WAN_LABEL}: norm_q_weight and norm_k_weight are both tensors (the q, k norms) or both None")
+    norms = [] if norm_q_weight is None else [norm_q_weight, norm_k_weight]
+    tensors = _autocast([video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, *norms])
     if torch.compiler.is_compiling():
+        if norms:
+            raise NotImplementedError(f"{_WAN_LABEL}: under torch.compile, the q, k norms are not available yet")
         return torch.ops.backfuse.wan_xattn_forward(*tensors, scale, heads)[0]
     with _autocast_off(tensors):
-        return _WanXattn.apply(scale, heads, save_activations, *tensors)
+        return _WanXattn.apply(scale, heads, save_activations, eps, *tensors)
 
 
 # ---------------------------------------------------------------- 072 -------------------------------------------
@@ -262,30 +274,39 @@ def _softcap(softcap) -> float:
     return abs(check_real(softcap, f"{_GEMMA_LABEL}: input 'attn_logit_softcapping'"))  # tanh(z / c) c is even in c
 
 
-def _gemma_plan(tensors, softcap, window, save):
-    key = ("037", _signature(tensors), softcap, window, save, torch.are_deterministic_algorithms_enabled())
+def _gemma_plan(tensors, softcap, window, save, head_dim=None):
+    key = ("037", _signature(tensors), softcap, window, save, head_dim, torch.are_deterministic_algorithms_enabled())
     plan = _plans.get(key)
     if plan is None:
         hidden, cos, sin, wq, wk, wv, wo, qnw, knw = tensors
+        norm = qnw is not None or knw is not None
+        if norm and (qnw is None or knw is None):
+            raise ValueError(f"{_GEMMA_LABEL}: inputs 'q_norm_weight' and 'k_norm_weight' are both tensors (the QK "
+                             "norm) or both None (no QK norm, as Gemma 2)")
+        if head_dim is None:
+            if not norm:
+                raise ValueError(f"{_GEMMA_LABEL}: without the QK norm's weights, pass head_dim=")
+            head_dim = qnw.shape[0] if isinstance(qnw, torch.Tensor) and qnw.dim() == 1 else None
         for name, t, dims in (("q_norm_weight", qnw, 1), ("q_weight", wq, 2), ("k_weight", wk, 2)):
-            if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            if (t is not None or name != "q_norm_weight") and (not isinstance(t, torch.Tensor) or t.dim() != dims):
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{_GEMMA_LABEL}: input '{name}' must have {dims} dim(s), got {shape}")
-        head_dim = qnw.shape[0]
         if wq.shape[0] % head_dim or wk.shape[0] % head_dim:
             raise ValueError(f"{_GEMMA_LABEL}: inputs 'q_weight' {tuple(wq.shape)} and 'k_weight' {tuple(wk.shape)} must "
-                             f"have a multiple of head_dim={head_dim} (q_norm_weight's size) rows")
+                             f"have a multiple of head_dim={head_dim} rows")
         try:
-            config = Gemma3CoreConfig(wq.shape[1], wq.shape[0] // head_dim, wk.shape[0] // head_dim, head_dim, window)
+            config = Gemma3CoreConfig(wq.shape[1], wq.shape[0] // head_dim, wk.shape[0] // head_dim, head_dim, window,
+                                      qk_norm=norm)
         except ValueError as e:
             raise ValueError(f"{_GEMMA_LABEL}: {e}") from None
         b, s = "batch_size", "seq_len"
         specs = [Tensor("hidden_states", (b, s, config.hidden)), Tensor("cos", (b, s, head_dim)),
                  Tensor("sin", (b, s, head_dim)), Tensor("q_weight", (config.q_out, config.hidden)),
                  Tensor("k_weight", (config.kv_out, config.hidden)), Tensor("v_weight", (config.kv_out, config.hidden)),
-                 Tensor("o_weight", (config.hidden, config.q_out)), Tensor("q_norm_weight", (head_dim,)),
-                 Tensor("k_norm_weight", (head_dim,))]
-        axes = _validate(_GEMMA_LABEL, "037", specs, tensors)
+                 Tensor("o_weight", (config.hidden, config.q_out))]
+        if norm:
+            specs += [Tensor("q_norm_weight", (head_dim,)), Tensor("k_norm_weight", (head_dim,))]
+        axes = _validate(_GEMMA_LABEL, "037", specs, tensors[:len(specs)])
         plan = _plans[key] = _gemma.Plan(axes[b], axes[s], config, hidden.dtype, softcap=softcap, save=save,
                                          sms=_sm_count(hidden.device), deterministic=key[-1])
     return plan
@@ -293,8 +314,8 @@ def _gemma_plan(tensors, softcap, window, save):
 
 class _Gemma3Core(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scaling, softcap, eps, window, save, *tensors):
-        plan = _gemma_plan(tensors, softcap, window, save)
+    def forward(ctx, scaling, softcap, eps, window, save, head_dim, *tensors):
+        plan = _gemma_plan(tensors, softcap, window, save, head_dim)
         tensors = _contiguous(tensors)
         out, acts = _gemma.forward(tensors, scaling, eps, plan)
         ctx.save_for_backward(*tensors, *([] if acts is None else [acts]))
@@ -303,32 +324,35 @@ class _Gemma3Core(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        n = ctx.needs_input_grad[5:]
+        n = ctx.needs_input_grad[6:]
         needs = (n[0], *n[3:9])  # cos and sin get none
         if not any(needs):
-            return (None,) * 14
+            return (None,) * 15
         saved = ctx.saved_tensors
         with _attributed(ctx.site):
             g = _gemma.backward(saved[:9], grad_out, *ctx.scalars, _needs_plan(ctx.plan, needs),
                                 saved[9] if len(saved) > 9 else None)
-        return (None,) * 5 + (g[0], None, None, *g[1:])
+        return (None,) * 6 + (g[0], None, None, *g[1:])
 
 
 def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight, scaling,
-                softcap, eps, *, window: int = 0, save_activations: bool = True):
+                softcap, eps, *, window: int = 0, head_dim: int | None = None, save_activations: bool = True):
     """Gemma's attention core (`ops/gemma3_core/training.py`): hidden [B, S, hidden], RoPE tables cos,
-    sin [B, S, D]; per-head QK RMSNorm (weight 1 + w), RoPE, causal GQA attention at `scaling` with
-    the logits soft-capped at `softcap` (None or 0: no cap), each query seeing its `window` latest
-    tokens (0: all earlier ones), output projection -> [B, S, hidden]. D = q_norm_weight's size,
-    heads = q_weight rows / D, KV heads = k_weight rows / D. cos and sin get no gradient."""
+    sin [B, S, D]; per-head QK RMSNorm (weight 1 + w; q_norm_weight and k_norm_weight None: no norm,
+    as Gemma 2), RoPE, causal GQA attention at `scaling` with the logits soft-capped at `softcap`
+    (None or 0: no cap), each query seeing its `window` latest tokens (0: all earlier ones), output
+    projection -> [B, S, hidden]. D = head_dim, by default q_norm_weight's size; heads = q_weight rows
+    / D, KV heads = k_weight rows / D. cos and sin get no gradient."""
     scaling = check_real(scaling, f"{_GEMMA_LABEL}: input 'scaling'")
     eps = check_real(eps, f"{_GEMMA_LABEL}: input 'rms_norm_eps'")
     softcap = _softcap(softcap)
     tensors = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight])
     if torch.compiler.is_compiling():
+        if q_norm_weight is None:
+            raise NotImplementedError(f"{_GEMMA_LABEL}: under torch.compile, the QK norm's weights are needed")
         return torch.ops.backfuse.gemma3_core_forward(*tensors, scaling, softcap, eps, window)[0]
     with _autocast_off(tensors):
-        return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, *tensors)
+        return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, head_dim, *tensors)
 
 
 # ------------------------------------------- Problem.backward: the official inputs ---------------------------------
@@ -338,7 +362,7 @@ def problem_backward(pid: str, inputs, needs: tuple) -> tuple:
     if pid == "021":
         go, *fwd, scale = inputs
         tensors = _contiguous(fwd)
-        plan = _needs_plan(_wan_plan(tensors, scale, 16, False), needs)
+        plan = _needs_plan(_wan_plan(tensors, scale, 16, False), needs + (False, False))
         return _wan.backward(tensors, go, scale, plan, None)
     if pid == "072":
         tensors = _contiguous(inputs[3:])
@@ -397,7 +421,7 @@ def _wan_forward_op(*args):
 
 def _wan_backward_op(grads, *args):
     *tensors, acts, scale, heads, needs = args
-    plan = _needs_plan(_wan_plan(tensors, scale, heads, True), tuple(needs))
+    plan = _needs_plan(_wan_plan(tensors, scale, heads, True), tuple(needs) + (False, False))
     out = _wan.backward(_contiguous(tensors), grads[0], scale, plan, acts)
     return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out]
 

@@ -194,9 +194,10 @@ class Gemma3Core(_Block):
     @classmethod
     def params(cls, c):
         init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+        norms = (("q_norm_weight", (c.head_dim,), torch.nn.init.zeros_),
+                 ("k_norm_weight", (c.head_dim,), torch.nn.init.zeros_)) if c.qk_norm else ()
         return (("q_weight", (c.q_out, c.hidden), init), ("k_weight", (c.kv_out, c.hidden), init),
-                ("v_weight", (c.kv_out, c.hidden), init), ("o_weight", (c.hidden, c.q_out), init),
-                ("q_norm_weight", (c.head_dim,), torch.nn.init.zeros_), ("k_norm_weight", (c.head_dim,), torch.nn.init.zeros_))
+                ("v_weight", (c.kv_out, c.hidden), init), ("o_weight", (c.hidden, c.q_out), init), *norms)
 
     @classmethod
     def from_state_dict(cls, state_dict: dict, prefix: str = "", *, strict: bool = True, **kwargs):
@@ -218,48 +219,57 @@ class Gemma3Core(_Block):
     def _sizes(self):
         c = self.config
         return dict(hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim, window=c.window,
-                    scaling=self.scaling, softcap=self.softcap, eps=self.eps)
+                    **({} if c.qk_norm else {"qk_norm": False}), scaling=self.scaling, softcap=self.softcap, eps=self.eps)
 
     def forward(self, hidden, cos, sin):
         """hidden [B, S, hidden]; cos, sin [B, S, head_dim] (RoPE tables)."""
+        c = self.config
         return F.gemma3_core(hidden, cos, sin, self.q_weight, self.k_weight, self.v_weight, self.o_weight,
-                             self.q_norm_weight, self.k_norm_weight, self.scaling, self.softcap, self.eps,
-                             window=self.config.window)
+                             getattr(self, "q_norm_weight", None), getattr(self, "k_norm_weight", None), self.scaling,
+                             self.softcap, self.eps, window=c.window, head_dim=c.head_dim)
 
 
 class WanXattn(_Block):
     """Wan-style text-to-video cross-attention (021's operator; `WanXattnConfig`, whose default is the
-    benchmark's: hidden 1024, 16 heads of 64). Initialised like Wan: weights Xavier-uniform, biases 0."""
+    benchmark's: hidden 1024, 16 heads of 64, no q/k norm; Wan 2.1 / 2.2's have `qk_norm=True`).
+    Initialised like Wan: weights Xavier-uniform, biases 0, norm weights 1."""
 
     CONFIG = WanXattnConfig
-    ALIASES = {f"{n}_{kind}": (f"{wan}.{kind}", f"{diffusers}.{kind}")  # Wan's own names, then diffusers'
-               for n, wan, diffusers in (("query", "q", "to_q"), ("key", "k", "to_k"), ("value", "v", "to_v"),
-                                         ("output", "o", "to_out.0"))
-               for kind in ("weight", "bias")}
-    UNSUPPORTED = {f"{norm}.weight": "021 has no q/k RMSNorm; Wan 2.2's cross-attention normalises q and k"
+    ALIASES = {**{f"{n}_{kind}": (f"{wan}.{kind}", f"{diffusers}.{kind}")  # Wan's own names, then diffusers'
+                  for n, wan, diffusers in (("query", "q", "to_q"), ("key", "k", "to_k"), ("value", "v", "to_v"),
+                                            ("output", "o", "to_out.0"))
+                  for kind in ("weight", "bias")},
+               "norm_q_weight": ("norm_q.weight",), "norm_k_weight": ("norm_k.weight",)}
+    UNSUPPORTED = {f"{norm}.weight": "this config has no q/k RMSNorm (WanXattnConfig(qk_norm=True) has)"
                    for norm in ("norm_q", "norm_k")}
 
-    def __init__(self, config=None, *, scale: float | None = None, device=None, dtype=torch.float32):
-        """scale None: 1 / sqrt(head size)."""
+    def __init__(self, config=None, *, scale: float | None = None, eps: float = 1e-6, device=None,
+                 dtype=torch.float32):
+        """scale None: 1 / sqrt(head size); eps: the q, k norms' (with qk_norm)."""
         config = WanXattnConfig() if config is None else config
         scale = check_real(1 / math.sqrt(config.head_dim) if scale is None else scale, f"{self._label()}: scale")
+        eps = check_real(eps, f"{self._label()}: eps")
         super().__init__(config, device=device, dtype=dtype)
-        self.scale = scale
+        self.scale, self.eps = scale, eps
 
     @classmethod
     def params(cls, c):
+        norms = tuple((f"norm_{n}_weight", (c.hidden,), torch.nn.init.ones_) for n in "qk") if c.qk_norm else ()
         return tuple(p for n in ("query", "key", "value", "output") for p in (
             (f"{n}_weight", (c.hidden, c.hidden), torch.nn.init.xavier_uniform_),
-            (f"{n}_bias", (c.hidden,), torch.nn.init.zeros_)))
+            (f"{n}_bias", (c.hidden,), torch.nn.init.zeros_))) + norms
 
     def _sizes(self):
         c = self.config
-        return dict(hidden=c.hidden, heads=c.heads, head_dim=c.head_dim, scale=self.scale)
+        return dict(hidden=c.hidden, heads=c.heads, head_dim=c.head_dim, **({"qk_norm": True} if c.qk_norm else {}),
+                    scale=self.scale)
 
     def forward(self, video, text):
         """video [B, Nv, hidden], text [B, Nt, hidden] -> [B, Nv, hidden]."""
-        return F.wan_xattn(video, text, *(getattr(self, n) for n, _, _ in self.params(self.config)), self.scale,
-                           heads=self.config.heads)
+        c = self.config
+        projections = [getattr(self, f"{n}_{kind}") for n in ("query", "key", "value", "output") for kind in ("weight", "bias")]
+        norms = dict(norm_q_weight=self.norm_q_weight, norm_k_weight=self.norm_k_weight, eps=self.eps) if c.qk_norm else {}
+        return F.wan_xattn(video, text, *projections, self.scale, heads=c.heads, **norms)
 
 
 # The names of earlier releases.

@@ -41,10 +41,12 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Scalar:
-    """A Python float argument; `default` is the value the suite uses when a workload omits it."""
+    """A Python float argument; `default` is the value the suite uses when a workload omits it; nonzero:
+    the operator divides by it."""
 
     name: str
     default: float | None = None
+    nonzero: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,8 +230,10 @@ class Problem:
         """Fresh inputs in official order (scalars included) for the given axes."""
         device = torch.device(device)
         missing = [a for a in self.axis_names if a not in axes]
-        if missing:
-            raise ValueError(f"{self.name}: axes {missing} missing; expected {list(self.axis_names)}")
+        unknown = [a for a in axes if a not in self.axis_names]
+        if missing or unknown:
+            found = "; ".join(([f"axes {missing} missing"] if missing else []) + ([f"unknown axes {unknown}"] if unknown else []))
+            raise ValueError(f"{self.name}: {found}; expected {list(self.axis_names)}")
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         tensors = iter(self.draw(axes, gen, device))
@@ -255,7 +259,8 @@ class Problem:
         device = dtype = None
         for spec, value in zip(specs, inputs):
             if isinstance(spec, Scalar):
-                check_real(value, f"{label}: input '{spec.name}'")
+                if check_real(value, f"{label}: input '{spec.name}'") == 0 and spec.nonzero:
+                    raise ValueError(f"{label}: input '{spec.name}' must be nonzero, got {value}")
                 continue
             where = f"{label}: input '{spec.name}'"
             if not isinstance(value, torch.Tensor):

@@ -29,7 +29,10 @@ def fallback(problem: Problem, name: str, device) -> str | None:
 
     `backfuse` runs the fused kernels on CUDA tensors, and on CPU tensors only under
     TRITON_INTERPRET=1 (set before triton is first imported); elsewhere `problem.run` is the reference.
+    `reference_tf32` is the reference itself off a CUDA GPU (the CPU has no TF32).
     """
+    if name == "reference_tf32":
+        return "reference" if torch.device(device).type != "cuda" else None
     if name != "backfuse":
         return None
     if not fused_kernels_usable(torch.device(device)):

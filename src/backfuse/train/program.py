@@ -119,7 +119,8 @@ def execute(key, device: torch.device, addresses: tuple, build) -> None:
 
 
 def addresses(*tensors) -> tuple:
-    return tuple(t.data_ptr() for t in tensors)
+    """Every tensor's address (0 for an input left out, such as a norm weight the config has none of)."""
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
 
 class Kernel:

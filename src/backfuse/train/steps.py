@@ -25,6 +25,8 @@ CAST = Kernel(passes.cast_kernel)
 AMAX = Kernel(passes.amax_kernel)
 HEADS_TO_TOKENS = Kernel(passes.heads_to_tokens_kernel)
 REPEAT = Kernel(passes.repeat_heads_kernel)
+ROW_NORM = Kernel(passes.row_norm_kernel)
+ROW_NORM_BACKWARD = Kernel(passes.row_norm_backward_kernel)
 PARTIALS = Kernel(passes.column_partials_kernel)
 FINISH = Kernel(passes.column_finish_kernel)
 UNSCALE = Kernel(passes.unscale_kernel)
@@ -93,6 +95,41 @@ def repeat_heads(src, dst, group: int, head_dim: int):
     bt = 64 if INTERPRETED else max(8, min(64, 8192 // head_dim))
     return REPEAT((cdiv(tokens, bt), width // head_dim), dict(src=src, dst=dst, T=tokens), GROUP=group, D=head_dim,
                   LD_SRC=src.stride(0), LD_DST=dst.stride(0), BT=bt, num_warps=4)
+
+
+def _row_block(width: int) -> tuple:
+    """(columns a program's tile spans: a power of two, rows per tile) of the row norms."""
+    bw = 1 << (width - 1).bit_length()
+    return bw, max(1, min(16, 8192 // bw))
+
+
+def row_norm(x, w, out, eps: float):
+    """out = RMSNorm(x) * w over each row (all of its columns)."""
+    tokens, width = x.shape
+    bw, bt = _row_block(width)
+    return ROW_NORM((cdiv(tokens, bt),), dict(x=x, w=w, out=out, T=tokens, eps=float(eps)), W=width, BW=bw,
+                    LD_X=x.stride(0), LD_OUT=out.stride(0), BT=bt, num_warps=8 if bw >= 4096 else 4)
+
+
+def row_norm_parts(tokens: int) -> int:
+    """Rows of partial weight gradients `row_norm_backward` writes for `tokens` rows."""
+    return cdiv(tokens, row_norm_rows(tokens))
+
+
+def row_norm_rows(tokens: int) -> int:
+    return tokens if INTERPRETED else max(64, cdiv(tokens, 256))
+
+
+def row_norm_backward(dy, x, w, dx, parts, eps: float, guard, region: str):
+    """dx (and w's gradient in parts, [row_norm_parts(T), W] fp32) of `row_norm`."""
+    tokens, width = x.shape
+    bw, bt = _row_block(width)
+    per = row_norm_rows(tokens)
+    ranges, _, checked = _guarded(guard, x.device)
+    return ROW_NORM_BACKWARD((cdiv(tokens, per),), dict(dy=dy, x=x, w=w, dx=dx, parts=parts, ranges=ranges, T=tokens,
+                                                         eps=float(eps), rows_per_program=per, r_dx=_slot(guard, region)),
+                             W=width, BW=bw, LD_DY=dy.stride(0), LD_X=x.stride(0), LD_DX=dx.stride(0), BT=bt,
+                             RANGES=checked, num_warps=8 if bw >= 4096 else 4)
 
 
 def column_sum_parts(rows: int) -> int:

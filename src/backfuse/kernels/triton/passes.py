@@ -214,3 +214,49 @@ def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SC
         tl.store(state + _NEXT, chosen)
         tl.store(state + _READY, 1.0)
         tl.store(state + _AMAX, 0.0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def row_norm_kernel(x, w, out, T, eps, W: tl.constexpr, BW: tl.constexpr, LD_X: tl.constexpr, LD_OUT: tl.constexpr,
+                    BT: tl.constexpr):
+    """out = x / sqrt(mean(x^2) + eps) * w over each row's W features (an RMSNorm across all heads, as
+    Wan's cross-attention applies to q and k), BT rows per program, in fp32."""
+    rows = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    c = tl.arange(0, BW)
+    ok = (rows < T)[:, None] & (c < W)[None, :]
+    v = tl.load(x + rows[:, None] * LD_X + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(v * v, 1) / W + eps)
+    scale = tl.load(w + c, mask=c < W, other=0.0).to(tl.float32)
+    tl.store(out + rows[:, None] * LD_OUT + c[None, :], narrow(v * r[:, None] * scale[None, :], out.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit(do_not_specialize=["T", "rows_per_program", "r_dx"])
+def row_norm_backward_kernel(dy, x, w, dx, parts, ranges, T, eps, rows_per_program, r_dx, W: tl.constexpr,
+                             BW: tl.constexpr, LD_DY: tl.constexpr, LD_X: tl.constexpr, LD_DX: tl.constexpr,
+                             BT: tl.constexpr, RANGES: tl.constexpr):
+    """The backward of `row_norm_kernel` over rows_per_program rows (BT at a time): with n = x r and
+    m = dy w, dx = r (m - n mean(m n)); parts[program] = sum over its rows of dy * n (w's gradient,
+    summed in order afterwards). RANGES: the largest |dx| into ranges[r_dx]."""
+    c = tl.arange(0, BW)
+    col_ok = c < W
+    scale = tl.load(w + c, mask=col_ok, other=0.0).to(tl.float32)
+    grad_w = tl.zeros((BW,), dtype=tl.float32)
+    top = 0.0
+    start = tl.program_id(0) * rows_per_program
+    for r0 in range(start, tl.minimum(start + rows_per_program, T), BT):
+        rows = (r0 + tl.arange(0, BT)).to(tl.int64)
+        ok = (rows < T)[:, None] & col_ok[None, :]
+        v = tl.load(x + rows[:, None] * LD_X + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(dy + rows[:, None] * LD_DY + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(v * v, 1) / W + eps)[:, None]
+        n = v * r
+        grad_w += tl.sum(g * n, 0)
+        m = g * scale[None, :]
+        d = r * (m - n * (tl.sum(m * n, 1) / W)[:, None])
+        tl.store(dx + rows[:, None] * LD_DX + c[None, :], narrow(d, dx.dtype.element_ty), mask=ok)
+        if RANGES:
+            top = tl.maximum(top, largest(d))
+    tl.store(parts + tl.program_id(0).to(tl.int64) * W + c, grad_w, mask=col_ok)
+    if RANGES:
+        fold(ranges, r_dx, top)

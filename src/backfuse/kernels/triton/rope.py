@@ -1,5 +1,5 @@
 """Gemma's per-head query/key RMSNorm followed by rotate-half RoPE, forward and backward, on token-major
-rows (the training paths of 037).
+rows (the training paths of 037; NORM False: RoPE alone, as Gemma 2 has no QK norm).
 
 For one head's row x (D features, halves lo = x[:D/2], hi = x[D/2:]):
     r = 1 / sqrt(mean(x^2) + eps),  n = x r,  y = n (1 + w)                 (RMSNorm, Gemma's 1 + w)
@@ -39,15 +39,16 @@ def _store_halves(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr, lo, 
 
 @triton.jit(do_not_specialize=["T"])
 def norm_rope_kernel(x, w, cos, sin, out, T, eps, D: tl.constexpr, LD_X: tl.constexpr, LD_OUT: tl.constexpr,
-                     BT: tl.constexpr):
-    """out = RoPE(RMSNorm(x) (1 + w)) of one head (program_id(1)) over BT tokens."""
+                     BT: tl.constexpr, NORM: tl.constexpr):
+    """out = RoPE(RMSNorm(x) (1 + w)) (NORM) or RoPE(x) of one head (program_id(1)) over BT tokens."""
     h = tl.program_id(1)
     tok = tl.program_id(0) * BT + tl.arange(0, BT)
     ok = tok < T
-    lo, hi = _halves(x, tok, ok, LD_X, h * D, D)
-    r = tl.rsqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / D + eps)[:, None]
-    w_lo, w_hi = _halves(w, tl.zeros((1,), dtype=tl.int32), tl.full((1,), True, tl.int1), D, 0, D)
-    y_lo, y_hi = lo * r * (1.0 + w_lo), hi * r * (1.0 + w_hi)
+    y_lo, y_hi = _halves(x, tok, ok, LD_X, h * D, D)
+    if NORM:
+        r = tl.rsqrt((tl.sum(y_lo * y_lo, 1) + tl.sum(y_hi * y_hi, 1)) / D + eps)[:, None]
+        w_lo, w_hi = _halves(w, tl.zeros((1,), dtype=tl.int32), tl.full((1,), True, tl.int1), D, 0, D)
+        y_lo, y_hi = y_lo * r * (1.0 + w_lo), y_hi * r * (1.0 + w_hi)
     c_lo, c_hi = _halves(cos, tok, ok, D, 0, D)
     s_lo, s_hi = _halves(sin, tok, ok, D, 0, D)
     _store_halves(out, tok, ok, LD_OUT, h * D, D, y_lo * c_lo - y_hi * s_lo, y_hi * c_hi + y_lo * s_hi)
@@ -56,8 +57,8 @@ def norm_rope_kernel(x, w, cos, sin, out, T, eps, D: tl.constexpr, LD_X: tl.cons
 @triton.jit(do_not_specialize=["T", "r_dx"])
 def norm_rope_backward_kernel(dout, x, w, cos, sin, dx, parts, ranges, T, eps, r_dx, D: tl.constexpr,
                               LD_DOUT: tl.constexpr, LD_X: tl.constexpr, LD_DX: tl.constexpr, BT: tl.constexpr,
-                              RANGES: tl.constexpr):
-    """dx of one head (program_id(1)) over BT tokens, and this block's share of grad_w in
+                              RANGES: tl.constexpr, NORM: tl.constexpr):
+    """dx of one head (program_id(1)) over BT tokens, and (NORM) this block's share of grad_w in
     parts[head * token blocks + block] (summed in order afterwards: the same bits every call)."""
     h = tl.program_id(1)
     block = tl.program_id(0)
@@ -66,19 +67,20 @@ def norm_rope_backward_kernel(dout, x, w, cos, sin, dx, parts, ranges, T, eps, r
     g_lo, g_hi = _halves(dout, tok, ok, LD_DOUT, h * D, D)
     c_lo, c_hi = _halves(cos, tok, ok, D, 0, D)
     s_lo, s_hi = _halves(sin, tok, ok, D, 0, D)
-    dy_lo, dy_hi = g_lo * c_lo + g_hi * s_hi, g_hi * c_hi - g_lo * s_lo
-    lo, hi = _halves(x, tok, ok, LD_X, h * D, D)
-    r = tl.rsqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / D + eps)[:, None]
-    n_lo, n_hi = lo * r, hi * r
-    HALF: tl.constexpr = D // 2
-    d = tl.arange(0, HALF)
-    row = parts + (h * tl.num_programs(0) + block).to(tl.int64) * D
-    tl.store(row + d, tl.sum(dy_lo * n_lo, 0))
-    tl.store(row + HALF + d, tl.sum(dy_hi * n_hi, 0))
-    w_lo, w_hi = _halves(w, tl.zeros((1,), dtype=tl.int32), tl.full((1,), True, tl.int1), D, 0, D)
-    m_lo, m_hi = dy_lo * (1.0 + w_lo), dy_hi * (1.0 + w_hi)
-    mean = ((tl.sum(m_lo * n_lo, 1) + tl.sum(m_hi * n_hi, 1)) / D)[:, None]
-    dx_lo, dx_hi = r * (m_lo - n_lo * mean), r * (m_hi - n_hi * mean)
+    dx_lo, dx_hi = g_lo * c_lo + g_hi * s_hi, g_hi * c_hi - g_lo * s_lo
+    if NORM:
+        lo, hi = _halves(x, tok, ok, LD_X, h * D, D)
+        r = tl.rsqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / D + eps)[:, None]
+        n_lo, n_hi = lo * r, hi * r
+        HALF: tl.constexpr = D // 2
+        d = tl.arange(0, HALF)
+        row = parts + (h * tl.num_programs(0) + block).to(tl.int64) * D
+        tl.store(row + d, tl.sum(dx_lo * n_lo, 0))
+        tl.store(row + HALF + d, tl.sum(dx_hi * n_hi, 0))
+        w_lo, w_hi = _halves(w, tl.zeros((1,), dtype=tl.int32), tl.full((1,), True, tl.int1), D, 0, D)
+        m_lo, m_hi = dx_lo * (1.0 + w_lo), dx_hi * (1.0 + w_hi)
+        mean = ((tl.sum(m_lo * n_lo, 1) + tl.sum(m_hi * n_hi, 1)) / D)[:, None]
+        dx_lo, dx_hi = r * (m_lo - n_lo * mean), r * (m_hi - n_hi * mean)
     _store_halves(dx, tok, ok, LD_DX, h * D, D, dx_lo, dx_hi)
     if RANGES:
         fold(ranges, r_dx, tl.maximum(largest(dx_lo), largest(dx_hi)))

@@ -35,17 +35,21 @@ HEAD_SIZES = (16, 32, 64, 128, 256)  # what the training path's attention kernel
 @dataclass(frozen=True)
 class Gemma3CoreConfig:
     """The sizes of one Gemma-style attention core: model width, query heads, KV heads (each serving
-    heads / kv_heads query heads), head size, and the sliding window of its local layers (0: global,
-    causal over every earlier token; w > 0: each query sees its w latest tokens, itself included). The
-    default is the benchmark operator's."""
+    heads / kv_heads query heads), head size, the sliding window of its local layers (0: global,
+    causal over every earlier token; w > 0: each query sees its w latest tokens, itself included), and
+    whether q and k are RMS-normed per head (Gemma 3; Gemma 2 has no QK norm). The default is the
+    benchmark operator's."""
 
     hidden: int = HIDDEN
     heads: int = HEADS
     kv_heads: int = KV_HEADS
     head_dim: int = HEAD_DIM
     window: int = 0
+    qk_norm: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"Gemma3CoreConfig.qk_norm must be True or False, got {self.qk_norm!r}")
         for name in ("hidden", "heads", "kv_heads", "head_dim", "window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "window" else 1):
@@ -111,7 +115,7 @@ class Gemma3CoreBackward(Problem):
         Tensor("q_norm_weight", (HEAD_DIM,)),
         Tensor("k_norm_weight", (HEAD_DIM,)),
         Scalar("scaling", 1 / math.sqrt(HEAD_DIM)),
-        Scalar("attn_logit_softcapping", 50.0),
+        Scalar("attn_logit_softcapping", 50.0, nonzero=True),  # the benchmark's op divides by it
         Scalar("rms_norm_eps", 1e-6),
     )
     outputs = (

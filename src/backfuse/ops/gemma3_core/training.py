@@ -1,7 +1,7 @@
 """037's training path: the Gemma-style attention core (q, k, v projections, per-head QK RMSNorm with
-weight 1 + w, rotate-half RoPE, causal GQA attention with an optional soft cap and sliding window, the
-output projection), forward and backward, at any sizes (`Gemma3CoreConfig`), on float32, bfloat16 or
-float16 tensors.
+weight 1 + w (Gemma 3; none with `qk_norm=False`, Gemma 2), rotate-half RoPE, causal GQA attention
+with an optional soft cap and sliding window, the output projection), forward and backward, at any
+sizes (`Gemma3CoreConfig`), on float32, bfloat16 or float16 tensors.
 
 Forward (cuBLAS products in the inputs' dtype, or on fp16 copies of float32 inputs; fp32 sums):
     [q | k | v] = X [Wq; Wk; Wv]^T        (raw q, k kept in fp32 for float32 inputs, as the official path)
@@ -150,8 +150,10 @@ def _guard(plan: Plan, direction: str, device):
 
 def _norm_rope(p: Plan, x, w, cos, sin, out, heads: int, eps: float):
     t = p.tokens
-    return NORM_ROPE((cdiv(t, p.norm_rows), heads), dict(x=x, w=w, cos=cos, sin=sin, out=out, T=t, eps=float(eps)),
-                     D=p.config.head_dim, LD_X=x.stride(0), LD_OUT=out.stride(0), BT=p.norm_rows, num_warps=4)
+    return NORM_ROPE((cdiv(t, p.norm_rows), heads),
+                     dict(x=x, w=cos if w is None else w, cos=cos, sin=sin, out=out, T=t, eps=float(eps)),
+                     D=p.config.head_dim, LD_X=x.stride(0), LD_OUT=out.stride(0), BT=p.norm_rows,
+                     NORM=p.config.qk_norm, num_warps=4)
 
 
 def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float) -> list:
@@ -237,7 +239,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
             gq, gk, gv = s.gq, s.gk, s.gv
         if n[4]:
             launches.append(mm(go_c.T, a.o, w.grad_wo))
-        if any(n[:4]) or n[5] or n[6]:
+        if any(n[:4]) or n[5] or n[6]:  # (without the QK norm, n[5] and n[6] are False)
             att = p.attention
             launches += [mm(go_c, wo_c, s.da), steps.attention_delta(att, a.o, s.da, s.delta, g)]
             if p.split > 1:
@@ -256,10 +258,10 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
                     (s.d_rot_k, k_raw, knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection")):
                 launches.append(NORM_ROPE_BACKWARD(
                     (cdiv(t, p.norm_rows), heads),
-                    dict(dout=d_rot, x=raw, w=weight, cos=cos2, sin=sin2, dx=dst, parts=parts, ranges=ranges, T=t,
-                         eps=float(eps), r_dx=steps._slot(g, region)),
+                    dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst,
+                         parts=parts, ranges=ranges, T=t, eps=float(eps), r_dx=steps._slot(g, region)),
                     D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=p.norm_rows,
-                    RANGES=checked, num_warps=4))
+                    RANGES=checked, NORM=cfg.qk_norm, num_warps=4))
             if n[5]:
                 launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
             if n[6]:

@@ -22,13 +22,18 @@ HEAD_SIZES = (16, 32, 64, 128, 256)  # what the training path's attention kernel
 
 @dataclass(frozen=True)
 class WanXattnConfig:
-    """The sizes of one Wan-style cross-attention: the model width (video and text tokens alike) and
-    its heads (head size hidden / heads). The default is the benchmark operator's."""
+    """The sizes of one Wan-style cross-attention: the model width (video and text tokens alike), its
+    heads (head size hidden / heads), and whether q and k are RMS-normed across all heads with weights
+    (Wan 2.1 / 2.2's `norm_q`, `norm_k`; the benchmark operator has none). The default is the benchmark
+    operator's."""
 
     hidden: int = HIDDEN
     heads: int = HEADS
+    qk_norm: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"WanXattnConfig.qk_norm must be True or False, got {self.qk_norm!r}")
         for name in ("hidden", "heads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -3,6 +3,7 @@ at any width and head count (`WanXattnConfig`), on float32, bfloat16 or float16 
 
 Forward (products in the inputs' dtype for bfloat16 and float16; on fp16 copies for float32; fp32 sums):
     Q = video Wq^T + bq, K = text Wk^T + bk, V = text Wv^T + bv      (cuBLAS, the bias in its epilogue)
+    with qk_norm: Q, K = RMSNorm(Q) wq_norm, RMSNorm(K) wk_norm        (across all heads, as Wan's norm_q/k)
     O, lse = attention(Q, K, V) at `scale`, no mask                   (kernels/triton/attention.py)
     out = O Wo^T + bo                                                 (cuBLAS)
 It saves Q, K, V, O, lse (and its fp16 copies of float32 inputs) for the backward, or, with
@@ -10,7 +11,8 @@ save=False, nothing but the inputs: the backward then runs the forward's launche
 
 Backward from dOut:
     dC = dOut Wo, grad_Wo = dOut^T O, grad_bo = sum dOut
-    delta = rowsum(dC * O); dQ, dK, dV = attention backward
+    delta = rowsum(dC * O); dQ, dK, dV = attention backward (with qk_norm: the norms' backward, in place,
+    and their weights' gradients)
     grad_video = dQ Wq, grad_Wq = dQ^T video, grad_bq = sum dQ
     grad_text = dK Wk + dV Wv, grad_Wk = dK^T text, grad_bk = sum dK, grad_Wv = dV^T text, grad_bv = sum dV
 The products of gradients nobody needs are skipped. On fp16 products the upstream gradient is scaled
@@ -32,6 +34,7 @@ from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addmm,
 from .spec import WanXattnConfig
 
 NEEDS = 10  # grad_video, grad_text, grad_Wq, grad_bq, grad_Wk, grad_bk, grad_Wv, grad_bv, grad_Wo, grad_bo
+# (then with qk_norm grad_norm_q, grad_norm_k)
 LABEL = "backfuse.functional.wan_xattn"
 FORWARD_REGIONS = (("video_latents", Holds.INPUT), ("text_embeddings", Holds.INPUT),
                    ("query_weight", Holds.INPUT), ("key_weight", Holds.INPUT), ("value_weight", Holds.INPUT),
@@ -56,7 +59,12 @@ class Plan:
     save: bool = True
     sms: int = 0
     deterministic: bool = False
-    needs: tuple = (True,) * NEEDS
+    needs: tuple = (True,) * (NEEDS + 2)
+    eps: float = 1e-6  # the q, k norms'
+
+    @property
+    def norm(self) -> bool:
+        return self.config.qk_norm
 
     @property
     def compute(self) -> torch.dtype:
@@ -101,7 +109,9 @@ class Plan:
             specs += [Buffer("kv", (tt, 2 * d), c), Buffer("video_c", (tv, d), c), Buffer("text_c", (tt, d), c),
                       Buffer("wq_c", (d, d), c), Buffer("wkv_c", (2 * d, d), c), Buffer("wo_c", (d, d), c)]
         else:
-            specs += [Buffer("k", (tt, d), c), Buffer("v", (tt, d), c)]
+            specs += [Buffer("k_raw" if self.norm else "k", (tt, d), c), Buffer("v", (tt, d), c)]
+        if self.norm:  # the projections before their norms (the norms' backward reads them), and normed K
+            specs += [Buffer("q_raw", (tv, d), c), Buffer("k", (tt, d), c)]
         return Arena(specs)
 
     @functools.cached_property
@@ -123,6 +133,10 @@ class Plan:
                       Buffer("dk32", (tt, d), fp32) if split else None, Buffer("dv32", (tt, d), fp32) if split else None]
         specs += [Buffer(f"parts_{name}", (steps.column_sum_parts(rows), d), fp32)
                   for name, rows in (("bo", tv), ("bq", tv), ("bk", tt), ("bv", tt))]
+        if self.norm:  # the norms' weight gradients: partial rows, then their column sums' parts
+            specs += [Buffer(f"parts_n{name}", (steps.row_norm_parts(rows), d), fp32) for name, rows in (("q", tv), ("k", tt))]
+            specs += [Buffer(f"sums_n{name}", (steps.column_sum_parts(steps.row_norm_parts(rows)), d), fp32)
+                      for name, rows in (("q", tv), ("k", tt))]
         if not self.save:  # the backward's own forward
             specs += self.activations.specs + self.forward_scratch.specs
         return Arena(specs)
@@ -139,7 +153,9 @@ class Plan:
                       Buffer("grad_bk", (d,), io) if n[5] else None,
                       Buffer("grad_wv", (d, d), io) if n[6] and not stacked else None,
                       Buffer("grad_bv", (d,), io) if n[7] else None,
-                      Buffer("grad_wo", (d, d), io) if n[8] else None, Buffer("grad_bo", (d,), io) if n[9] else None])
+                      Buffer("grad_wo", (d, d), io) if n[8] else None, Buffer("grad_bo", (d,), io) if n[9] else None,
+                      Buffer("grad_nq", (d,), io) if self.norm and n[10] else None,
+                      Buffer("grad_nk", (d,), io) if self.norm and n[11] else None])
 
 
 def _guard(plan: Plan, direction: str, device):
@@ -151,30 +167,36 @@ def _guard(plan: Plan, direction: str, device):
 
 
 def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
-    """The forward up to O and lse, from the inputs x (video, text, wq, bq, wk, bk, wv, bv, wo) into
-    the activations a and the scratch s (the output weight's fp16 copy too: the backward reads it)."""
-    video, text, wq, bq, wk, bk, wv, bv, wo = x
+    """The forward up to O and lse, from the inputs x (video, text, wq, bq, wk, bk, wv, bv, wo[, nq, nk])
+    into the activations a and the scratch s (the output weight's fp16 copy too: the backward reads it)."""
+    video, text, wq, bq, wk, bk, wv, bv, wo = x[:9]
     d = p.config.hidden
+    q_out = a.q_raw if p.norm else a.q
     if p.casts:
         launches = [steps.cast(video, a.video_c, g, "video_latents"), steps.cast(text, a.text_c, g, "text_embeddings"),
                     steps.cast(wq, a.wq_c, g, "query_weight"), steps.cast(wk, a.wkv_c[:d], g, "key_weight"),
                     steps.cast(wv, a.wkv_c[d:], g, "value_weight"), steps.cast(wo, a.wo_c, g, "output_weight"),
                     steps.cast(bq, s.bq_c, g, "biases"), steps.cast(bk, s.bkv_c[:d], g, "biases"),
                     steps.cast(bv, s.bkv_c[d:], g, "biases"),
-                    addmm(s.bq_c, a.video_c, a.wq_c.T, a.q), addmm(s.bkv_c, a.text_c, a.wkv_c.T, a.kv)]
-        k, v = a.kv[:, :d], a.kv[:, d:]
+                    addmm(s.bq_c, a.video_c, a.wq_c.T, q_out), addmm(s.bkv_c, a.text_c, a.wkv_c.T, a.kv)]
+        k_raw, v = a.kv[:, :d], a.kv[:, d:]
     else:
-        launches = [addmm(bq, video.view(p.tv, d), wq.T, a.q), addmm(bk, text.view(p.tt, d), wk.T, a.k),
+        k_raw = a.k_raw if p.norm else a.k
+        launches = [addmm(bq, video.view(p.tv, d), wq.T, q_out), addmm(bk, text.view(p.tt, d), wk.T, k_raw),
                     addmm(bv, text.view(p.tt, d), wv.T, a.v)]
-        k, v = a.k, a.v
+        v = a.v
+    if p.norm:
+        launches += [steps.row_norm(a.q_raw, x[9], a.q, p.eps), steps.row_norm(k_raw, x[10], a.k, p.eps)]
+    k = a.k if p.norm else k_raw
     launches.append(steps.attention_forward(p.attention, p.tiles, a.q, k, v, a.o, a.lse, scale, g))
     return launches
 
 
 def forward(inputs, scale: float, plan: Plan):
     """(out, activations): out [B, Nv, hidden] in the inputs' dtype; activations the allocation the
-    backward reads (None with save=False). inputs: video, text, wq, bq, wk, bk, wv, bv, wo, bo."""
-    video, text, wq, bq, wk, bk, wv, bv, wo, bo = inputs
+    backward reads (None with save=False). inputs: video, text, wq, bq, wk, bk, wv, bv, wo, bo (then
+    with qk_norm the norms' weights nq, nk)."""
+    video, text, wq, bq, wk, bk, wv, bv, wo, bo = inputs[:10]
     device = video.device
     g = _guard(plan, "forward", device)
     if g is not None:
@@ -185,7 +207,7 @@ def forward(inputs, scale: float, plan: Plan):
 
     def build():
         a, s = acts.views(a_flat), scratch.views(s_flat)
-        launches = _forward_launches(plan, g, inputs[:9], a, s, scale)
+        launches = _forward_launches(plan, g, inputs[:9] + inputs[10:], a, s, scale)
         o2 = out.view(plan.tv, plan.config.hidden)
         if plan.casts:  # fp32 output: the bias added in fp32
             launches += [mm(a.o, a.wo_c.T, o2), lambda: o2.add_(bo)]
@@ -204,7 +226,7 @@ def forward(inputs, scale: float, plan: Plan):
 def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
     """The gradients of the forward's inputs (official output order; None where not needed). a_flat:
     the forward's activations (None: recomputed here)."""
-    video, text, wq, bq, wk, bk, wv, bv, wo, bo = inputs
+    video, text, wq, bq, wk, bk, wv, bv, wo, bo = inputs[:10]
     device, p, n = video.device, plan, plan.needs
     g = _guard(p, "backward", device)
     fg = _guard(p, "forward", device) if a_flat is None else None
@@ -223,21 +245,22 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
         a = s if a_flat is None else acts.views(a_flat)
         launches = []
         if a_flat is None:
-            launches += _forward_launches(p, fg, inputs[:9], a, s, scale)
+            launches += _forward_launches(p, fg, inputs[:9] + inputs[10:], a, s, scale)
             if fg is not None:
                 launches.append(steps.check(fg))
         if p.casts:
             launches += [steps.amax(go, g), steps.cast(go, s.go_c, g, "grad_output", upstream=True)]
             go_c, wq_c, wo_c, video_c, text_c = s.go_c, a.wq_c, a.wo_c, a.video_c, a.text_c
-            k, v, dk, dv = a.kv[:, :d], a.kv[:, d:], s.dkv[:, :d], s.dkv[:, d:]
+            k_raw, v, dk, dv = a.kv[:, :d], a.kv[:, d:], s.dkv[:, :d], s.dkv[:, d:]
         else:
             go_c, wq_c, wo_c, video_c, text_c = go, wq, wo, video.view(tv, d), text.view(tt, d)
-            k, v, dk, dv = a.k, a.v, s.dk, s.dv
+            k_raw, v, dk, dv = (a.k_raw if p.norm else a.k), a.v, s.dk, s.dv
+        k = a.k if p.norm else k_raw
         if n[9]:
             launches += steps.column_sums(go_c, w.grad_bo, s.parts_bo, g, unscale=True)
         if n[8]:
             launches.append(mm(go_c.T, a.o, w.grad_wo))
-        if any(n[:8]):
+        if any(n[:8]) or (p.norm and any(n[10:])):
             att = p.attention
             launches += [mm(go_c, wo_c, s.dc), steps.attention_delta(att, a.o, s.dc, s.delta, g)]
             if p.split > 1:  # fp32 atomic sums, then their fp16 copies
@@ -255,6 +278,14 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             else:
                 launches.append(steps.attention_backward(att, p.tiles, 1, a.q, k, v, s.dc, a.lse, s.delta, s.dq, dk, dv,
                                                          scale, g))
+            if p.norm:  # the norms' backward, in place: dQ, dK before the norms; the norms' weight gradients
+                launches += [steps.row_norm_backward(s.dq, a.q_raw, inputs[10], s.dq, s.parts_nq, p.eps, g,
+                                                     "gradient of queries"),
+                             steps.row_norm_backward(dk, k_raw, inputs[11], dk, s.parts_nk, p.eps, g, "gradient of keys")]
+                for need, out, parts, sums in ((n[10], "grad_nq", s.parts_nq, s.sums_nq),
+                                               (n[11], "grad_nk", s.parts_nk, s.sums_nk)):
+                    if need:
+                        launches += steps.column_sums(parts, getattr(w, out), sums, g, unscale=True)
             for need, out, x, parts in ((n[3], "grad_bq", s.dq, s.parts_bq), (n[5], "grad_bk", dk, s.parts_bk),
                                         (n[7], "grad_bv", dv, s.parts_bv)):
                 if need:
@@ -287,7 +318,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             each.poll()
     if p.casts and hasattr(w, "grad_wkv"):
         w.grad_wk, w.grad_wv = w.grad_wkv[:d], w.grad_wkv[d:]
-    return (grad_video, grad_text, getattr(w, "grad_wq", None), getattr(w, "grad_bq", None),
-            getattr(w, "grad_wk", None) if n[4] else None, getattr(w, "grad_bk", None),
-            getattr(w, "grad_wv", None) if n[6] else None, getattr(w, "grad_bv", None), getattr(w, "grad_wo", None),
-            getattr(w, "grad_bo", None))
+    grads = (grad_video, grad_text, getattr(w, "grad_wq", None), getattr(w, "grad_bq", None),
+             getattr(w, "grad_wk", None) if n[4] else None, getattr(w, "grad_bk", None),
+             getattr(w, "grad_wv", None) if n[6] else None, getattr(w, "grad_bv", None), getattr(w, "grad_wo", None),
+             getattr(w, "grad_bo", None))
+    return grads + ((getattr(w, "grad_nq", None), getattr(w, "grad_nk", None)) if p.norm else ())
