@@ -8,9 +8,32 @@ from .problem import Problem
 
 __version__ = "0.1.0"
 __all__ = ["PROBLEM_IDS", "BackfuseWarning", "Fp16RangeWarning", "GraphWarning", "Problem", "check_ranges", "cuda_graphs",
-           "fp16_range_check", "problem"]
+           "fallbacks", "fp16_range_check", "patch", "problem", "unpatch"]
 
 PROBLEM_IDS = tuple(PROBLEMS)
+
+
+def patch(model, *, quiet: bool = False) -> dict:
+    """Put backfuse into a Hugging Face transformers Gemma 2 / Gemma 3 or diffusers Wan model: every
+    attention module it covers runs backfuse's training ops (`backfuse/integrations`); returns
+    {module class: count}, printed in one line unless quiet."""
+    from .integrations import patch as patch_model
+
+    return patch_model(model, quiet=quiet)
+
+
+def unpatch(model) -> int:
+    """The patched modules' own code again; returns how many were patched."""
+    from .integrations import unpatch as unpatch_model
+
+    return unpatch_model(model)
+
+
+def fallbacks(model) -> dict:
+    """{reason: calls} that the patched modules of `model` handed back to their own code."""
+    from .integrations import fallbacks as counted
+
+    return counted(model)
 
 
 def check_ranges() -> None:

@@ -300,14 +300,17 @@ def _gemma_plan(tensors, softcap, window, save, head_dim=None):
         except ValueError as e:
             raise ValueError(f"{_GEMMA_LABEL}: {e}") from None
         b, s = "batch_size", "seq_len"
-        specs = [Tensor("hidden_states", (b, s, config.hidden)), Tensor("cos", (b, s, head_dim)),
-                 Tensor("sin", (b, s, head_dim)), Tensor("q_weight", (config.q_out, config.hidden)),
+        # RoPE tables per token, or per position for every batch entry ([1, S, D], as transformers makes them)
+        tables = "batch_size" if not (isinstance(cos, torch.Tensor) and cos.dim() == 3 and cos.shape[0] == 1) else 1
+        specs = [Tensor("hidden_states", (b, s, config.hidden)), Tensor("cos", (tables, s, head_dim)),
+                 Tensor("sin", (tables, s, head_dim)), Tensor("q_weight", (config.q_out, config.hidden)),
                  Tensor("k_weight", (config.kv_out, config.hidden)), Tensor("v_weight", (config.kv_out, config.hidden)),
                  Tensor("o_weight", (config.hidden, config.q_out))]
         if norm:
             specs += [Tensor("q_norm_weight", (head_dim,)), Tensor("k_norm_weight", (head_dim,))]
         axes = _validate(_GEMMA_LABEL, "037", specs, tensors[:len(specs)])
-        plan = _plans[key] = _gemma.Plan(axes[b], axes[s], config, hidden.dtype, softcap=softcap, save=save,
+        plan = _plans[key] = _gemma.Plan(axes[b], axes[s], config, hidden.dtype, softcap=softcap,
+                                         cos_batched=tables != 1 or axes[b] == 1, save=save,
                                          sms=_sm_count(hidden.device), deterministic=key[-1])
     return plan
 

@@ -10,23 +10,27 @@ host reads the log (a plain memory read) at the start of the op's next call, or 
 and warns (`Fp16RangeWarning`) naming the call, the tensor and its largest |value|.
 
 The upstream gradients of a mean-reduced loss are tiny, so every call scales them by a power of two
-2^k on the device (exact: it commutes with rounding, and the outputs are divided by 2^k again), with
-k chosen on the device too: on an op's first call from the upstream gradients' largest |value|
-(an extra read of them, that call only), afterwards the choice the last call's check made from its
-maxima (kept while it fits; else 0 where that fits; else the upstream gradients' largest |value|
-into [1, 2)). So a call's graph is the same at every scale, and the host never waits.
+2^k on the device (exact: it commutes with rounding, and the outputs are divided by 2^k again). k is
+chosen there too, from this call's largest |upstream gradient| (one extra read of them before their
+cast) and from how large the tensors formed from them were relative to it in the last call (kept per
+layer): 0 where everything fits with 4 bits to spare at both ends, else the upstream gradients'
+largest |value| into [1, 2), within what the others allow. So a call's graph is the same at every
+scale, a sudden change of the gradients' size costs nothing, and the host never waits.
 
-A call whose tensors did not fit is not recomputed: its outputs stand, and the warning says which
-call it was (the next calls have rescaled where scaling helps). bfloat16 products, which hold fp32's
-range, need no guard.
+A call whose values did not fit (a tensor formed from the upstream gradients jumping by more than the
+margin relative to them, or an input fp16 cannot hold) is not recomputed: its outputs stand, and the
+warning says which call it was. bfloat16 products, which hold fp32's range, need no guard.
 
-State per op, direction, input dtype and device: a few float32 on the device (STATE_FIELDS), the
+State per op, direction, layer (the address of its first weight: each layer of a model keeps its own
+scale, as gradients differ by orders of magnitude between layers) and device: a few float32 on the device (STATE_FIELDS), the
 region maxima and their flags, and the log [calls, regions found out of range in all, then per
 region: bad calls, last bad call, its largest |value| unscaled]. Calls of one op on two streams at
 once share it (their maxima mix, which can only make a warning more likely, never hide one).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -37,8 +41,9 @@ from ..kernels.schedule import Holds
 
 STATE_FIELDS = ("ready", "next", "used", "amax", "calls")
 MAX_REGIONS = 32
+GUARDS_KEPT = 1024  # the most recently used (a model's layers, and the direction of each)
 
-_guards: dict = {}
+_guards: OrderedDict = OrderedDict()
 
 
 def flags(holds: Holds, upstream: bool = False) -> int:
@@ -102,12 +107,17 @@ class Guard:
         return int(self._host[0])
 
 
-def guard(label: str, regions: tuple, device: torch.device, scaled: bool) -> Guard:
-    """The Guard of (label, regions, device), made on first use."""
-    key = (label, regions, device, scaled)
+def guard(label: str, regions: tuple, device: torch.device, scaled: bool, owner: int = 0) -> Guard:
+    """The Guard of (label, regions, device, owner), made on first use; owner: what tells a model's layers
+    apart (the address of the layer's first weight)."""
+    key = (label, regions, device, scaled, owner)
     g = _guards.get(key)
     if g is None:
         g = _guards[key] = Guard(label, regions, device, scaled)
+        while len(_guards) > GUARDS_KEPT:
+            _guards.popitem(last=False)
+    else:
+        _guards.move_to_end(key)
     return g
 
 

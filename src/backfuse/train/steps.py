@@ -69,7 +69,7 @@ def cast(src, dst, guard, region: str, *, upstream: bool = False):
 
 
 def amax(src, guard):
-    """The upstream gradients' largest |value| into the guard state, on an op's first call only."""
+    """The upstream gradients' largest |value| into the guard state (before their scaled cast)."""
     n = src.numel()
     return AMAX((cdiv(n, FLAT_BLOCK),), dict(src=src, state=guard.state, n=n), BLOCK=FLAT_BLOCK)
 
@@ -77,7 +77,7 @@ def amax(src, guard):
 def heads_to_tokens(src, dst, group: int, guard, region: str, *, upstream: bool = False, amax: bool = False):
     """dst[B * S, (H / group) * D] = src[B, H, S, D] (any strides but a contiguous last axis) summed over
     each group of `group` heads, in dst's dtype (dst may be a column block of a wider buffer).
-    amax: instead, src's largest |value| into the guard state (an op's first call only)."""
+    amax: instead, src's largest |value| into the guard state (before the scaled pass)."""
     batch, heads, seq, d = src.shape
     ranges, state, checked = _guarded(guard, src.device)
     bt = 64 if INTERPRETED else max(8, min(64, 8192 // d))

@@ -1,7 +1,7 @@
 """Memory passes of the training paths: casts to the products' dtype (with the fp16 guard's power-of-two
 scale of the upstream gradients), heads-to-tokens sums, column sums, the scale's undoing on the
 outputs, and the guard's check of a call's maxima. Each reads the device-side guard state
-(`backfuse/train/guard.py`: STATE_*) where it needs the scale, so that a call's graph is the same
+(`backfuse/train/guard.py`: STATE_FIELDS) where it needs the scale, so that a call's graph is the same
 whatever scale it runs at and the host never reads anything back.
 """
 
@@ -13,37 +13,42 @@ import triton.language as tl
 from .attention import fold, largest, narrow
 
 # The guard state's fields (float32 on the device), in `backfuse/train/guard.py`'s order.
-_READY = tl.constexpr(0)  # 1 once a call has chosen the next exponent
-_NEXT = tl.constexpr(1)  # the exponent the next call scales its upstream gradients by
-_USED = tl.constexpr(2)  # the exponent this call scales by
-_AMAX = tl.constexpr(3)  # largest |upstream gradient| of a call with no exponent chosen yet
-_CALLS = tl.constexpr(4)  # calls checked so far
+_USED = tl.constexpr(0)  # the exponent k this call scales its upstream gradients by (2^k)
+_AMAX = tl.constexpr(1)  # this call's largest |upstream gradient| (measured before the scaled cast)
+_RHO_MAX = tl.constexpr(2)  # the last call's log2 of the largest |linear tensor| over the upstream's largest
+_RHO_MIN = tl.constexpr(3)  # ... of the smallest such maximum of a tensor checked for underflow
 FP16_MAX = tl.constexpr(65504.0)
 SMALLEST_SAFE = tl.constexpr(2.0**-12)
-# Bits of room kept at both ends of the safe range when choosing an exponent, so that gradients that
-# drift from step to step are rescaled before they leave it.
+# Bits of room kept at both ends of the safe range when choosing an exponent, so that the tensors formed
+# from the upstream gradients, whose sizes relative to them drift from step to step, stay inside it.
 MARGIN = tl.constexpr(4.0)
 
 
 @triton.jit(do_not_specialize=["n"])
 def amax_kernel(src, state, n, BLOCK: tl.constexpr):
-    """state[_AMAX] = max(state[_AMAX], largest |src| of this program's block), only while no exponent
-    is chosen yet (the first call): afterwards every program returns at once."""
-    if tl.load(state + _READY) == 0.0:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.atomic_max(state + _AMAX, largest(tl.load(src + offs, mask=offs < n, other=0.0)))
+    """state[_AMAX] = max(state[_AMAX], largest |src| of this program's block): the upstream gradients'
+    largest |value| (read once before their scaled cast; the check resets it)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.atomic_max(state + _AMAX, largest(tl.load(src + offs, mask=offs < n, other=0.0)))
 
 
 @triton.jit
 def upstream_exponent(state):
-    """The exponent k of this call's scale 2^k of the upstream gradients: the last call's choice, or on
-    the first call 0 when their largest |value| lies in fp16's safe range with MARGIN bits to spare at
-    both ends, else the k that brings it into [1, 2)."""
+    """The exponent k of this call's scale 2^k of the upstream gradients, from their largest |value| a
+    (this call's) and how large the tensors formed from them were relative to a in the last call (rho):
+    among the k where every such tensor would fit fp16's safe range with MARGIN bits to spare at both
+    ends (without the margins where none does), 0 where that is one of them, else the one nearest to
+    bringing a into [1, 2). (a = 0, Inf or NaN: 0.)"""
     amax = tl.load(state + _AMAX)
-    fits = (amax >= SMALLEST_SAFE * tl.exp2(MARGIN)) & (amax <= FP16_MAX * tl.exp2(-MARGIN))
-    first = tl.where(fits | (amax == 0.0) | (amax != amax) | (amax > 3.0e38), 0.0,
-                     -tl.floor(tl.log2(tl.maximum(amax, 1e-38))))
-    return tl.where(tl.load(state + _READY) != 0.0, tl.load(state + _NEXT), first)
+    a = tl.log2(tl.maximum(amax, 1e-38))
+    high = tl.floor(tl.log2(FP16_MAX) - a - tl.load(state + _RHO_MAX))
+    low = tl.ceil(tl.log2(SMALLEST_SAFE) - a - tl.load(state + _RHO_MIN))
+    roomy = low + 2 * MARGIN <= high
+    low = tl.where(roomy, low + MARGIN, low)
+    high = tl.where(roomy, high - MARGIN, high)
+    k = tl.minimum(tl.maximum(-tl.floor(a), low), high)
+    k = tl.where((low <= 0.0) & (0.0 <= high), 0.0, k)
+    return tl.where((amax == 0.0) | (amax != amax) | (amax > 3.0e38), 0.0, k)
 
 
 @triton.jit(do_not_specialize=["n", "r"])
@@ -70,11 +75,7 @@ def heads_to_tokens_kernel(src, dst, ranges, state, S, stride_b, stride_h, strid
     """dst[b * S + s, j * D + d] = sum over g < GROUP of src[b, j * GROUP + g, s, d] (src: any strides of
     its first three axes, its last contiguous), in fp32, stored in dst's dtype (token-major, rows LD
     apart, HEADS_OUT heads); UPSTREAM: times 2^k as `cast_kernel`. AMAX: instead of any of that, the
-    largest |src| into the state as `amax_kernel` (the first call only). Grid (token blocks of BT,
-    B * HEADS_OUT)."""
-    if AMAX:
-        if tl.load(state + _READY) != 0.0:
-            return
+    largest |src| into the state as `amax_kernel`. Grid (token blocks of BT, B * HEADS_OUT)."""
     bj = tl.program_id(1)
     b = bj // HEADS_OUT
     j = bj % HEADS_OUT
@@ -167,15 +168,14 @@ def unscale_kernel(x, state, n, BLOCK: tl.constexpr):
 def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SCALED: tl.constexpr):
     """One program at the end of a call: checks each region's largest |value| (maxima, as rounded to
     fp16, so scaled by this call's 2^k where linear) against fp16's safe range, records the regions
-    out of range in the host-visible log, chooses the next call's exponent (SCALED) and resets the
-    maxima for the next call.
+    out of range in the host-visible log, keeps (SCALED) how large the linear tensors were relative to
+    the upstream gradients for the next call's exponent (`upstream_exponent`), and resets the maxima.
 
-    flags per region: 1 linear in the upstream gradients, 2 checked for underflow, 4 the upstream
-    gradients themselves. log (pinned host memory): [calls, regions found out of range in all, then per
-    region: calls it was out of range in, the last such call, its largest |value| unscaled]. Next
-    exponent, among those where every linear region fits with MARGIN bits to spare at both ends
-    (without the margins where none does): this call's where it is one of them; else 0 where that is;
-    else the one nearest to bringing the upstream gradients' largest |value| into [1, 2)."""
+    flags per region: 1 linear in the upstream gradients, 2 checked for underflow (4, the upstream
+    gradients themselves, is the state's own measure here). log (pinned host memory): [calls, regions found
+    out of range in all, then per
+    region: calls it was out of range in, the last such call, its largest |value| unscaled]. A linear
+    tensor that overflowed to Inf counts as 2^2 times larger than what fp16 holds at this call's scale."""
     i = tl.arange(0, R)
     ok = i < n_regions
     m = tl.load(maxima + i, mask=ok, other=0.0)
@@ -183,7 +183,6 @@ def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SC
     tl.store(maxima + i, tl.zeros((R,), dtype=tl.float32), mask=ok)
     linear = (f & 1) != 0
     under = (f & 2) != 0
-    upstream = (f & 4) != 0
     k = 0.0
     if SCALED:
         k = tl.load(state + _USED)
@@ -197,22 +196,15 @@ def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SC
     tl.store(log + 1, tl.load(log + 1) + tl.sum(bad.to(tl.float32), 0))
     tl.store(log, call + 1.0)
     if SCALED:
-        finite = (m == m) & (m < float("inf"))  # measured (also beyond 65504); Inf or NaN: only "smaller" is known
-        positive = linear & ok & finite & (unscaled > 0.0)
-        safe_u = tl.where(positive, unscaled, 1.0)
-        high = tl.min(tl.where(positive, tl.floor(tl.log2(FP16_MAX / safe_u)), 1.0e9), 0)
-        high = tl.minimum(high, tl.where(tl.max((linear & ok & ~finite).to(tl.int32), 0) > 0, k - 1.0, 1.0e9))
-        low = tl.max(tl.where(positive & under, tl.ceil(tl.log2(SMALLEST_SAFE / safe_u)), -1.0e9), 0)
-        top = tl.max(tl.where(upstream & positive, unscaled, 0.0), 0)
-        target = tl.where(top > 0.0, -tl.floor(tl.log2(tl.maximum(top, 1e-38))), 0.0)
-        roomy = low + 2 * MARGIN <= high
-        low = tl.where(roomy, low + MARGIN, low)
-        high = tl.where(roomy, high - MARGIN, high)
-        chosen = tl.minimum(tl.maximum(target, low), high)
-        chosen = tl.where((low <= 0.0) & (0.0 <= high), 0.0, chosen)
-        chosen = tl.where((low <= k) & (k <= high), k, chosen)
-        tl.store(state + _NEXT, chosen)
-        tl.store(state + _READY, 1.0)
+        top = tl.load(state + _AMAX)
+        finite = (m == m) & (m < float("inf"))
+        measured = linear & ok & finite & (unscaled > 0.0)
+        t = tl.log2(tl.maximum(top, 1e-38))
+        rho = tl.where(measured, tl.log2(tl.where(measured, unscaled, 1.0)) - t, 0.0)
+        rho = tl.where(linear & ok & ~finite, tl.log2(FP16_MAX) - k - t + 2.0, rho)
+        if (top > 0.0) & (top < 3.0e38):
+            tl.store(state + _RHO_MAX, tl.max(tl.where(linear & ok & (measured | ~finite), rho, 0.0), 0))
+            tl.store(state + _RHO_MIN, tl.min(tl.where(measured & under, rho, 0.0), 0))
         tl.store(state + _AMAX, 0.0)
 
 

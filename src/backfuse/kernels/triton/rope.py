@@ -7,7 +7,8 @@ For one head's row x (D features, halves lo = x[:D/2], hi = x[D/2:]):
 Backward from d(out):
     dy_lo = dout_lo cos_lo + dout_hi sin_hi,  dy_hi = dout_hi cos_hi - dout_lo sin_lo
     grad_w = sum over rows of dy * n;  m = dy (1 + w);  dx = r (m - n mean(m n))
-cos and sin are [T, D] (one row per token). Grid (token blocks of BT, heads).
+cos and sin have a row per token, or per position shared by every batch entry: token t reads row
+t % cos_rows. Grid (token blocks of BT, heads).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def _store_halves(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr, lo, 
     tl.store(rows + HALF, narrow(hi, base.dtype.element_ty), mask=ok[:, None])
 
 
-@triton.jit(do_not_specialize=["T"])
-def norm_rope_kernel(x, w, cos, sin, out, T, eps, D: tl.constexpr, LD_X: tl.constexpr, LD_OUT: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "cos_rows"])
+def norm_rope_kernel(x, w, cos, sin, out, T, cos_rows, eps, D: tl.constexpr, LD_X: tl.constexpr, LD_OUT: tl.constexpr,
                      BT: tl.constexpr, NORM: tl.constexpr):
     """out = RoPE(RMSNorm(x) (1 + w)) (NORM) or RoPE(x) of one head (program_id(1)) over BT tokens."""
     h = tl.program_id(1)
@@ -49,13 +50,13 @@ def norm_rope_kernel(x, w, cos, sin, out, T, eps, D: tl.constexpr, LD_X: tl.cons
         r = tl.rsqrt((tl.sum(y_lo * y_lo, 1) + tl.sum(y_hi * y_hi, 1)) / D + eps)[:, None]
         w_lo, w_hi = _halves(w, tl.zeros((1,), dtype=tl.int32), tl.full((1,), True, tl.int1), D, 0, D)
         y_lo, y_hi = y_lo * r * (1.0 + w_lo), y_hi * r * (1.0 + w_hi)
-    c_lo, c_hi = _halves(cos, tok, ok, D, 0, D)
-    s_lo, s_hi = _halves(sin, tok, ok, D, 0, D)
+    c_lo, c_hi = _halves(cos, tok % cos_rows, ok, D, 0, D)
+    s_lo, s_hi = _halves(sin, tok % cos_rows, ok, D, 0, D)
     _store_halves(out, tok, ok, LD_OUT, h * D, D, y_lo * c_lo - y_hi * s_lo, y_hi * c_hi + y_lo * s_hi)
 
 
-@triton.jit(do_not_specialize=["T", "r_dx"])
-def norm_rope_backward_kernel(dout, x, w, cos, sin, dx, parts, ranges, T, eps, r_dx, D: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "cos_rows", "r_dx"])
+def norm_rope_backward_kernel(dout, x, w, cos, sin, dx, parts, ranges, T, cos_rows, eps, r_dx, D: tl.constexpr,
                               LD_DOUT: tl.constexpr, LD_X: tl.constexpr, LD_DX: tl.constexpr, BT: tl.constexpr,
                               RANGES: tl.constexpr, NORM: tl.constexpr):
     """dx of one head (program_id(1)) over BT tokens, and (NORM) this block's share of grad_w in
@@ -65,8 +66,8 @@ def norm_rope_backward_kernel(dout, x, w, cos, sin, dx, parts, ranges, T, eps, r
     tok = block * BT + tl.arange(0, BT)
     ok = tok < T
     g_lo, g_hi = _halves(dout, tok, ok, LD_DOUT, h * D, D)
-    c_lo, c_hi = _halves(cos, tok, ok, D, 0, D)
-    s_lo, s_hi = _halves(sin, tok, ok, D, 0, D)
+    c_lo, c_hi = _halves(cos, tok % cos_rows, ok, D, 0, D)
+    s_lo, s_hi = _halves(sin, tok % cos_rows, ok, D, 0, D)
     dx_lo, dx_hi = g_lo * c_lo + g_hi * s_hi, g_hi * c_hi - g_lo * s_lo
     if NORM:
         lo, hi = _halves(x, tok, ok, LD_X, h * D, D)

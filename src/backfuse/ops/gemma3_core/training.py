@@ -55,6 +55,7 @@ class Plan:
     config: Gemma3CoreConfig
     io: torch.dtype
     softcap: float = 0.0
+    cos_batched: bool = True  # the RoPE tables have a row per token ([B, S, D]), else per position ([1, S, D])
     save: bool = True
     sms: int = 0
     deterministic: bool = False
@@ -89,6 +90,10 @@ class Plan:
     @property
     def split(self) -> int:
         return self.attention.split(self.tiles, self.sms, self.deterministic) if self.sms else 1
+
+    @property
+    def cos_rows(self) -> int:
+        return self.tokens if self.cos_batched else self.seq
 
     @property
     def norm_rows(self) -> int:
@@ -141,17 +146,19 @@ class Plan:
                       Buffer("grad_knw", (cfg.head_dim,), io) if n[6] else None])
 
 
-def _guard(plan: Plan, direction: str, device):
+def _guard(plan: Plan, direction: str, device, owner: int = 0):
     if not plan.guarded:
         return None
     regions = FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS
-    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts)
+    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts,
+                        owner=owner)
 
 
 def _norm_rope(p: Plan, x, w, cos, sin, out, heads: int, eps: float):
     t = p.tokens
     return NORM_ROPE((cdiv(t, p.norm_rows), heads),
-                     dict(x=x, w=cos if w is None else w, cos=cos, sin=sin, out=out, T=t, eps=float(eps)),
+                     dict(x=x, w=cos if w is None else w, cos=cos, sin=sin, out=out, T=t, cos_rows=p.cos_rows,
+                          eps=float(eps)),
                      D=p.config.head_dim, LD_X=x.stride(0), LD_OUT=out.stride(0), BT=p.norm_rows,
                      NORM=p.config.qk_norm, num_warps=4)
 
@@ -173,7 +180,7 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float) -> list:
         x2 = hidden.view(t, cfg.hidden)
         launches = [mm(x2, wq.T, a.q_raw), mm(x2, wk.T, a.k_raw), mm(x2, wv.T, a.v)]
         q_raw, k_raw = a.q_raw, a.k_raw
-    cos2, sin2 = cos.view(t, cfg.head_dim), sin.view(t, cfg.head_dim)
+    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
     launches += [_norm_rope(p, q_raw, qnw, cos2, sin2, a.rot_q, cfg.heads, eps),
                  _norm_rope(p, k_raw, knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps),
                  steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v, a.o, a.lse, scaling, g,
@@ -186,7 +193,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan):
     q_norm_w, k_norm_w."""
     hidden, wo = inputs[0], inputs[6]
     p, cfg, device = plan, plan.config, hidden.device
-    g = _guard(p, "forward", device)
+    g = _guard(p, "forward", device, inputs[3].data_ptr())
     if g is not None:
         g.poll()
     acts = p.activations
@@ -211,8 +218,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
     """(grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w); None where not needed."""
     hidden, cos, sin, wq, wk, wv, wo, qnw, knw = inputs
     p, cfg, device, n = plan, plan.config, hidden.device, plan.needs
-    g = _guard(p, "backward", device)
-    fg = _guard(p, "forward", device) if a_flat is None else None
+    g = _guard(p, "backward", device, inputs[3].data_ptr())
+    fg = _guard(p, "forward", device, inputs[3].data_ptr()) if a_flat is None else None
     for each in (g, fg):
         if each is not None:
             each.poll()
@@ -251,7 +258,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
             else:
                 launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, s.da, a.lse, s.delta,
                                                          s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS))
-            cos2, sin2 = cos.view(t, cfg.head_dim), sin.view(t, cfg.head_dim)
+            cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
             ranges, _, checked = steps._guarded(g, device)
             for d_rot, raw, weight, dst, parts, heads, region in (
                     (s.d_rot_q, q_raw, qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
@@ -259,7 +266,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
                 launches.append(NORM_ROPE_BACKWARD(
                     (cdiv(t, p.norm_rows), heads),
                     dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst,
-                         parts=parts, ranges=ranges, T=t, eps=float(eps), r_dx=steps._slot(g, region)),
+                         parts=parts, ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps),
+                         r_dx=steps._slot(g, region)),
                     D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=p.norm_rows,
                     RANGES=checked, NORM=cfg.qk_norm, num_warps=4))
             if n[5]:

@@ -105,11 +105,12 @@ class Plan:
                       Buffer("grad_wv", (cfg.kv_out, cfg.cross_hidden), io) if n[4] and not self.casts else None])
 
 
-def _guard(plan: Plan, direction: str, device):
+def _guard(plan: Plan, direction: str, device, owner: int = 0):
     if not plan.guarded:
         return None
     regions = FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS
-    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts)
+    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts,
+                        owner=owner)
 
 
 def _casts(p: Plan, g, x, a) -> list:
@@ -124,7 +125,7 @@ def forward(inputs, plan: Plan):
     """((query_states, key_states, value_states), activations) in the inputs' dtype."""
     dec, enc, wq, wk, wv = inputs
     p, cfg, device = plan, plan.config, dec.device
-    g = _guard(p, "forward", device)
+    g = _guard(p, "forward", device, inputs[2].data_ptr())
     if g is not None:
         g.poll()
     acts, scratch = p.activations, p.forward_scratch
@@ -160,10 +161,10 @@ def backward(inputs, grads, plan: Plan, a_flat):
     """(grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv); None where not needed."""
     dec, enc, wq, wk, wv = inputs
     p, cfg, device, n = plan, plan.config, dec.device, plan.needs
-    g = _guard(p, "backward", device)
+    g = _guard(p, "backward", device, inputs[2].data_ptr())
     if g is not None:
         g.poll()
-    fg = _guard(p, "forward", device) if p.casts and a_flat is None else None
+    fg = _guard(p, "forward", device, inputs[2].data_ptr()) if p.casts and a_flat is None else None
     gq, gk, gv = (t if t.stride(-1) == 1 else t.contiguous() for t in grads)
     acts, scratch, wgrads = p.activations, p.backward_scratch, p.weight_grads
     s_flat, w = scratch.allocate(device), wgrads.allocate(device)

@@ -158,12 +158,13 @@ class Plan:
                       Buffer("grad_nk", (d,), io) if self.norm and n[11] else None])
 
 
-def _guard(plan: Plan, direction: str, device):
+def _guard(plan: Plan, direction: str, device, owner: int = 0):
     """The fp16 guard of the forward or the backward (None on bfloat16 products)."""
     if not plan.guarded:
         return None
     regions = FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS
-    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts)
+    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts,
+                        owner=owner)
 
 
 def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
@@ -198,7 +199,7 @@ def forward(inputs, scale: float, plan: Plan):
     with qk_norm the norms' weights nq, nk)."""
     video, text, wq, bq, wk, bk, wv, bv, wo, bo = inputs[:10]
     device = video.device
-    g = _guard(plan, "forward", device)
+    g = _guard(plan, "forward", device, inputs[2].data_ptr())
     if g is not None:
         g.poll()
     acts, scratch = plan.activations, plan.forward_scratch
@@ -228,8 +229,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
     the forward's activations (None: recomputed here)."""
     video, text, wq, bq, wk, bk, wv, bv, wo, bo = inputs[:10]
     device, p, n = video.device, plan, plan.needs
-    g = _guard(p, "backward", device)
-    fg = _guard(p, "forward", device) if a_flat is None else None
+    g = _guard(p, "backward", device, inputs[2].data_ptr())
+    fg = _guard(p, "forward", device, inputs[2].data_ptr()) if a_flat is None else None
     for each in (g, fg):
         if each is not None:
             each.poll()

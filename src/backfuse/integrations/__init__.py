@@ -1,0 +1,110 @@
+"""backfuse inside other libraries' models: `patch(model)` finds the attention modules backfuse covers and
+binds backfuse's training ops to them; whatever a patched module meets that the op does not cover (a KV
+cache, dropout, a mask it cannot take, image context) it hands to the module's own code.
+
+    report = backfuse.patch(model)      # e.g. {"Gemma3Attention": 26} (printed unless quiet=True)
+    backfuse.unpatch(model)             # the modules' own code again
+
+Covered (`transformers.py`, `diffusers.py`; both libraries are optional, imported only to recognise
+their classes): Hugging Face transformers' `Gemma2Attention` and `Gemma3Attention` (the module's
+forward, bound per instance, as Liger and Unsloth bind theirs), diffusers' `WanAttention` used as the
+cross-attention of a Wan transformer block (`attn2`, through `set_processor`).
+
+Each patched module counts the calls it handed back and why (`fallbacks(model)`), and warns once per
+reason (`backfuse.BackfuseWarning`), so a model that never reaches backfuse says so.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+from .. import callsite
+
+PATCHED = "_backfuse_patched"  # attribute of a patched module: (what was there before, the fallback counter)
+
+
+def _kinds():
+    """(name, recognise(module) -> bool, patch(module), unpatch(module)) of every kind of module covered,
+    from the libraries that are installed (nothing is imported that the model has not)."""
+    kinds = []
+    if "transformers" in sys.modules:
+        from . import transformers as hf
+
+        kinds += hf.KINDS
+    if "diffusers" in sys.modules:
+        from . import diffusers as df
+
+        kinds += df.KINDS
+    return kinds
+
+
+def patch(model, *, quiet: bool = False) -> dict:
+    """Bind backfuse's ops to every module of `model` it covers; returns {module class: count}, which it
+    also prints in one line unless quiet. A model with nothing covered is refused (a ValueError naming
+    the classes backfuse covers), as a silent no-op would look like a speed-up that never comes."""
+    report = Counter()
+    for module in model.modules():
+        if getattr(module, PATCHED, None) is not None:
+            report[type(module).__name__] += 1
+            continue
+        for name, recognise, bind, _ in _kinds():
+            if recognise(module):
+                bind(module)
+                report[type(module).__name__] += 1
+                break
+    if not report:
+        covered = ", ".join(name for name, *_ in _kinds()) or "none (import transformers or diffusers first)"
+        raise ValueError(f"backfuse.patch: {type(model).__name__} has no module backfuse covers; it covers: {covered}")
+    _after_patch(model)
+    if not quiet:
+        print(f"backfuse.patch: {', '.join(f'{name} x{n}' for name, n in report.items())}", file=sys.stderr)
+    return dict(report)
+
+
+def _after_patch(model) -> None:
+    """The model-level pieces a kind needs (transformers: what the model's caller passed)."""
+    if "transformers" in sys.modules:
+        from . import transformers as hf
+
+        hf.wrap_model(model)
+
+
+def unpatch(model) -> int:
+    """Give every patched module of `model` its own code back; returns how many there were."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, PATCHED, None) is not None:
+            for _, recognise, _, unbind in _kinds():
+                if recognise(module, patched=True):
+                    unbind(module)
+                    count += 1
+                    break
+    if "transformers" in sys.modules:
+        from . import transformers as hf
+
+        hf.unwrap_model(model)
+    return count
+
+
+def fallbacks(model) -> dict:
+    """{reason: calls} handed back to the modules' own code, over the patched modules of `model`."""
+    total = Counter()
+    for module in model.modules():
+        state = getattr(module, PATCHED, None)
+        if state is not None:
+            total.update(state["fallbacks"])
+    return dict(total)
+
+
+_warned: set = set()
+
+
+def fall_back(module, reason: str) -> None:
+    """Count a call `module` hands to its own code, warning the first time for each class and reason."""
+    state = getattr(module, PATCHED)
+    if (type(module).__name__, reason) not in _warned:
+        _warned.add((type(module).__name__, reason))
+        callsite.warn(f"backfuse: {type(module).__name__} ran its own code: {reason} (backfuse.fallbacks(model) counts "
+                      "these calls)", callsite.BackfuseWarning)
+    state["fallbacks"][reason] += 1

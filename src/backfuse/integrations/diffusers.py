@@ -1,0 +1,89 @@
+"""diffusers' Wan cross-attention on backfuse's `wan_xattn`.
+
+A Wan transformer block's `attn2` (a `WanAttention` with `is_cross_attention`) gets a processor that
+computes the whole attention (q, k, v projections with biases, RMSNorm of q and k across the heads,
+softmax(Q K^T / sqrt(head size)) V, the output projection) as one `F.wan_xattn` call, when: the text
+context is all there is (no image context: `add_k_proj` is None), there is no attention mask and no
+rotary embedding, the projections are not fused (`fuse_projections`), q, k and v have the model width,
+and the output dropout is off (or the module is in eval mode). Otherwise the processor it replaced
+runs, counted by reason (`backfuse.fallbacks(model)`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from .. import functional as F
+from . import PATCHED, fall_back
+
+
+def _is_wan_cross_attention(module, patched: bool = False) -> bool:
+    if type(module).__name__ != "WanAttention" or not type(module).__module__.startswith("diffusers."):
+        return False
+    if not getattr(module, "is_cross_attention", False):
+        return False
+    return patched == (getattr(module, PATCHED, None) is not None)
+
+
+class WanCrossAttnProcessor:
+    """The processor `bind` sets on a Wan cross-attention: backfuse where it covers the call, else the
+    processor it replaced."""
+
+    def __init__(self, own):
+        self.own = own
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
+                 **kwargs):
+        reason = _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        if reason:
+            fall_back(attn, reason)
+            return self.own(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+        head_dim = attn.inner_dim // attn.heads
+        norm_q, norm_k = attn.norm_q, attn.norm_k
+        eps = norm_q.eps if norm_q.eps is not None else torch.finfo(hidden_states.dtype).eps
+        out = F.wan_xattn(hidden_states, encoder_hidden_states, attn.to_q.weight, attn.to_q.bias, attn.to_k.weight,
+                          attn.to_k.bias, attn.to_v.weight, attn.to_v.bias, attn.to_out[0].weight, attn.to_out[0].bias,
+                          1 / math.sqrt(head_dim), heads=attn.heads, norm_q_weight=norm_q.weight,
+                          norm_k_weight=norm_k.weight, eps=eps)
+        return attn.to_out[1](out)
+
+
+def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb) -> str | None:
+    if encoder_hidden_states is None:
+        return "self-attention (no text context)"
+    if attn.add_k_proj is not None:
+        return "image context (I2V)"
+    if attention_mask is not None:
+        return "an attention mask"
+    if rotary_emb is not None:
+        return "a rotary embedding"
+    if getattr(attn, "fused_projections", False):
+        return "fused projections"
+    if attn.kv_inner_dim != attn.inner_dim or attn.to_k.in_features != attn.to_q.in_features:
+        return "k, v or the text context of another width than q"
+    if attn.to_out[0].out_features != attn.inner_dim or attn.to_q.in_features != attn.inner_dim:
+        return "a model width other than heads x head size"
+    if not (isinstance(attn.norm_q, torch.nn.RMSNorm) and isinstance(attn.norm_k, torch.nn.RMSNorm)
+            and attn.norm_q.weight is not None and attn.norm_k.weight is not None):
+        return "q, k norms other than RMSNorm with weights"
+    if attn.training and attn.to_out[1].p:
+        return "output dropout"
+    return None
+
+
+def bind(module) -> None:
+    own = module.get_processor() if hasattr(module, "get_processor") else module.processor
+    setattr(module, PATCHED, {"processor": own, "fallbacks": Counter()})
+    module.set_processor(WanCrossAttnProcessor(own))
+
+
+def unbind(module) -> None:
+    state = getattr(module, PATCHED)
+    module.set_processor(state["processor"])
+    delattr(module, PATCHED)
+
+
+KINDS = [("diffusers WanAttention (cross-attention)", _is_wan_cross_attention, bind, unbind)]

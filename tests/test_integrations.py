@@ -1,0 +1,118 @@
+"""backfuse.patch on tiny random-init models of the real classes (transformers' Gemma 2 and Gemma 3,
+diffusers' Wan): the patched model trains as the unpatched one does (every step's loss, the final
+parameters), its attention on backfuse's ops with nothing handed back; what a patch does not cover
+(an attention mask, a KV cache) runs the model's own code and is counted; unpatch restores it.
+
+Without a GPU backfuse's kernels run in the Triton interpreter: the models are tiny and the steps few
+in number only in their size.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import backfuse
+
+transformers = pytest.importorskip("transformers")
+diffusers = pytest.importorskip("diffusers")
+STEPS = 20
+# Loss of every step and the final parameters, patched against unpatched. On float32 backfuse's products take
+# fp16 operands (fp32 sums), so its losses follow the float32 model to ~1e-4 (Liger's convergence tests, whose
+# kernels keep float32 products, ask 1e-5); AdamW's steps then move a parameter by at most a few learning rates.
+TOLERANCE = {torch.float32: dict(loss=2e-4, param=5e-3), torch.bfloat16: dict(loss=2e-2, param=2e-2)}
+
+
+def _gemma(kind: str, dtype):
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, sliding_window=4, max_position_embeddings=32,
+                  attn_implementation="eager")
+    if kind == "gemma3":
+        config = transformers.Gemma3TextConfig(**common, layer_types=["sliding_attention", "full_attention"])
+        model = transformers.Gemma3ForCausalLM(config)
+    else:
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common))
+    return model.to(device=DEVICE, dtype=dtype)
+
+
+def _wan(dtype):
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                            in_channels=4, out_channels=4, text_dim=24, freq_dim=16, ffn_dim=32,
+                                            num_layers=1, rope_max_seq_len=32)
+    return model.to(device=DEVICE, dtype=dtype)
+
+
+def _train(model, step, steps=STEPS):
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = step(model)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _gemma_step(dtype):
+    # Not the pad token (0, whose embedding is zero: a row whose attention output is all zeros gets a
+    # gradient 1e8 times the others' through the post-attention norm, beyond any one fp16 scale)
+    ids = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    return lambda model: model(input_ids=ids, labels=ids).loss
+
+
+def _wan_step(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, text, target = (torch.randn(s, generator=g).to(DEVICE, dtype) for s in ((1, 4, 2, 4, 4), (1, 5, 24), (1, 4, 2, 4, 4)))
+    t = torch.tensor([500], device=DEVICE)
+    return lambda model: torch.nn.functional.mse_loss(model(x, t, text, return_dict=False)[0].float(), target.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind, attention", [("gemma3", "Gemma3Attention"), ("gemma2", "Gemma2Attention"),
+                                             ("wan", "WanAttention")])
+def test_patched_model_trains_as_the_model_does(kind, attention, dtype):
+    base = _wan(dtype) if kind == "wan" else _gemma(kind, dtype)
+    ours = copy.deepcopy(base)
+    assert backfuse.patch(ours, quiet=True) == {attention: 1 if kind == "wan" else 2}
+    step = _wan_step(dtype) if kind == "wan" else _gemma_step(dtype)
+    expected = _train(base, step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", backfuse.BackfuseWarning)  # a fallback would warn
+        got = _train(ours, step)
+    assert backfuse.fallbacks(ours) == {}
+    tol = TOLERANCE[dtype]
+    for a, b in zip(got, expected):
+        assert abs(a - b) <= tol["loss"] * abs(b), (got, expected)
+    for (name, p), q in zip(ours.named_parameters(), base.parameters()):
+        assert (p.float() - q.float()).abs().max() <= tol["param"], name
+
+
+def test_what_a_patch_does_not_cover_runs_the_models_own_code():
+    model = _gemma("gemma3", torch.float32)
+    backfuse.patch(model, quiet=True)
+    ids = torch.randint(1, 96, (1, 6), device=DEVICE)
+    mask = torch.ones_like(ids)
+    with pytest.warns(backfuse.BackfuseWarning, match="Gemma3Attention ran its own code: an attention mask"):
+        masked = model(input_ids=ids, attention_mask=mask).logits
+    model.eval()
+    with torch.no_grad(), pytest.warns(backfuse.BackfuseWarning, match="a KV cache"):
+        model(input_ids=ids, use_cache=True)
+    counts = backfuse.fallbacks(model)
+    assert counts == {"an attention mask from the caller (padding or packing), or a call outside the patched model": 2,
+                      "a KV cache (pass use_cache=False in training)": 2}
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits  # backfuse's again
+    assert ((plain - masked).abs().max() / masked.abs().max()) < 1e-2
+    assert backfuse.unpatch(model) == 2 and backfuse.fallbacks(model) == {}
+
+
+def test_patch_refuses_a_model_it_has_nothing_for():
+    with pytest.raises(ValueError, match=r"backfuse.patch: Linear has no module backfuse covers; it covers: transformers "
+                                         r"Gemma2Attention / Gemma3Attention, diffusers WanAttention"):
+        backfuse.patch(torch.nn.Linear(2, 2))
