@@ -59,6 +59,20 @@ class _Block(torch.nn.Module):
         raise NotImplementedError
 
     @classmethod
+    def from_preset(cls, name: str, *, local: bool = False, **kwargs):
+        """The block of a released model (`backfuse.presets`), e.g. Gemma3Core.from_preset("gemma3-4b",
+        local=True) for its sliding-window layers; kwargs go to the constructor (device, dtype, ...)."""
+        from . import presets
+
+        preset = presets.get(name)
+        if preset.problem != cls._PROBLEM:
+            raise ValueError(f"{cls._label()}: preset {name!r} is a {type(preset.config).__name__}, "
+                             f"not a {cls.CONFIG.__name__}")
+        if local and preset.local is None:
+            raise ValueError(f"{cls._label()}: preset {name!r} has no sliding-window layers")
+        return cls(preset.local if local else preset.config, **{**preset.kwargs, **kwargs})
+
+    @classmethod
     def _label(cls) -> str:
         return f"backfuse.nn.{cls.__name__}"
 
@@ -145,6 +159,7 @@ class QkvGqa(_Block):
     biases. Initialised like `torch.nn.Linear`."""
 
     CONFIG = QkvGqaConfig
+    _PROBLEM = "072"
     ALIASES = {"q_weight": ("linear_q.weight", "q_proj.weight"), "k_weight": ("linear_k.weight", "k_proj.weight"),
                "v_weight": ("linear_v.weight", "v_proj.weight")}
     UNSUPPORTED = {**{f"linear_out.{kind}": "072 is the q, k, v projections only" for kind in ("weight", "bias")},
@@ -173,6 +188,7 @@ class Gemma3Core(_Block):
     output projection. Initialised like Hugging Face Gemma: projections N(0, 0.02^2), norms 0."""
 
     CONFIG = Gemma3CoreConfig
+    _PROBLEM = "037"
     ALIASES = {"q_weight": ("q_proj.weight",), "k_weight": ("k_proj.weight",), "v_weight": ("v_proj.weight",),
                "o_weight": ("o_proj.weight",), "q_norm_weight": ("q_norm.weight",),
                "k_norm_weight": ("k_norm.weight",)}
@@ -180,7 +196,7 @@ class Gemma3Core(_Block):
 
     def __init__(self, config=None, *, scaling: float | None = None, softcap: float | None = 50.0, eps: float = 1e-6,
                  device=None, dtype=torch.float32):
-        """scaling None: 1 / sqrt(head_dim); softcap None (or 0): no soft cap."""
+        """scaling None: 1 / sqrt(head_dim); softcap None: no soft cap."""
         config = Gemma3CoreConfig() if config is None else config
         scaling = 1 / math.sqrt(config.head_dim) if scaling is None else scaling
         scaling, eps = (check_real(v, f"{self._label()}: {n}") for n, v in (("scaling", scaling), ("eps", eps)))
@@ -235,6 +251,7 @@ class WanXattn(_Block):
     Initialised like Wan: weights Xavier-uniform, biases 0, norm weights 1."""
 
     CONFIG = WanXattnConfig
+    _PROBLEM = "021"
     ALIASES = {**{f"{n}_{kind}": (f"{wan}.{kind}", f"{diffusers}.{kind}")  # Wan's own names, then diffusers'
                   for n, wan, diffusers in (("query", "q", "to_q"), ("key", "k", "to_k"), ("value", "v", "to_v"),
                                             ("output", "o", "to_out.0"))

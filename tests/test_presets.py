@@ -1,0 +1,69 @@
+"""backfuse.presets: released models' attention blocks. Their modules build at full size (on the meta
+device, so nothing is allocated), with the parameter shapes the published checkpoints hold, and every
+preset's training plan is one the GPU kernels take (head size, tiles, split) at a real sequence length.
+"""
+
+import pytest
+import torch
+
+from backfuse import nn as bnn
+from backfuse import presets
+from backfuse.ops.gemma3_core import training as gemma_training
+from backfuse.ops.qkv_gqa import training as qkv_training
+from backfuse.ops.wan_xattn import training as wan_training
+
+MODULES = {"037": bnn.Gemma3Core, "021": bnn.WanXattn, "072": bnn.QkvGqa}
+# Checkpoint tensor shapes (rows, columns) as the models publish them, written out here rather than derived
+# from the presets: q, k projections of one attention layer.
+PUBLISHED = {"gemma3-1b": ((1024, 1152), (256, 1152)), "gemma3-4b": ((2048, 2560), (1024, 2560)),
+             "gemma3-27b": ((4096, 5376), (2048, 5376)), "gemma2-9b": ((4096, 3584), (2048, 3584)),
+             "wan2.1-1.3b": ((1536, 1536), (1536, 1536)), "wan2.1-14b": ((5120, 5120), (5120, 5120)),
+             "llama3.2-vision-11b": ((4096, 4096), (1024, 4096))}
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_preset_builds_at_full_size(name):
+    preset = presets.get(name)
+    cls = MODULES[preset.problem]
+    layers = [cls.from_preset(name, device="meta")]
+    if preset.local is not None:
+        layers.append(cls.from_preset(name, local=True, device="meta"))
+        assert layers[1].config.window > 0 and layers[0].config.window == 0
+    params = dict(layers[0].named_parameters())
+    q, k = (params[n].shape for n in (("q_weight", "k_weight") if preset.problem != "021" else ("query_weight", "key_weight")))
+    if name in PUBLISHED:
+        assert (tuple(q), tuple(k)) == PUBLISHED[name]
+    assert all(p.device.type == "meta" for layer in layers for p in layer.parameters())
+
+
+def test_preset_scalars_reach_the_module():
+    gemma2 = bnn.Gemma3Core.from_preset("gemma2-27b", device="meta")
+    assert gemma2.softcap == 50.0 and gemma2.scaling == pytest.approx(144 ** -0.5) and not gemma2.config.qk_norm
+    gemma3 = bnn.Gemma3Core.from_preset("gemma3-27b", local=True, device="meta", eps=1e-5)
+    assert gemma3.softcap is None and gemma3.scaling == pytest.approx(168 ** -0.5) and gemma3.eps == 1e-5
+    assert gemma3.config.window == 1024 and gemma3.config.qk_norm
+
+
+def test_preset_errors_name_the_problem():
+    with pytest.raises(ValueError, match="no preset 'gemma4'.*gemma3-1b"):
+        presets.get("gemma4")
+    with pytest.raises(ValueError, match="WanXattnConfig, not a Gemma3CoreConfig"):
+        bnn.Gemma3Core.from_preset("wan2.1-14b", device="meta")
+    with pytest.raises(ValueError, match="no sliding-window layers"):
+        bnn.WanXattn.from_preset("wan2.1-14b", local=True, device="meta")
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_preset_plans_fit_the_gpu_kernels(name):
+    preset = presets.get(name)
+    for config in filter(None, (preset.config, preset.local)):
+        for io in (torch.bfloat16, torch.float32):
+            if preset.problem == "072":  # projections and head-group sums only: no attention tiles
+                plan = qkv_training.Plan(1, 4096, 1601, config, io, sms=132)
+                assert plan.activations.nbytes > 0
+                continue
+            if preset.problem == "037":
+                plan = gemma_training.Plan(1, 8192, config, io, softcap=preset.kwargs["softcap"] or 0.0, sms=132)
+            else:
+                plan = wan_training.Plan(2, 32760, 512, config, io, sms=132)
+            assert plan.tiles.bm > 0 and plan.split >= 1 and plan.activations.nbytes > 0
