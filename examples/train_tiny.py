@@ -36,6 +36,8 @@ BLOCKS = {  # module, axes of the batch (the twin differentiates that problem's 
     "037": (bnn.Gemma3Core, dict(batch_size=1, seq_len=6), 100.0),
 }
 
+SCALARS = {"scale": "scale", "scaling": "scaling", "attn_logit_softcapping": "softcap", "rms_norm_eps": "eps"}  # input: attribute
+
 
 def train(pid: str, steps: int) -> list:
     """Prints and returns [(loss of ours, loss of the twin)] per step; shows backfuse's range warnings."""
@@ -47,7 +49,7 @@ def train(pid: str, steps: int) -> list:
     inputs = dict(zip(prob.input_names, prob.make_inputs(axes, seed=1, device=DEVICE)))
     activations = [inputs[n] for n in prob.input_names
                    if n not in prob.upstream_grads and n not in twin_params and isinstance(inputs[n], torch.Tensor)]
-    scalars = [getattr(ours, a) for a in ("scaling", "softcap", "eps", "scale") if hasattr(ours, a)]
+    scalars = [getattr(ours, SCALARS[s.name]) for s in prob.forward_inputs if s.name in SCALARS]
     targets = [torch.randn_like(o) for o in _as_tuple(ours(*activations))]
     opt_ours = torch.optim.SGD(ours.parameters(), lr=lr)
     opt_twin = torch.optim.SGD(twin_params.values(), lr=lr)

@@ -152,3 +152,139 @@ def check_beside_busy_stream(pid, axes, seed=21, calls=3, **options):
             time.sleep(0.01)
         assert_official_pass(prob, outs, refs)
     torch.cuda.synchronize()
+
+
+# ------------------------------------ the training ops at any config, against float64 --------------------------------
+def attention64(q, k, v, batch, heads, group, d, scale, cap, causal, window):
+    """Float64 attention of token-major q [B*Sq, H*D], k, v [B*Sk, KV*D] (soft cap 0: none; window 0: none)."""
+    s_q, s_k = q.shape[0] // batch, k.shape[0] // batch
+    qh = q.view(batch, s_q, heads, d).transpose(1, 2)
+    kh = k.view(batch, s_k, heads // group, d).transpose(1, 2).repeat_interleave(group, 1)
+    vh = v.view(batch, s_k, heads // group, d).transpose(1, 2).repeat_interleave(group, 1)
+    z = qh @ kh.transpose(-1, -2) * scale
+    if cap:
+        z = cap * torch.tanh(z / cap)
+    i, j = torch.arange(s_q, device=q.device)[:, None], torch.arange(s_k, device=q.device)[None]
+    visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= j <= i
+    if window:
+        visible &= i - j < window
+    return (torch.softmax(z.masked_fill(~visible, float("-inf")), -1) @ vh).transpose(1, 2).reshape(batch * s_q, -1)
+
+
+def training_module(pid, config, dtype, softcap=None, device=None, **scalars):
+    """backfuse.nn's module of operator `pid` at `config`, its norm weights (if any) away from their init."""
+    from backfuse import nn as bnn
+
+    device = device or DEVICE
+    if pid == "072":
+        return bnn.QkvGqa(config, device=device, dtype=dtype)
+    if pid == "021":
+        m = bnn.WanXattn(config, device=device, dtype=dtype, **scalars)
+    else:
+        m = bnn.Gemma3Core(config, softcap=softcap, device=device, dtype=dtype, **scalars)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p), alpha=0.05)
+    return m
+
+
+def rope_tables(seq, d, dtype, device=None):
+    """Rotate-half RoPE tables cos, sin [1, seq, d] (theta 1e4)."""
+    inv = 10000.0 ** (-torch.arange(d // 2, dtype=torch.float64) / (d // 2))
+    ang = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None]
+    ang = torch.cat((ang, ang), -1)
+    return (ang.cos().to(dtype)[None].to(device or DEVICE), ang.sin().to(dtype)[None].to(device or DEVICE))
+
+
+def training_inputs(pid, config, sizes, dtype, device=None):
+    """The activations of one call (those that get gradients require them): 072 (batch, Sd, Se), 021
+    (batch, Nv, Nt), 037 (batch, S) with RoPE tables [B, S, D]."""
+    device = device or DEVICE
+    if pid == "037":
+        b, s = sizes
+        cos, sin = rope_tables(s, config.head_dim, dtype, device)
+        x = (torch.randn(b, s, config.hidden, device=device) / config.hidden ** 0.5).to(dtype).requires_grad_()
+        return [x, cos.expand(b, s, -1), sin.expand(b, s, -1)]
+    b, n1, n2 = sizes
+    widths = (config.hidden, config.cross_hidden) if pid == "072" else (config.hidden, config.hidden)
+    return [torch.randn(b, n, w, device=device, dtype=dtype, requires_grad=True) for n, w in zip((n1, n2), widths)]
+
+
+def training_call(pid, m, acts, save=True):
+    """The module's op through backfuse.functional (save=False: the memory-minimal form)."""
+    from backfuse import functional as F
+
+    c, kw = m.config, ({} if save else {"save_activations": False})
+    if pid == "037":
+        return F.gemma3_core(*acts, m.q_weight, m.k_weight, m.v_weight, m.o_weight, getattr(m, "q_norm_weight", None),
+                             getattr(m, "k_norm_weight", None), m.scaling, m.softcap, m.eps, window=c.window,
+                             head_dim=c.head_dim, **kw)
+    if pid == "021":
+        projections = [getattr(m, f"{n}_{kind}") for n in ("query", "key", "value", "output") for kind in ("weight", "bias")]
+        norms = dict(norm_q_weight=m.norm_q_weight, norm_k_weight=m.norm_k_weight, eps=m.eps) if c.qk_norm else {}
+        return F.wan_xattn(*acts, *projections, m.scale, heads=c.heads, **norms, **kw)
+    return F.qkv_gqa(*acts, m.q_weight, m.k_weight, m.v_weight, head_dim=c.head_dim, **kw)
+
+
+def training_float64(pid, m, acts):
+    """The module's function in float64 by plain PyTorch (Hugging Face's Gemma norm; Wan's q, k RMSNorm
+    across the heads; the window by mask): (outputs, float64 parameters by name, float64 activations)."""
+    from backfuse.bench.train import _gemma_norm, _rotate_half, plain_072
+
+    lin = torch.nn.functional.linear
+    p = {n: t.detach().double().requires_grad_() for n, t in m.named_parameters()}
+    a = [x.detach().double().requires_grad_(x.requires_grad) for x in acts]
+    c = m.config
+    if pid == "072":
+        return plain_072(*a, *p.values(), heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim), p, a
+    if pid == "021":
+        video, text = a
+        q, k = lin(video, p["query_weight"], p["query_bias"]), lin(text, p["key_weight"], p["key_bias"])
+        if c.qk_norm:
+            q = torch.nn.functional.rms_norm(q, (c.hidden,), p["norm_q_weight"], m.eps)
+            k = torch.nn.functional.rms_norm(k, (c.hidden,), p["norm_k_weight"], m.eps)
+        v = lin(text, p["value_weight"], p["value_bias"])
+        b, nv, nt = video.shape[0], video.shape[1], text.shape[1]
+        o = attention64(q.reshape(b * nv, -1), k.reshape(b * nt, -1), v.reshape(b * nt, -1), b, c.heads, 1, c.head_dim,
+                        m.scale, 0.0, False, 0)
+        return lin(o.view(b, nv, -1), p["output_weight"], p["output_bias"]), p, a
+    x, cos, sin = a
+    b, s, _ = x.shape
+    d = c.head_dim
+    q = lin(x, p["q_weight"]).view(b, s, c.heads, d).transpose(1, 2)
+    k = lin(x, p["k_weight"]).view(b, s, c.kv_heads, d).transpose(1, 2)
+    if c.qk_norm:
+        q, k = _gemma_norm(q, p["q_norm_weight"], m.eps), _gemma_norm(k, p["k_norm_weight"], m.eps)
+    v = lin(x, p["v_weight"]).view(b, s, c.kv_heads, d).transpose(1, 2)
+    q, k = q * cos[:, None] + _rotate_half(q) * sin[:, None], k * cos[:, None] + _rotate_half(k) * sin[:, None]
+    o = attention64(q.transpose(1, 2).reshape(b * s, -1), k.transpose(1, 2).reshape(b * s, -1),
+                    v.transpose(1, 2).reshape(b * s, -1), b, c.heads, c.group, d, m.scaling, m.softcap or 0.0, True,
+                    c.window)
+    return lin(o.view(b, s, -1), p["o_weight"]), p, a
+
+
+def check_training_step(pid, m, acts, tol, save=True):
+    """Forward and backward of the op on poisoned buffers against float64 autograd of the same function:
+    output and every gradient in the inputs' dtype within `tol` relative (key_bias, zero in exact
+    arithmetic, bounded against value_bias's gradient)."""
+    with buffers.poisoned():
+        out = training_call(pid, m, acts, save)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, grads)
+    ref, params, exact = training_float64(pid, m, acts)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    torch.autograd.backward(refs, [g.double() for g in grads])
+    for o, r in zip(outs, refs):
+        assert o.dtype == acts[0].dtype and rel_err(o, r) < tol
+    for (name, p), (_, e) in zip(m.named_parameters(), params.items()):
+        if name == "key_bias":
+            assert (p.grad.double() - e.grad).abs().max() < 0.05 * params["value_bias"].grad.abs().max(), name
+        else:
+            assert p.grad.dtype == acts[0].dtype and rel_err(p.grad, e.grad) < tol, name
+    for i, (x, e) in enumerate(zip(acts, exact)):
+        if x.requires_grad:
+            assert rel_err(x.grad, e.grad) < tol, f"activation {i}"

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import rel_err
+from helpers import rel_err, training_inputs, training_module
 
 import backfuse
 from backfuse import functional as F
@@ -105,10 +105,27 @@ def test_torch_compile_keeps_one_graph_and_checkpointing_works():
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pid, config, softcap", [("021", WanXattnConfig(64, 4, qk_norm=True), None),
+                                                  ("037", Gemma3CoreConfig(64, 4, 2, 16, window=6, qk_norm=False), 30.0)],
+                         ids=["wan-qk-norm", "gemma2-no-qk-norm"])
+def test_torch_compile_takes_the_model_features(pid, config, softcap):
+    """Wan's q/k norm and Gemma 2's missing QK norm (optional inputs of the custom ops) under torch.compile:
+    the eager op's gradients."""
+    torch.manual_seed(4)
+    m = training_module(pid, config, torch.float32, softcap)
+    acts = training_inputs(pid, config, (1, 9, 5) if pid == "021" else (1, 11), torch.float32)
+    leaves = list(m.parameters()) + [a for a in acts if a.requires_grad]
+    grad = torch.randn(acts[0].shape)
+    eager = torch.autograd.grad(m(*acts), leaves, grad)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    for a, b in zip(torch.autograd.grad(compiled(*acts), leaves, grad), eager):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_op_registration_is_consistent():
     _, _, fwd = _forward_inputs("037")
     tensors, scalars = fwd[:9], fwd[9:]
-    torch.library.opcheck(torch.ops.backfuse.gemma3_core_forward.default, (*tensors, *scalars, 0),
+    torch.library.opcheck(torch.ops.backfuse.gemma3_core_forward.default, (*tensors, *scalars, 0, 0),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -1,10 +1,14 @@
 """backfuse.presets: released models' attention blocks. Their modules build at full size (on the meta
-device, so nothing is allocated), with the parameter shapes the published checkpoints hold, and every
-preset's training plan is one the GPU kernels take (head size, tiles, split) at a real sequence length.
+device, so nothing is allocated), with the parameter shapes the published checkpoints hold; every
+preset's training plan is one the GPU kernels take (head size, tiles, split) at a real sequence length;
+and every preset's layer, at its full width, trains on the fused path as float64 computes it (on a
+GPU at the models' token counts, past the sliding window; in the interpreter at a few tokens).
 """
 
 import pytest
 import torch
+from conftest import DEVICE
+from helpers import check_training_step, training_inputs, training_module
 
 from backfuse import nn as bnn
 from backfuse import presets
@@ -67,3 +71,27 @@ def test_preset_plans_fit_the_gpu_kernels(name):
             else:
                 plan = wan_training.Plan(2, 32760, 512, config, io, sms=132)
             assert plan.tiles.bm > 0 and plan.split >= 1 and plan.activations.nbytes > 0
+
+
+# Tokens of one call: (batch, sequence) for Gemma, (batch, video, text) for Wan, (batch, decoder, encoder) for
+# Llama 3.2 Vision's cross-attention (a 560-pixel tile's 1601 vision tokens).
+TOKENS = {"037": (1, 4096), "021": (1, 4680, 512), "072": (1, 4096, 1601)} if DEVICE == "cuda" else {
+    "037": (1, 6), "021": (1, 5, 3), "072": (1, 3, 5)}
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_preset_layers_train_as_float64_computes_them(name, local):
+    """bfloat16, as these models train: output and every gradient within bf16's rounding of float64."""
+    preset = presets.get(name)
+    config = preset.local if local else preset.config
+    if config is None:
+        pytest.skip(f"{name} has no sliding-window layers")
+    if local and DEVICE != "cuda":
+        pytest.skip("in the interpreter the few tokens are all inside the window: the global layer's test")
+    torch.manual_seed(0)
+    scalars = dict(preset.kwargs)
+    softcap = scalars.pop("softcap", None)
+    m = training_module(preset.problem, config, torch.bfloat16, softcap, **scalars)
+    check_training_step(preset.problem, m, training_inputs(preset.problem, config, TOKENS[preset.problem],
+                                                           torch.bfloat16), 3e-2)

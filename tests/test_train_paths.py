@@ -10,10 +10,9 @@ import math
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import rel_err
+from helpers import attention64, check_training_step, rel_err, training_float64, training_inputs, training_module
 
-from backfuse import nn as bnn
-from backfuse.kernels import buffers, graphs
+from backfuse.kernels import graphs
 from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig
 from backfuse.ops.qkv_gqa.spec import QkvGqaConfig
 from backfuse.ops.wan_xattn.spec import WanXattnConfig
@@ -22,24 +21,6 @@ from backfuse.train.program import Arena, Buffer, Outputs, Phases
 
 GPU = torch.cuda.is_available()
 TOL = {torch.float32: 3e-3, torch.float16: 3e-3, torch.bfloat16: 3e-2}
-
-
-def _attention(q, k, v, batch, heads, group, d, scale, cap, causal, window):
-    """Float64 attention of token-major q [B*Sq, H*D], k, v [B*Sk, KV*D]."""
-    s_q, s_k = q.shape[0] // batch, k.shape[0] // batch
-    qh = q.view(batch, s_q, heads, d).transpose(1, 2)
-    kh = k.view(batch, s_k, heads // group, d).transpose(1, 2).repeat_interleave(group, 1)
-    vh = v.view(batch, s_k, heads // group, d).transpose(1, 2).repeat_interleave(group, 1)
-    z = qh @ kh.transpose(-1, -2) * scale
-    if cap:
-        z = cap * torch.tanh(z / cap)
-    i, j = torch.arange(s_q, device=q.device)[:, None], torch.arange(s_k, device=q.device)[None]
-    visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
-    if causal:
-        visible &= j <= i
-    if window:
-        visible &= i - j < window
-    return (torch.softmax(z.masked_fill(~visible, float("-inf")), -1) @ vh).transpose(1, 2).reshape(batch * s_q, -1)
 
 
 @pytest.mark.parametrize("batch, s_q, s_k, heads, group, d, cap, causal, window, dtype, split", [
@@ -72,7 +53,7 @@ def test_attention_kernels_match_float64(batch, s_q, s_k, heads, group, d, cap, 
                    steps.attention_backward(a, tiles, split, q, k, v, do, lse, delta, dq, dk, dv, scale, None)):
         launch()
     exact = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = _attention(*exact, batch, heads, group, d, scale, cap, causal, window)
+    ref = attention64(*exact, batch, heads, group, d, scale, cap, causal, window)
     ref.backward(do.double())
     tol = 3e-3 if dtype == torch.float16 else 3e-2
     assert rel_err(o, ref) < tol
@@ -80,73 +61,16 @@ def test_attention_kernels_match_float64(batch, s_q, s_k, heads, group, d, cap, 
         assert rel_err(got, x.grad) < tol
 
 
-def _module(pid, config, dtype, softcap=None):
-    if pid == "021":
-        return bnn.WanXattn(config, device=DEVICE, dtype=dtype)
-    if pid == "072":
-        return bnn.QkvGqa(config, device=DEVICE, dtype=dtype)
-    m = bnn.Gemma3Core(config, softcap=softcap, device=DEVICE, dtype=dtype)
-    with torch.no_grad():
-        m.q_norm_weight.normal_(0, 0.02)
-        m.k_norm_weight.normal_(0, 0.02)
-    return m
-
-
-def _rope(seq, d, dtype):
-    inv = 10000.0 ** (-torch.arange(d // 2, dtype=torch.float64) / (d // 2))
-    ang = torch.arange(seq, dtype=torch.float64)[:, None] * inv[None]
-    ang = torch.cat((ang, ang), -1)
-    return ang.cos().to(dtype)[None].to(DEVICE), ang.sin().to(dtype)[None].to(DEVICE)
-
-
-def _plain(pid, m, acts):
-    """The module's function in float64 by plain PyTorch (`bench/train.py`'s layers; the window by mask)."""
-    from backfuse.bench.train import _gemma_norm, _rotate_half, plain_021, plain_072
-
-    p = {n: t.detach().double().requires_grad_() for n, t in m.named_parameters()}
-    a = [x.detach().double().requires_grad_(x.requires_grad) for x in acts]
-    c = m.config
-    if pid == "021":
-        return plain_021(*a, *p.values(), m.scale, heads=c.heads), p, a
-    if pid == "072":
-        return plain_072(*a, *p.values(), heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim), p, a
-    x, cos, sin = a
-    b, s, _ = x.shape
-    d = c.head_dim
-    lin = torch.nn.functional.linear
-    q = _gemma_norm(lin(x, p["q_weight"]).view(b, s, c.heads, d).transpose(1, 2), p["q_norm_weight"], m.eps)
-    k = _gemma_norm(lin(x, p["k_weight"]).view(b, s, c.kv_heads, d).transpose(1, 2), p["k_norm_weight"], m.eps)
-    v = lin(x, p["v_weight"]).view(b, s, c.kv_heads, d).transpose(1, 2)
-    q, k = q * cos[:, None] + _rotate_half(q) * sin[:, None], k * cos[:, None] + _rotate_half(k) * sin[:, None]
-    o = _attention(q.transpose(1, 2).reshape(b * s, -1), k.transpose(1, 2).reshape(b * s, -1),
-                   v.transpose(1, 2).reshape(b * s, -1), b, c.heads, c.group, d, m.scaling, m.softcap or 0.0, True,
-                   c.window)
-    return lin(o.view(b, s, -1), p["o_weight"]), p, a
-
-
 CASES = [  # pid, config, activations' sizes, softcap
     ("021", WanXattnConfig(64, 2), (2, 13, 7), None),
     ("021", WanXattnConfig(128, 1), (1, 19, 77), None),
+    ("021", WanXattnConfig(64, 4, qk_norm=True), (2, 11, 5), None),
     ("072", QkvGqaConfig(48, 32, 4, 2, 16), (2, 5, 3), None),
     ("072", QkvGqaConfig(64, 64, 2, 2, 32), (1, 1, 37), None),
     ("037", Gemma3CoreConfig(64, 4, 2, 16), (2, 13), 50.0),
     ("037", Gemma3CoreConfig(64, 2, 1, 32, window=5), (1, 19), None),
+    ("037", Gemma3CoreConfig(64, 4, 2, 16, window=6, qk_norm=False), (2, 11), 30.0),
 ]
-
-
-def _acts(pid, config, sizes, dtype):
-    if pid == "021":
-        b, nv, nt = sizes
-        return [torch.randn(b, nv, config.hidden, device=DEVICE, dtype=dtype, requires_grad=True),
-                torch.randn(b, nt, config.hidden, device=DEVICE, dtype=dtype, requires_grad=True)]
-    if pid == "072":
-        b, sd, se = sizes
-        return [torch.randn(b, sd, config.hidden, device=DEVICE, dtype=dtype, requires_grad=True),
-                torch.randn(b, se, config.cross_hidden, device=DEVICE, dtype=dtype, requires_grad=True)]
-    b, s = sizes
-    cos, sin = _rope(s, config.head_dim, dtype)
-    x = (torch.randn(b, s, config.hidden, device=DEVICE) / math.sqrt(config.hidden)).to(dtype).requires_grad_()
-    return [x, cos.expand(b, s, -1), sin.expand(b, s, -1)]
 
 
 @pytest.mark.parametrize("save", [True, False])
@@ -154,36 +78,11 @@ def _acts(pid, config, sizes, dtype):
 @pytest.mark.parametrize("pid, config, sizes, softcap", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_training_paths_at_other_sizes(pid, config, sizes, softcap, dtype, save):
     """Forward and backward at sizes and features the benchmark does not have (GQA groups, head sizes,
-    a sliding window, no soft cap, a single query), on poisoned buffers, against float64."""
+    a sliding window, no soft cap, Wan's q/k norm, Gemma 2's missing QK norm, a single query), on
+    poisoned buffers, against float64."""
     torch.manual_seed(1)
-    m = _module(pid, config, dtype, softcap)
-    acts = _acts(pid, config, sizes, dtype)
-    with buffers.poisoned():
-        kw = {} if save else {"save_activations": False}
-        if pid == "037":
-            from backfuse import functional as F
-            out = F.gemma3_core(*acts, *(p for _, p in m.named_parameters()), m.scaling, m.softcap, m.eps,
-                                window=config.window, **kw)
-        elif pid == "021":
-            from backfuse import functional as F
-            out = F.wan_xattn(*acts, *(p for _, p in m.named_parameters()), m.scale, heads=config.heads, **kw)
-        else:
-            from backfuse import functional as F
-            out = F.qkv_gqa(*acts, *(p for _, p in m.named_parameters()), head_dim=config.head_dim, **kw)
-        outs = out if isinstance(out, tuple) else (out,)
-        grads = [torch.randn_like(o) for o in outs]
-        torch.autograd.backward(outs, grads)
-    ref, params, exact = _plain(pid, m, acts)
-    refs = ref if isinstance(ref, tuple) else (ref,)
-    torch.autograd.backward(refs, [g.double() for g in grads])
-    for o, r in zip(outs, refs):
-        assert o.dtype == dtype and rel_err(o, r) < TOL[dtype]
-    for (name, p), (_, e) in zip(m.named_parameters(), params.items()):
-        if name != "key_bias":
-            assert p.grad.dtype == dtype and rel_err(p.grad, e.grad) < TOL[dtype], name
-    for a, e in zip(acts, exact):
-        if a.requires_grad:
-            assert rel_err(a.grad, e.grad) < TOL[dtype]
+    m = training_module(pid, config, dtype, softcap)
+    check_training_step(pid, m, training_inputs(pid, config, sizes, dtype), TOL[dtype], save)
 
 
 @pytest.mark.parametrize("frozen", ["weights", "activations"])
@@ -191,8 +90,8 @@ def test_gradients_left_out(frozen):
     """Frozen parameters (or activations without gradients) get no gradient; the rest are right."""
     torch.manual_seed(2)
     config = Gemma3CoreConfig(64, 4, 2, 16)
-    m = _module("037", config, torch.float32, 50.0)
-    acts = _acts("037", config, (1, 11), torch.float32)
+    m = training_module("037", config, torch.float32, 50.0)
+    acts = training_inputs("037", config, (1, 11), torch.float32)
     if frozen == "weights":
         for p in m.parameters():
             p.requires_grad_(False)
@@ -201,7 +100,7 @@ def test_gradients_left_out(frozen):
     out = m(*acts)
     grad = torch.randn_like(out)
     out.backward(grad)
-    ref, params, exact = _plain("037", m, acts)
+    ref, params, exact = training_float64("037", m, acts)
     ref.backward(grad.double())
     if frozen == "weights":
         assert all(p.grad is None for p in m.parameters()) and rel_err(acts[0].grad, exact[0].grad) < 3e-3
@@ -214,8 +113,8 @@ def test_deterministic_mode_gives_the_same_bits():
     """Under torch.use_deterministic_algorithms(True), no atomic sums: two calls, the same gradients."""
     torch.manual_seed(3)
     config = WanXattnConfig(64, 2)
-    m = _module("021", config, torch.float32)
-    acts = _acts("021", config, (1, 9, 5), torch.float32)
+    m = training_module("021", config, torch.float32)
+    acts = training_inputs("021", config, (1, 9, 5), torch.float32)
     torch.use_deterministic_algorithms(True)
     try:
         runs = []
@@ -253,8 +152,8 @@ def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype):
     (set_sync_debug_mode("error") would raise)."""
     guard.reset()
     config = WanXattnConfig()
-    m = _module("021", config, dtype)
-    acts = _acts("021", config, (2, 256, 77), dtype)
+    m = training_module("021", config, dtype)
+    acts = training_inputs("021", config, (2, 256, 77), dtype)
     grad = torch.randn(2, 256, config.hidden, device=DEVICE, dtype=dtype)
 
     def step():

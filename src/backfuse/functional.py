@@ -185,9 +185,7 @@ def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
     norms = [] if norm_q_weight is None else [norm_q_weight, norm_k_weight]
     tensors = _autocast([video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, *norms])
     if torch.compiler.is_compiling():
-        if norms:
-            raise NotImplementedError(f"{_WAN_LABEL}: under torch.compile, the q, k norms are not available yet")
-        return torch.ops.backfuse.wan_xattn_forward(*tensors, scale, heads)[0]
+        return torch.ops.backfuse.wan_xattn_forward(*tensors, *([None, None] if not norms else []), scale, heads, eps)[0]
     with _autocast_off(tensors):
         return _WanXattn.apply(scale, heads, save_activations, eps, *tensors)
 
@@ -351,9 +349,7 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
     softcap = _softcap(softcap)
     tensors = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight])
     if torch.compiler.is_compiling():
-        if q_norm_weight is None:
-            raise NotImplementedError(f"{_GEMMA_LABEL}: under torch.compile, the QK norm's weights are needed")
-        return torch.ops.backfuse.gemma3_core_forward(*tensors, scaling, softcap, eps, window)[0]
+        return torch.ops.backfuse.gemma3_core_forward(*tensors, scaling, softcap, eps, window, head_dim or 0)[0]
     with _autocast_off(tensors):
         return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, head_dim, *tensors)
 
@@ -385,8 +381,9 @@ def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, 
               grads_of):
     """backfuse::<name>_forward (outputs, then the activations it saves) and backfuse::<name>_backward
     (the gradients of the inputs at grads_of, in that order; empty where not needed), with an autograd
-    formula, for torch.compile: the same training path as the eager ops."""
-    tensors = ", ".join(f"Tensor {n}" for n in tensor_names)
+    formula, for torch.compile: the same training path as the eager ops. A tensor name ending in "?"
+    is an optional input (None: the feature it serves is off)."""
+    tensors = ", ".join(f"Tensor? {n[:-1]}" if n.endswith("?") else f"Tensor {n}" for n in tensor_names)
     _LIB.define(f"{name}_forward({tensors}, {scalar_schema}) -> ({', '.join(['Tensor'] * (n_out + 1))})")
     _LIB.define(f"{name}_backward(Tensor[] grads, {tensors}, Tensor acts, {scalar_schema}, bool[] needs) -> Tensor[]")
     _LIB.impl(f"{name}_forward", forward, "CompositeExplicitAutograd")
@@ -415,36 +412,44 @@ def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, 
     torch.library.register_autograd(f"backfuse::{name}_forward", formula, setup_context=setup_context, lib=_LIB)
 
 
+def _wan_tensors(tensors):
+    """The op's tensors as the eager path takes them: the norm weights only where there are norms."""
+    return tensors[:10] if tensors[10] is None else tensors
+
+
 def _wan_forward_op(*args):
-    *tensors, scale, heads = args
-    plan = _wan_plan(tensors, scale, heads, True)
+    *tensors, scale, heads, eps = args
+    tensors = _wan_tensors(tensors)
+    plan = _wan_plan(tensors, scale, heads, True, eps)
     out, acts = _wan.forward(_contiguous(tensors), scale, plan)
     return out, acts
 
 
 def _wan_backward_op(grads, *args):
-    *tensors, acts, scale, heads, needs = args
-    plan = _needs_plan(_wan_plan(tensors, scale, heads, True), tuple(needs) + (False, False))
+    *tensors, acts, scale, heads, eps, needs = args
+    tensors = _wan_tensors(tensors)
+    plan = _needs_plan(_wan_plan(tensors, scale, heads, True, eps), tuple(needs))
     out = _wan.backward(_contiguous(tensors), grads[0], scale, plan, acts)
     return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out]
 
 
 def _wan_fake_forward(*args):
-    *tensors, scale, heads = args
+    *tensors, scale, heads, eps = args
     video, text = tensors[:2]
-    plan = _wan.Plan(video.shape[0], video.shape[1], text.shape[1], WanXattnConfig(video.shape[2], heads), video.dtype)
+    config = WanXattnConfig(video.shape[2], heads, qk_norm=tensors[10] is not None)
+    plan = _wan.Plan(video.shape[0], video.shape[1], text.shape[1], config, video.dtype, eps=eps)
     return torch.empty_like(video), video.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
 def _wan_fake_backward(grads, *args):
-    *tensors, acts, scale, heads, needs = args
-    return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(tensors, needs)]
+    *tensors, acts, scale, heads, eps, needs = args
+    return [torch.empty_like(t) if t is not None and n else tensors[0].new_empty(0) for t, n in zip(tensors, needs)]
 
 
 _register("wan_xattn", ["video_latents", "text_embeddings", "query_weight", "query_bias", "key_weight", "key_bias",
-                        "value_weight", "value_bias", "output_weight", "output_bias"],
-          "float scale, int heads", 1, _wan_forward_op, _wan_backward_op, _wan_fake_forward,
-          _wan_fake_backward, range(10))
+                        "value_weight", "value_bias", "output_weight", "output_bias", "norm_q_weight?", "norm_k_weight?"],
+          "float scale, int heads, float eps", 1, _wan_forward_op, _wan_backward_op, _wan_fake_forward,
+          _wan_fake_backward, range(12))
 
 
 def _qkv_forward_op(*args):
@@ -482,35 +487,35 @@ _register("qkv_gqa", ["decoder_hidden_states", "encoder_hidden_states", "q_weigh
 
 
 def _gemma_forward_op(*args):
-    *tensors, scaling, softcap, eps, window = args
-    plan = _gemma_plan(tensors, softcap, window, True)
+    *tensors, scaling, softcap, eps, window, head_dim = args
+    plan = _gemma_plan(tensors, softcap, window, True, head_dim or None)
     return _gemma.forward(_contiguous(tensors), scaling, eps, plan)
 
 
 def _gemma_backward_op(grads, *args):
-    *tensors, acts, scaling, softcap, eps, window, needs = args
-    plan = _needs_plan(_gemma_plan(tensors, softcap, window, True), tuple(needs))
+    *tensors, acts, scaling, softcap, eps, window, head_dim, needs = args
+    plan = _needs_plan(_gemma_plan(tensors, softcap, window, True, head_dim or None), tuple(needs))
     g = _gemma.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts)
     return [torch.empty(0, device=tensors[0].device) if x is None else x for x in g]
 
 
 def _gemma_fake_forward(*args):
-    hidden, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, softcap, eps, window = args
-    d = qnw.shape[0]
-    config = Gemma3CoreConfig(wq.shape[1], wq.shape[0] // d, wk.shape[0] // d, d, window)
+    hidden, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, softcap, eps, window, head_dim = args
+    d = head_dim or qnw.shape[0]
+    config = Gemma3CoreConfig(wq.shape[1], wq.shape[0] // d, wk.shape[0] // d, d, window, qk_norm=qnw is not None)
     plan = _gemma.Plan(hidden.shape[0], hidden.shape[1], config, hidden.dtype)
     return torch.empty_like(hidden), hidden.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
 def _gemma_fake_backward(grads, *args):
-    *tensors, acts, scaling, softcap, eps, window, needs = args
+    *tensors, acts, scaling, softcap, eps, window, head_dim, needs = args
     differentiated = [tensors[i] for i in (0, 3, 4, 5, 6, 7, 8)]
-    return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(differentiated, needs)]
+    return [torch.empty_like(t) if t is not None and n else tensors[0].new_empty(0) for t, n in zip(differentiated, needs)]
 
 
 _register("gemma3_core", ["hidden_states", "cos", "sin", "q_weight", "k_weight", "v_weight", "o_weight",
-                          "q_norm_weight", "k_norm_weight"],
-          "float scaling, float softcap, float eps, int window", 1, _gemma_forward_op, _gemma_backward_op,
+                          "q_norm_weight?", "k_norm_weight?"],
+          "float scaling, float softcap, float eps, int window, int head_dim", 1, _gemma_forward_op, _gemma_backward_op,
           _gemma_fake_forward, _gemma_fake_backward, [0, 3, 4, 5, 6, 7, 8])
 
 

@@ -147,7 +147,7 @@ def column_sums(x, out, parts, guard, *, unscale: bool):
     rows, cols = x.shape
     per = column_rows_per_program(rows)
     _, state, checked = _guarded(guard, x.device)
-    strips = 64
+    strips = 1024 if INTERPRETED else 64  # columns per program (the interpreter: few, wide ones)
     return [PARTIALS((cdiv(rows, per), cdiv(cols, strips)), dict(x=x, parts=parts, R=rows, C=cols, rows_per_program=per),
                      LD=x.stride(0), ROWS=32, COLS=strips),
             FINISH((cdiv(cols, strips),), dict(parts=parts, out=out, state=state, n_parts=parts.shape[0], C=cols),
