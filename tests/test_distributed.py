@@ -91,7 +91,7 @@ def test_two_processes_train_as_one(tmp_path):
     out = tmp_path / "rank0.pt"
     mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
     results = torch.load(out)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.device_count() >= WORLD else "cpu"  # where the two processes ran
     model = _model().to(device)
     expected = _train(model, slice(None), device).cpu()
     for wrapper in WRAPPERS:

@@ -8,13 +8,17 @@ GPU at the models' token counts, past the sliding window; in the interpreter at 
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import check_training_step, training_inputs, training_module
+from helpers import check_training_step, rel_err, run_cli, training_float64, training_inputs, training_module
 
 from backfuse import nn as bnn
 from backfuse import presets
+from backfuse.bench import models
 from backfuse.ops.gemma3_core import training as gemma_training
+from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig
 from backfuse.ops.qkv_gqa import training as qkv_training
+from backfuse.ops.qkv_gqa.spec import QkvGqaConfig
 from backfuse.ops.wan_xattn import training as wan_training
+from backfuse.ops.wan_xattn.spec import WanXattnConfig
 
 MODULES = {"037": bnn.Gemma3Core, "021": bnn.WanXattn, "072": bnn.QkvGqa}
 # Checkpoint tensor shapes (rows, columns) as the models publish them, written out here rather than derived
@@ -95,3 +99,30 @@ def test_preset_layers_train_as_float64_computes_them(name, local):
     m = training_module(preset.problem, config, torch.bfloat16, softcap, **scalars)
     check_training_step(preset.problem, m, training_inputs(preset.problem, config, TOKENS[preset.problem],
                                                            torch.bfloat16), 3e-2)
+
+
+@pytest.mark.parametrize("pid, config, softcap, sizes", [
+    ("037", Gemma3CoreConfig(64, 4, 2, 16, window=5), None, (2, 9)),                # Gemma 3: QK norm, window mask
+    ("037", Gemma3CoreConfig(64, 4, 2, 16, window=0), None, (1, 7)),                # Gemma 3's global layers: causal
+    ("037", Gemma3CoreConfig(64, 4, 2, 16, window=4, qk_norm=False), 30.0, (2, 9)),  # Gemma 2: eager, soft cap
+    ("021", WanXattnConfig(64, 4, qk_norm=True), None, (2, 7, 5)),
+    ("072", QkvGqaConfig(48, 32, 4, 2, 16), None, (2, 5, 3)),
+], ids=["gemma3-local", "gemma3-global", "gemma2", "wan", "llama-vision"])
+def test_bench_models_baselines_compute_the_same_function(pid, config, softcap, sizes):
+    """`bench --models` times the model's own attention code (written in bench/models.py): in float64 it
+    is the function backfuse's op computes (the float64 computation the op is tested against)."""
+    torch.manual_seed(5)
+    m = training_module(pid, config, torch.float32, softcap, device="cpu").double()
+    acts = training_inputs(pid, config, sizes, torch.float64, device="cpu")
+    preset = presets.Preset("test", pid, config)
+    ours = models.model_function(preset, config, m)(*acts, *m.parameters())
+    expected, _, _ = training_float64(pid, m, acts)
+    for a, b in zip(ours if isinstance(ours, tuple) else (ours,), expected if isinstance(expected, tuple) else (expected,)):
+        assert rel_err(a, b) < 1e-6  # (Gemma 2's eager softmax runs in float32, as transformers' does)
+
+
+def test_bench_models_refuses_what_it_cannot_run():
+    r = run_cli("bench", "--models", "gemma4")
+    assert r.returncode == 2 and "--models: no preset 'gemma4'; there are gemma3-1b" in r.stderr
+    r = run_cli("bench", "--models", "gemma3-4b", "--cases", "0")
+    assert r.returncode == 2 and "--models runs its own selection" in r.stderr

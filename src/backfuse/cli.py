@@ -138,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "synchronization at the end) of backfuse on float32 and on bfloat16 against the layer written "
                        "plainly in bfloat16, eager and torch.compile'd; host time per step and peak memory; fp32 "
                        "outputs and gradients checked by the official rule (needs a CUDA GPU; JSON under \"train\")")
-    bench.add_argument("--steps", type=_at_least(1), default=20, help="--train: timed steps per case (default 20)")
+    bench.add_argument("--models", nargs="*", metavar="PRESET",
+                       help="instead: one layer's training step at released models' sizes and token counts "
+                       "(backfuse.presets; default all), bfloat16, against the model's own attention code, eager and "
+                       "torch.compile'd (needs a CUDA GPU; JSON under \"models\")")
+    bench.add_argument("--steps", type=_at_least(1), default=20, help="--train, --models: timed steps per case (default 20)")
 
     check = sub.add_parser(
         "check",
@@ -235,6 +239,8 @@ def _dispatch(parser, args) -> int:
         return _sol(problems, args.gpu)
     if args.command == "bench" and args.merge and not args.json:
         parser.error("--merge needs --json FILE")
+    if args.command == "bench" and args.models is not None:
+        return _bench_models(args)
     if args.command == "bench" and args.train:
         return _bench_train(problems, args)
     return _bench(problems, args, timing=args.command == "bench")
@@ -281,6 +287,43 @@ def _bench_train(problems, args) -> int:
         _write_file(args.json, json.dumps(doc, indent=1))
         log(f"wrote {args.json}")
     return FAILED if failed else 0
+
+
+def _bench_models(args) -> int:
+    import torch
+
+    from . import presets
+    from .bench import models
+
+    for name in args.models:
+        if name not in presets.PRESETS:
+            raise CLIError(f"--models: no preset {name!r}; there are {', '.join(presets.PRESETS)}")
+    if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
+        raise CLIError("--models runs its own selection (presets, their layers and token counts; backfuse against the "
+                       "model's own code): drop --train, problems, --cases, --impl, --plot and --baseline")
+    if args.json:
+        _check_writable(args.json)
+    if not torch.cuda.is_available():
+        raise CLIError("--models times training steps on a CUDA GPU, and none is visible; without one the tests check "
+                       "every preset's layer against float64 at a few tokens (tests/test_presets.py)")
+    warmup = min(args.warmup, 5)
+    doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=warmup, iters=args.steps), "problems": {},
+           "models": {}}
+    old = _load_results(args.json) if args.json and args.merge and os.path.exists(args.json) else None
+    todo = models.entries(args.models)
+    for done, (key, preset, local, tokens) in enumerate(todo, 1):
+        start = time.perf_counter()
+        entry = doc["models"][key] = models.run_entry(preset, local, tokens, "cuda", warmup=warmup, steps=args.steps)
+        log(f"[{done}/{len(todo)}] {key}: " + ", ".join(f"{name} {entry[name + '_ms']:.3f} ms"
+                                                     for name in models.IMPLEMENTATIONS)
+            + f" ({time.perf_counter() - start:.1f} s)")
+        if args.json:  # after every entry: a long run cut short keeps what it measured
+            _write_file(args.json, json.dumps(doc if old is None else {**old, "models": {**old.get("models", {}),
+                                                                                         **doc["models"]}}, indent=1))
+    print(report.models_table(doc["models"]))
+    if args.json:
+        log(f"wrote {args.json}")
+    return 0
 
 
 def _sol(problems, gpu: str) -> int:

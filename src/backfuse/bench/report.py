@@ -377,3 +377,23 @@ def train_readme_table(results: dict) -> str:
                      f"{worse}/{len(above)} cases, at most {max(above):.1f} MiB | "
                      f"{'16/16 pass' if checks and len(entries) == 16 else 'see report'} |")
     return "\n".join(lines)
+
+
+def models_table(entries: dict) -> str:
+    """Markdown table of `bench --models`: per preset layer and token count, ms per bfloat16 training step
+    of backfuse, the model's own code eager and compiled, the ratio, and peak memory; then the geometric
+    mean of the ratios."""
+    if not entries:
+        return "(no `bench --models` results yet)"
+    lines = ["| layer / tokens | backfuse | model's code (bf16) | compiled | backfuse / compiled | peak MiB (backfuse, "
+             "model's code) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    ratios = []
+    for key, e in entries.items():
+        ratios.append(e["backfuse_ms"] / e["compile_bf16_ms"])
+        peak = (f"{e['backfuse_peak_mib']:.0f}, {e['hf_bf16_peak_mib']:.0f}" if "backfuse_peak_mib" in e
+                and "hf_bf16_peak_mib" in e else "")
+        lines.append(f"| {key} | {e['backfuse_ms']:.3f} | {e['hf_bf16_ms']:.3f} | {e['compile_bf16_ms']:.3f} | "
+                     f"{ratios[-1]:.2f} | {peak} |")
+    lines.append(f"\ngeometric mean of backfuse / compiled: {statistics.geometric_mean(ratios):.2f} over {len(ratios)}; "
+                 f"largest {max(ratios):.2f}")
+    return "\n".join(lines)

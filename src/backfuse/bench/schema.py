@@ -10,7 +10,8 @@ problem's axes, positive integers), "latency_ms" (null: untimed), "passed" and "
 nothing was checked, as for the reference itself), and optionally "index" (the official case, 0..15)
 and (added) "launches" (kernel launches per call) and "busy_ms" (the median time per call that at
 least one of its device activities ran: latency less the idle gaps, e.g. waits on the host), each
-null untimed and absent in older files.
+null untimed and absent in older files. Optional top-level objects: "train" (`bench --train`, per
+problem and case index) and "models" (`bench --models`, per "<preset>/<tokens>[/local]").
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ _TOP = (
     ("iters", _is_count(1), "an integer >= 1", False),
     ("triton_interpret", lambda v: isinstance(v, bool), "true or false", False),
     ("train", lambda v: isinstance(v, dict), "an object of problems by id (`bench --train`)", False),
+    ("models", lambda v: isinstance(v, dict), 'an object of "<preset>/<tokens>" entries (`bench --models`)', False),
 )
+# `bench --models`: per preset layer and token count, one bfloat16 training step's figures.
+_MODEL_ENTRY = tuple((name, _is_number, "a number", True) for name in ("backfuse_ms", "hf_bf16_ms", "compile_bf16_ms")) + tuple(
+    (name, _is_number, "a number", False) for name in ("backfuse_peak_mib", "hf_bf16_peak_mib", "host_us"))
 # `bench --train`: per problem, per official case index (a string), one training step's figures.
 _TRAIN_CASE = tuple((name, _is_number, "a number", True) for name in (
     "backfuse_fp32_ms", "backfuse_bf16_ms", "eager_bf16_ms", "compile_bf16_ms", "host_us", "peak_mib",
@@ -107,6 +112,10 @@ def validate(doc) -> None:
             if not (index.isdigit() and int(index) < 16):
                 raise SchemaError(f"train.{pid}: case keys are official indices 0..15, got {index!r}")
             _fields(case, f"train.{pid}.{index}", _TRAIN_CASE)
+    for key, entry in doc.get("models", {}).items():
+        if key.count("/") not in (1, 2):
+            raise SchemaError(f'models: keys are "<preset>/<tokens>[/local]", got {key!r}')
+        _fields(entry, f"models.{key}", _MODEL_ENTRY)
     for pid, entry in doc["problems"].items():
         where = f"problems.{pid}"
         try:

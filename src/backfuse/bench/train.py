@@ -92,15 +92,29 @@ PLAIN = {"072": plain_072, "037": plain_037, "021": plain_021}
 SCALARS = {"scale": "scale", "scaling": "scaling", "softcap": "attn_logit_softcapping", "eps": "rms_norm_eps"}  # module kw: input
 
 
-class Layer:
-    """One implementation's layer at one case: its leaves (parameters and activations that get
-    gradients), the forward's inputs, and the upstream gradients."""
+class Steps:
+    """A layer's training step: the leaves (parameters and activations that get gradients), the forward
+    `call` and the upstream gradients."""
+
+    def __init__(self, leaves, call, grads):
+        self.leaves, self.call, self.grads = leaves, call, grads
+
+    def step(self):
+        for leaf in self.leaves:
+            leaf.grad = None
+        out = self.call()
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, self.grads)
+
+
+class Layer(Steps):
+    """One implementation's layer at one official case (`by_name`: backfuse's leaves by input name)."""
 
     def __init__(self, prob, axes, impl: str, device, seed: int = 0):
         dtype = torch.float32 if impl == "backfuse_fp32" else torch.bfloat16
         inputs = prob.make_inputs(axes, seed=seed, device=device)
         named = dict(zip(prob.input_names, inputs))
-        self.grads = [named[n].to(dtype) for n in prob.upstream_grads]
+        grads = [named[n].to(dtype) for n in prob.upstream_grads]
         forward = [(s.name, named[s.name]) for s in prob.forward_inputs]
         module_cls = MODULES[prob.id]
         if impl.startswith("backfuse"):
@@ -111,28 +125,22 @@ class Layer:
                 for name, p in params.items():
                     p.copy_(named[name])
             names = [n for n, v in forward if isinstance(v, torch.Tensor) and n not in params]
-            self.acts = [named[n].to(dtype).requires_grad_(n in prob.differentiates) for n in names]
-            self.by_name = {**params, **dict(zip(names, self.acts))}
-            self.leaves = list(params.values()) + [a for a in self.acts if a.requires_grad]
-            self.call = lambda: module(*self.acts)
+            acts = [named[n].to(dtype).requires_grad_(n in prob.differentiates) for n in names]
+            self.by_name = {**params, **dict(zip(names, acts))}
+            leaves = list(params.values()) + [a for a in acts if a.requires_grad]
+            call = lambda: module(*acts)  # noqa: E731
         else:
             values = [v.to(dtype).requires_grad_(n in prob.differentiates) if isinstance(v, torch.Tensor) else v
                       for n, v in forward]
-            self.leaves = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+            leaves = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
             fn = PLAIN[prob.id]
             if impl == "compile_bf16":
                 fn = torch.compile(fn)
-            self.call = lambda: fn(*values)
-
-    def step(self):
-        for leaf in self.leaves:
-            leaf.grad = None
-        out = self.call()
-        outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, self.grads)
+            call = lambda: fn(*values)  # noqa: E731
+        super().__init__(leaves, call, grads)
 
 
-def time_steps(layer: Layer, *, warmup: int, steps: int) -> tuple:
+def time_steps(layer: Steps, *, warmup: int, steps: int) -> tuple:
     """(ms per step, host us per step): `steps` steps back to back, one synchronization at the end."""
     for _ in range(warmup):
         layer.step()
@@ -146,7 +154,7 @@ def time_steps(layer: Layer, *, warmup: int, steps: int) -> tuple:
     return (t1 - t0) / steps * 1e3, (issued - t0) / steps * 1e6
 
 
-def peak_mib(layer: Layer) -> float:
+def peak_mib(layer: Steps) -> float:
     """The most memory allocated during one step above what was allocated before it (MiB)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -178,7 +186,7 @@ def check_fp32(prob, axes, tolerance, device, seed: int = 1) -> tuple:
     return forward, backward
 
 
-def sync_free(layer: Layer) -> bool:
+def sync_free(layer: Steps) -> bool:
     """Whether a step runs under torch.cuda.set_sync_debug_mode("error") without an error."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
