@@ -1,6 +1,6 @@
 """Regenerate README's results table (per implementation the arithmetic and geometric means of the
 per-case latencies; older results files get their geometric means computed from those), its training
-table (`bench --train`) and the latency plot from benchmarks/results/h200.json.
+table (`bench --train`), its models table (`bench --models`) and the latency plot from benchmarks/results/h200.json.
 
     python scripts/update_readme.py
 """
@@ -18,17 +18,20 @@ PLOT = ROOT / "benchmarks" / "plots" / "h200.png"
 README = ROOT / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 TRAIN_START, TRAIN_END = "<!-- train:start -->", "<!-- train:end -->"
+MODELS_START, MODELS_END = "<!-- models:start -->", "<!-- models:end -->"
+
+
+def _between(text: str, start: str, end: str, body: str) -> str:
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
 
 
 def main() -> None:
     results = json.loads(RESULTS.read_text())
-    text = README.read_text()
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    text = f"{head}{START}\n{report.readme_table(results)}\n{END}{tail}"
-    head, rest = text.split(TRAIN_START, 1)
-    _, tail = rest.split(TRAIN_END, 1)
-    README.write_text(f"{head}{TRAIN_START}\n{report.train_readme_table(results)}\n{TRAIN_END}{tail}")
+    text = _between(README.read_text(), START, END, report.readme_table(results))
+    text = _between(text, TRAIN_START, TRAIN_END, report.train_readme_table(results))
+    README.write_text(_between(text, MODELS_START, MODELS_END, report.models_table(results.get("models", {}))))
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     report.plot(results, str(PLOT))
     print(f"updated {README.name} and {PLOT.relative_to(ROOT)}")
