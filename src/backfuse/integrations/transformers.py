@@ -19,11 +19,20 @@ import contextvars
 import inspect
 from collections import Counter
 
+import torch
+
 from .. import functional as F
 from . import PATCHED, fall_back
 
-# Whether the innermost wrapped model call had no attention mask from its caller.
+# Whether the innermost wrapped model call had no attention mask from its caller: per thread and task in
+# eager code (a ContextVar), and in a dict that torch.compile can trace (it cannot trace a ContextVar) for
+# the calls compiled code makes.
 _plain_causal = contextvars.ContextVar("backfuse_plain_causal", default=False)
+_COMPILED = {"plain_causal": False}
+
+
+def _no_caller_mask() -> bool:
+    return _COMPILED["plain_causal"] if torch.compiler.is_compiling() else _plain_causal.get()
 MODEL_PATCHED = "_backfuse_model_forward"
 
 
@@ -48,7 +57,7 @@ def bind(module) -> None:
         reason = None
         if cache is not None:
             reason = "a KV cache (pass use_cache=False in training)"
-        elif not _plain_causal.get():
+        elif not _no_caller_mask():
             reason = "an attention mask from the caller (padding or packing), or a call outside the patched model"
         elif module.training and module.attention_dropout:
             reason = "attention dropout"
@@ -98,11 +107,15 @@ def wrap_model(model) -> None:
                 mask = None
         if model.training and "use_cache" not in kwargs and signature is not None and "use_cache" in signature.parameters:
             kwargs["use_cache"] = False
-        token = _plain_causal.set(mask is None)
+        before = _COMPILED["plain_causal"]
+        _COMPILED["plain_causal"] = mask is None
+        token = None if torch.compiler.is_compiling() else _plain_causal.set(mask is None)
         try:
             return own(*args, **kwargs)
         finally:
-            _plain_causal.reset(token)
+            _COMPILED["plain_causal"] = before
+            if token is not None:
+                _plain_causal.reset(token)
 
     setattr(model, MODEL_PATCHED, own)
     model.forward = forward
