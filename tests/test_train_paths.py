@@ -23,17 +23,20 @@ GPU = torch.cuda.is_available()
 TOL = {torch.float32: 3e-3, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
 
-@pytest.mark.parametrize("batch, s_q, s_k, heads, group, d, cap, causal, window, dtype, split", [
-    (2, 37, 37, 4, 2, 32, 50.0, True, 0, torch.float16, 1),
-    (1, 37, 37, 4, 2, 32, 0.0, True, 0, torch.bfloat16, 1),
-    (1, 41, 41, 2, 1, 16, 0.0, True, 7, torch.float16, 1),
-    (2, 29, 19, 2, 1, 64, 0.0, False, 0, torch.float16, 3),
-    (1, 5, 3, 3, 3, 16, 20.0, False, 0, torch.bfloat16, 2),
-    (1, 33, 33, 4, 4, 16, 50.0, True, 5, torch.float16, 2),
+@pytest.mark.parametrize("batch, s_q, s_k, heads, group, d, cap, causal, window, dtype, split, dq_atomic", [
+    (2, 37, 37, 4, 2, 32, 50.0, True, 0, torch.float16, 1, False),
+    (1, 37, 37, 4, 2, 32, 0.0, True, 0, torch.bfloat16, 1, False),
+    (1, 41, 41, 2, 1, 16, 0.0, True, 7, torch.float16, 1, False),
+    (2, 29, 19, 2, 1, 64, 0.0, False, 0, torch.float16, 3, False),
+    (1, 5, 3, 3, 3, 16, 20.0, False, 0, torch.bfloat16, 2, False),
+    (1, 33, 33, 4, 4, 16, 50.0, True, 5, torch.float16, 2, False),
+    (2, 37, 37, 4, 2, 32, 50.0, True, 9, torch.bfloat16, 1, True),
+    (1, 29, 29, 2, 1, 16, 0.0, True, 0, torch.float16, 2, True),
 ])
-def test_attention_kernels_match_float64(batch, s_q, s_k, heads, group, d, cap, causal, window, dtype, split):
-    """O and lse, then dQ, dK, dV (fp32 atomic sums when split), against float64 autograd; unwritten
-    elements would stay NaN."""
+def test_attention_kernels_match_float64(batch, s_q, s_k, heads, group, d, cap, causal, window, dtype, split,
+                                         dq_atomic):
+    """O and lse, then dQ, dK, dV (fp32 atomic sums when split; dQ from the key blocks' programs by fp32
+    atomic sums when dq_atomic), against float64 autograd; unwritten elements would stay NaN."""
     torch.manual_seed(0)
     kv = heads // group
     q, k, v, do = (torch.randn(batch * s, w * d, device=DEVICE).to(dtype) for s, w in
@@ -44,13 +47,14 @@ def test_attention_kernels_match_float64(batch, s_q, s_k, heads, group, d, cap, 
     nan = float("nan")
     o, lse, delta = torch.full_like(q, nan), torch.full((batch * heads, s_q), nan, device=DEVICE), torch.full(
         (batch * heads, s_q), nan, device=DEVICE)
-    dq = torch.full_like(q, nan)
+    dq = torch.zeros(batch * s_q, heads * d, device=DEVICE) if dq_atomic else torch.full_like(q, nan)
     dk, dv = ((torch.zeros(batch * s_k, kv * d, device=DEVICE),) * 2 if split > 1 else
               (torch.full_like(k, nan), torch.full_like(v, nan)))
     dk, dv = dk.clone(), dv.clone()
     for launch in (steps.attention_forward(a, tiles, q, k, v, o, lse, scale, None),
                    steps.attention_delta(a, o, do, delta, None),
-                   steps.attention_backward(a, tiles, split, q, k, v, do, lse, delta, dq, dk, dv, scale, None)):
+                   steps.attention_backward(a, tiles, split, q, k, v, do, lse, delta, dq, dk, dv, scale, None,
+                                            dq_atomic=dq_atomic)):
         launch()
     exact = [x.double().requires_grad_() for x in (q, k, v)]
     ref = attention64(*exact, batch, heads, group, d, scale, cap, causal, window)
@@ -211,7 +215,8 @@ for d, heads, group, causal, cap in ((64, 16, 1, False, False), (128, 24, 3, Tru
                      t.warps, t.stages))
     out.append(build(attention.attention_backward_kernel, ptr, dict(
         **common, **lds, LD_DO=heads * d, LD_DQ=heads * d, LD_DK=heads // group * d, LD_DV=heads // group * d,
-        KV_BN=t.kv_bn, KV_BM=t.kv_bm, Q_BM=t.q_bm, Q_BN=t.q_bn, SPLIT=1), t.bwd_warps, t.bwd_stages))
+        KV_BN=t.kv_bn, KV_BM=t.kv_bm, Q_BM=t.q_bm, Q_BN=t.q_bn, SPLIT=1, DQ_ATOMIC=causal), t.bwd_warps,
+        t.bwd_stages))
 out.append(build(rope.norm_rope_backward_kernel, {n: "*fp32" for n in ("dout", "x", "w", "cos", "sin", "parts", "ranges")} |
                  {"dx": f"*{dt}"}, dict(D=128, LD_DOUT=3072, LD_X=5120, LD_DX=5120, BT=32, RANGES=True), 4, 1))
 out.append(build(passes.cast_kernel, {"src": "*fp32", "dst": f"*{dt}", "ranges": "*fp32", "state": "*fp32"},

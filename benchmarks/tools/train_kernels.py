@@ -1,7 +1,9 @@
-"""The kernels of one training step (forward + backward) of an implementation at an official case, with
-their GPU times, from the profiler: where a step's GPU time goes.
+"""The kernels of one training step (forward + backward) of an implementation, with their GPU times, from
+the profiler: where a step's GPU time goes. At an official case (`bench --train`'s implementations) or at
+a preset layer and token count (`bench --models`' keys and implementations).
 
     PYTHONPATH=src python3 benchmarks/tools/train_kernels.py 072 0 backfuse_bf16 compile_bf16
+    PYTHONPATH=src python3 benchmarks/tools/train_kernels.py gemma3-4b/1x4096/local backfuse compile_bf16
 """
 
 from __future__ import annotations
@@ -13,19 +15,30 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import backfuse
+from backfuse.bench import models
 from backfuse.bench.train import Layer
+
+
+def layer_of(what: str, case: str, impl: str):
+    """(title, layer) of an official case ("072", "0") or of a `bench --models` key."""
+    if "/" in what:
+        for key, preset, local, tokens in models.entries([what.split("/")[0]]):
+            if key == what:
+                return what, models.ModelLayer(preset, local, tokens, impl, "cuda")
+        raise SystemExit(f"no --models key {what!r}; e.g. {models.entries()[0][0]}")
+    prob = backfuse.problem(what)
+    return f"{prob.id} case {case}", Layer(prob, prob.workloads[int(case)].axes, impl, "cuda")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("problem")
-    ap.add_argument("case", type=int)
-    ap.add_argument("impls", nargs="+")
+    ap.add_argument("what", help="an operator id, or a `bench --models` key (preset/tokens[/local])")
+    ap.add_argument("rest", nargs="+", help="the case index (operators only), then implementations")
     ap.add_argument("--top", type=int, default=14)
     args = ap.parse_args()
-    prob = backfuse.problem(args.problem)
-    for impl in args.impls:
-        layer = Layer(prob, prob.workloads[args.case].axes, impl, "cuda")
+    case, impls = (None, args.rest) if "/" in args.what else (args.rest[0], args.rest[1:])
+    for impl in impls:
+        title, layer = layer_of(args.what, case, impl)
         for _ in range(5):
             layer.step()
         torch.cuda.synchronize()
@@ -40,10 +53,11 @@ def main():
                 times[e.name[:70]] += e.device_time_total / 3
                 counts[e.name[:70]] += 1
         total = sum(times.values())
-        print(f"{prob.id} case {args.case} {impl}: {total / 1e3:.3f} ms of kernels per step, "
-              f"{sum(counts.values()) // 3} kernels")
+        print(f"{title} {impl}: {total / 1e3:.3f} ms of kernels per step, {sum(counts.values()) // 3} kernels")
         for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"  {t / 1e3:8.3f} ms  x{counts[name] // 3:<3d} {name}")
+        del layer
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -30,13 +30,21 @@ IMPLEMENTATIONS = ("backfuse", "hf_bf16", "compile_bf16")
 
 
 def entries(names=None) -> list:
-    """(key, preset, local, tokens) of every layer and token count of the named presets (all: None);
-    key "<preset>/<tokens>" with "/local" for a sliding-window layer, tokens as "1x4096"."""
-    out = []
+    """(key, preset, local, tokens) of every distinct layer and token count of the named presets (all:
+    None); key "<preset>/<tokens>" with "/local" for a sliding-window layer, tokens as "1x4096". Left out
+    as the same step as one already listed: a preset whose block equals an earlier one's (Wan 2.2 A14B's
+    is Wan 2.1 14B's), and a sliding-window layer at a length its window covers (Gemma 2's 4096)."""
+    out, seen = [], set()
     for name in names or presets.PRESETS:
         preset = presets.get(name)
         for local in (False, True) if preset.local is not None else (False,):
+            config = preset.local if local else preset.config
             for tokens in TOKENS[preset.problem]:
+                if local and config.window >= tokens[1]:
+                    continue
+                if (preset.problem, config, preset.scalars, tokens) in seen:
+                    continue
+                seen.add((preset.problem, config, preset.scalars, tokens))
                 key = f"{name}/{'x'.join(map(str, tokens))}" + ("/local" if local else "")
                 out.append((key, preset, local, tokens))
     return out

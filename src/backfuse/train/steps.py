@@ -169,7 +169,9 @@ def check(guard):
 @dataclass(frozen=True, kw_only=True)
 class AttentionTiles:
     """Forward: bm queries per program, bn keys per step. Backward: kv_bn keys per dK/dV program,
-    kv_bm queries per step; q_bm queries per dQ program, q_bn keys per step."""
+    kv_bm queries per step; q_bm queries per dQ program, q_bn keys per step; dq_atomic: where the
+    caller's dQ is fp32 and atomics are allowed, the dK/dV programs add dQ by atomics instead (no dQ
+    programs)."""
 
     bm: int
     bn: int
@@ -181,6 +183,7 @@ class AttentionTiles:
     q_bn: int
     bwd_warps: int
     bwd_stages: int
+    dq_atomic: bool = False
 
 
 # By head size on a GPU (registers: the backward's two fp32 accumulators are kv_bn x D each).
@@ -195,7 +198,7 @@ GPU_TILES = {
                         bwd_stages=1),
 }
 INTERPRETER_TILES = AttentionTiles(bm=32, bn=32, warps=4, stages=1, kv_bn=32, kv_bm=32, q_bm=32, q_bn=32, bwd_warps=4,
-                                   bwd_stages=1)
+                                   bwd_stages=1, dq_atomic=True)
 
 
 def attention_tiles(head_dim: int, gpu: bool) -> AttentionTiles:
@@ -257,12 +260,15 @@ def attention_delta(a: Attention, o, do, delta, guard, region="gradient of atten
 
 
 def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v, do, lse, delta, dq, dk, dv,
-                       scale: float, guard, regions=("gradient of queries", "gradient of keys", "gradient of values")):
-    """dq, dk, dv of attention a. split > 1: dk, dv are fp32 and zeroed before (atomic sums)."""
+                       scale: float, guard, regions=("gradient of queries", "gradient of keys", "gradient of values"),
+                       dq_atomic: bool = False):
+    """dq, dk, dv of attention a. split > 1: dk, dv are fp32 and zeroed before (atomic sums).
+    dq_atomic: dq is fp32, zeroed before, and receives dQ as atomic sums from the key blocks' programs
+    (no dQ programs: no recomputation of P and dP for dQ)."""
     ranges, _, _ = _guarded(guard, q.device)
     r_dq, r_dk, r_dv = (_slot(guard, r) for r in regions)
     kv_programs = a.batch * (a.heads // a.group) * cdiv(a.s_k, tiles.kv_bn) * split
-    q_programs = a.batch * a.heads * cdiv(a.s_q, tiles.q_bm)
+    q_programs = 0 if dq_atomic else a.batch * a.heads * cdiv(a.s_q, tiles.q_bm)
     return BACKWARD(
         (kv_programs + q_programs,),
         dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ranges=ranges, S_q=a.s_q, S_k=a.s_k,
@@ -270,7 +276,8 @@ def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v,
              r_dk=r_dk, r_dv=r_dv),
         LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_DO=do.stride(0), LD_DQ=dq.stride(0),
         LD_DK=dk.stride(0), LD_DV=dv.stride(0), KV_BN=tiles.kv_bn, KV_BM=tiles.kv_bm, Q_BM=tiles.q_bm,
-        Q_BN=tiles.q_bn, SPLIT=split, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages, **a.meta(guard))
+        Q_BN=tiles.q_bn, SPLIT=split, DQ_ATOMIC=dq_atomic, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
+        **a.meta(guard))
 
 
 def zero(t):

@@ -190,15 +190,17 @@ def attention_delta_kernel(
 
 
 @triton.jit
-def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dk, dv, ranges, S_q, S_k, scale, cap, window, r_dk, r_dv,
-               HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr,
-               LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr, KV_BN: tl.constexpr,
-               KV_BM: tl.constexpr, SPLIT: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-               HAS_CAP: tl.constexpr, RANGES: tl.constexpr, APPROX_TANH: tl.constexpr):
+def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, S_q, S_k, scale, cap, window, r_dk,
+               r_dv, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr,
+               LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr, LD_DK: tl.constexpr,
+               LD_DV: tl.constexpr, KV_BN: tl.constexpr, KV_BM: tl.constexpr, SPLIT: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
+               APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     """dK, dV of KV_BN keys of one (batch entry, KV head), summed over the group's query heads and the
     visible queries (KV_BM at a time); key blocks in order (the first have the most queries when
     causal). SPLIT > 1: that many programs share a key block, each over a run of its queries, and add
-    their sums into fp32 dk, dv (zeroed before) by atomics."""
+    their sums into fp32 dk, dv (zeroed before) by atomics. DQ_ATOMIC: each step also adds its part of
+    dQ, scale dS^T K, into fp32 dq (zeroed before) by atomics."""
     KV_HEADS: tl.constexpr = HEADS // GROUP
     per_block = kv_programs // ((S_k + KV_BN - 1) // KV_BN)
     block = pid // per_block
@@ -239,7 +241,12 @@ def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dk, dv, ranges, S_q, S
             ds = p * (mma(vt, tl.trans(dot_), None) - row_delta[None, :])
             if HAS_CAP:
                 ds = ds * (1.0 - t * t)
-            dk_acc = mma(narrow(ds, qt.dtype), qt, dk_acc)
+            ds = narrow(ds, qt.dtype)
+            dk_acc = mma(ds, qt, dk_acc)
+            if DQ_ATOMIC:
+                dq_part = mma(tl.trans(ds), kt, tl.zeros((KV_BM, D), dtype=tl.float32)) * scale
+                offs = (b * S_q + rows).to(tl.int64)[:, None] * LD_DQ + h * D + tl.arange(0, D)[None, :]
+                tl.atomic_add(dq + offs, dq_part, mask=row_ok[:, None], sem="relaxed")
     dk_acc = dk_acc * scale
     tok = b * S_k + cols
     if SPLIT > 1:
@@ -311,15 +318,16 @@ def attention_backward_kernel(
     LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
-    APPROX_TANH: tl.constexpr,
+    APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     """Programs [0, kv_programs): dK, dV of a key block (`_key_block`); the rest: dQ of a query block
-    (`_query_block`). P is recomputed from lse; one launch of both kinds, each independent of the other."""
+    (`_query_block`). P is recomputed from lse; one launch of both kinds, each independent of the other.
+    DQ_ATOMIC: no dQ programs; the key blocks' programs add dQ into fp32 dq instead."""
     pid = tl.program_id(0)
     if pid < kv_programs:
-        _key_block(pid, kv_programs, q, k, v, do, lse, delta, dk, dv, ranges, S_q, S_k, scale, cap, window, r_dk,
-                   r_dv, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DK, LD_DV, KV_BN, KV_BM, SPLIT, CAUSAL,
-                   WINDOW, HAS_CAP, RANGES, APPROX_TANH)
+        _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, S_q, S_k, scale, cap, window, r_dk,
+                   r_dv, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, LD_DK, LD_DV, KV_BN, KV_BM, SPLIT, CAUSAL,
+                   WINDOW, HAS_CAP, RANGES, APPROX_TANH, DQ_ATOMIC)
     else:
         _query_block(pid - kv_programs, tl.num_programs(0) - kv_programs, q, k, v, do, lse, delta, dq, ranges, S_q,
                      S_k, scale, cap, window, r_dq, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, Q_BM, Q_BN,

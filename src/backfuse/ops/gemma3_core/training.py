@@ -92,6 +92,11 @@ class Plan:
         return self.attention.split(self.tiles, self.sms, self.deterministic) if self.sms else 1
 
     @property
+    def dq_atomic(self) -> bool:
+        """dQ (fp32 here) summed by atomics from the key blocks' programs (`AttentionTiles.dq_atomic`)."""
+        return self.tiles.dq_atomic and not self.deterministic
+
+    @property
     def cos_rows(self) -> int:
         return self.tokens if self.cos_batched else self.seq
 
@@ -249,15 +254,19 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
         if any(n[:4]) or n[5] or n[6]:  # (without the QK norm, n[5] and n[6] are False)
             att = p.attention
             launches += [mm(go_c, wo_c, s.da), steps.attention_delta(att, a.o, s.da, s.delta, g)]
+            if p.dq_atomic:
+                launches.append(steps.zero(s.d_rot_q))
             if p.split > 1:
                 launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
                              steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, a.v, s.da, a.lse, s.delta,
-                                                      s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, ATTENTION_BACKWARD_REGIONS),
+                                                      s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, ATTENTION_BACKWARD_REGIONS,
+                                                      p.dq_atomic),
                              steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv,
                                                    1, g, "gradient of v projection")]
             else:
                 launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, s.da, a.lse, s.delta,
-                                                         s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS))
+                                                         s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS,
+                                                         p.dq_atomic))
             cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
             ranges, _, checked = steps._guarded(g, device)
             for d_rot, raw, weight, dst, parts, heads, region in (
