@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import attention64, check_training_step, rel_err, training_float64, training_inputs, training_module
+from helpers import (attention64, check_training_step, rel_err, training_call, training_float64, training_inputs,
+                     training_module)
 
 from backfuse.kernels import graphs
 from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig
@@ -242,3 +243,25 @@ def test_training_kernels_compile_for_sm90(dtype):
     assert done.returncode == 0, done.stderr[-4000:]
     for kernel in json.loads(done.stdout.strip().splitlines()[-1]):
         assert kernel["shared"] <= 232448, kernel
+
+
+@pytest.mark.parametrize("layout", ["token-major", "contiguous"])
+def test_qkv_gqa_query_gradient_in_any_layout(layout):
+    """072 on bfloat16 reads grad_query_states in place when it has the forward output's token-major
+    memory (no copy), and copies it otherwise: the same gradients either way, against float64."""
+    torch.manual_seed(4)
+    config = QkvGqaConfig(64, 32, 4, 2, 16)
+    m = training_module("072", config, torch.bfloat16)
+    acts = training_inputs("072", config, (2, 7, 5), torch.bfloat16)
+    outs = training_call("072", m, acts)
+    grads = [torch.randn(o.shape, device=DEVICE).to(torch.bfloat16) for o in outs]
+    if layout == "token-major":
+        grads[0] = grads[0].transpose(1, 2).contiguous().transpose(1, 2)
+    assert grads[0].transpose(1, 2).is_contiguous() == (layout == "token-major")
+    torch.autograd.backward(outs, grads)
+    ref, params, exact = training_float64("072", m, acts)
+    torch.autograd.backward(ref, [g.double() for g in grads])
+    for p, e in zip(m.parameters(), params.values()):
+        assert rel_err(p.grad, e.grad) < 3e-2
+    for x, e in zip(acts, exact):
+        assert rel_err(x.grad, e.grad) < 3e-2

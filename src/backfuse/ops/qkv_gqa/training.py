@@ -15,6 +15,7 @@ Backward from the three upstream gradients (any strides; `heads_to_tokens_kernel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class Plan:
     sms: int = 0
     deterministic: bool = False
     needs: tuple = (True,) * NEEDS
+    gq_in_place: bool = False  # the products read the queries' upstream gradient where it is (`reads_in_place`)
 
     @property
     def compute(self) -> torch.dtype:
@@ -69,6 +71,17 @@ class Plan:
     def te(self) -> int:
         return self.batch * self.se
 
+    def reads_in_place(self, gq) -> "Plan":
+        """This plan, or its twin that reads gq (grad_query_states [B, H, Sd, D]) in place: where gq is in
+        the products' dtype, unguarded, with token-major memory ([B, Sd, H, D], as the forward's own
+        output is laid out), so that its token-major view needs no copy (nor the copy's bytes)."""
+        direct = not self.guarded and gq.dtype == self.compute and gq.transpose(1, 2).is_contiguous()
+        return self._in_place if direct else self
+
+    @functools.cached_property
+    def _in_place(self) -> "Plan":
+        return dataclasses.replace(self, gq_in_place=True)
+
     @functools.cached_property
     def activations(self):
         """The fp16 copies the backward's products read (float32 inputs only)."""
@@ -88,7 +101,7 @@ class Plan:
         c, cfg, n = self.compute, self.config, self.needs
         enc_side = n[1] or n[3] or n[4]
         # The query side's products finish with GQ before the encoder side's sums are written.
-        queries = [Buffer("gq", (self.td, cfg.q_out), c) if n[0] or n[2] else None]
+        queries = [Buffer("gq", (self.td, cfg.q_out), c) if (n[0] or n[2]) and not self.gq_in_place else None]
         if self.casts:
             keys = [Buffer("gkv", (self.te, 2 * cfg.kv_out), c) if enc_side else None]
         else:
@@ -160,7 +173,8 @@ def forward(inputs, plan: Plan):
 def backward(inputs, grads, plan: Plan, a_flat):
     """(grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv); None where not needed."""
     dec, enc, wq, wk, wv = inputs
-    p, cfg, device, n = plan, plan.config, dec.device, plan.needs
+    p = plan.reads_in_place(grads[0])
+    cfg, device, n = p.config, dec.device, p.needs
     g = _guard(p, "backward", device, inputs[2].data_ptr())
     if g is not None:
         g.poll()
@@ -186,11 +200,15 @@ def backward(inputs, grads, plan: Plan, a_flat):
         else:
             dec_c, enc_c, wq_c = dec.view(p.td, cfg.hidden), enc.view(p.te, cfg.cross_hidden), wq
         if n[0] or n[2]:
-            launches.append(steps.heads_to_tokens(gq, s.gq, 1, g, "grad_query_states", upstream=True))
+            if p.gq_in_place:
+                gq_t = gq.transpose(1, 2).reshape(p.td, cfg.q_out)
+            else:
+                gq_t = s.gq
+                launches.append(steps.heads_to_tokens(gq, s.gq, 1, g, "grad_query_states", upstream=True))
             if n[0]:
-                launches.append(mm(s.gq, wq_c, grad_dec.view(p.td, cfg.hidden)))
+                launches.append(mm(gq_t, wq_c, grad_dec.view(p.td, cfg.hidden)))
             if n[2]:
-                launches.append(mm(s.gq.T, dec_c, w.grad_wq))
+                launches.append(mm(gq_t.T, dec_c, w.grad_wq))
         if n[1] or n[3] or n[4]:
             gk_c, gv_c = (s.gkv[:, :kv_out], s.gkv[:, kv_out:]) if p.casts else (s.gk, s.gv)
             launches += [steps.heads_to_tokens(gk, gk_c, cfg.group, g, "grad_key_states (head-group sums)", upstream=True),

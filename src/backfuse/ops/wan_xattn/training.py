@@ -123,7 +123,10 @@ class Plan:
     def backward_scratch(self):
         tv, tt, d, c, fp32 = self.tv, self.tt, self.config.hidden, self.compute, torch.float32
         split = self.split > 1
-        specs = [Buffer("dc", (tv, d), c), Buffer("delta", (self.batch * self.config.heads, self.nv), fp32),
+        # dC: in grad_video's bytes where grad_video is needed (its product is the call's last, dC's last
+        # reader the attention backward), else here
+        specs = [Buffer("dc", (tv, d), c) if not self.needs[0] else None,
+                 Buffer("delta", (self.batch * self.config.heads, self.nv), fp32),
                  Buffer("dq", (tv, d), c)]
         if self.casts:
             specs += [Buffer("go_c", (tv, d), c), Buffer("dkv", (tt, 2 * d), c),
@@ -257,27 +260,28 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             go_c, wq_c, wo_c, video_c, text_c = go, wq, wo, video.view(tv, d), text.view(tt, d)
             k_raw, v, dk, dv = (a.k_raw if p.norm else a.k), a.v, s.dk, s.dv
         k = a.k if p.norm else k_raw
+        dc = grad_video.view(-1).view(p.compute)[:tv * d].view(tv, d) if n[0] else s.dc
         if n[9]:
             launches += steps.column_sums(go_c, w.grad_bo, s.parts_bo, g, unscale=True)
         if n[8]:
             launches.append(mm(go_c.T, a.o, w.grad_wo))
         if any(n[:8]) or (p.norm and any(n[10:])):
             att = p.attention
-            launches += [mm(go_c, wo_c, s.dc), steps.attention_delta(att, a.o, s.dc, s.delta, g)]
+            launches += [mm(go_c, wo_c, dc), steps.attention_delta(att, a.o, dc, s.delta, g)]
             if p.split > 1:  # fp32 atomic sums, then their fp16 copies
                 if p.casts:
                     launches += [steps.zero(s.dkv32),
-                                 steps.attention_backward(att, p.tiles, p.split, a.q, k, v, s.dc, a.lse, s.delta, s.dq,
+                                 steps.attention_backward(att, p.tiles, p.split, a.q, k, v, dc, a.lse, s.delta, s.dq,
                                                           s.dkv32[:, :d], s.dkv32[:, d:], scale, g),
                                  steps.cast(s.dkv32, s.dkv, g, "gradient of keys")]
                 else:
                     launches += [steps.zero(s.dk32), steps.zero(s.dv32),
-                                 steps.attention_backward(att, p.tiles, p.split, a.q, k, v, s.dc, a.lse, s.delta, s.dq,
+                                 steps.attention_backward(att, p.tiles, p.split, a.q, k, v, dc, a.lse, s.delta, s.dq,
                                                           s.dk32, s.dv32, scale, g),
                                  steps.cast(s.dk32, s.dk, g, "gradient of keys"),
                                  steps.cast(s.dv32, s.dv, g, "gradient of values")]
             else:
-                launches.append(steps.attention_backward(att, p.tiles, 1, a.q, k, v, s.dc, a.lse, s.delta, s.dq, dk, dv,
+                launches.append(steps.attention_backward(att, p.tiles, 1, a.q, k, v, dc, a.lse, s.delta, s.dq, dk, dv,
                                                          scale, g))
             if p.norm:  # the norms' backward, in place: dQ, dK before the norms; the norms' weight gradients
                 launches += [steps.row_norm_backward(s.dq, a.q_raw, inputs[10], s.dq, s.parts_nq, p.eps, g,
