@@ -10,8 +10,7 @@ import math
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import (attention64, check_training_step, rel_err, training_call, training_float64, training_inputs,
-                     training_module)
+from helpers import attention64, check_training_step, rel_err, training_call, training_float64, training_inputs, training_module
 
 from backfuse.kernels import graphs
 from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig
