@@ -37,7 +37,8 @@ DEVICE = "cuda"
 T = AttentionTiles
 VARIANTS = {
     256: {
-        "cur": steps.GPU_TILES[256],
+        "cur": steps.GPU_TILES[256],  # forward c's, backward b's (notes/training.md, session 32)
+        "s31": T(bm=64, bn=32, warps=4, stages=2, kv_bn=32, kv_bm=32, q_bm=32, q_bn=32, bwd_warps=8, bwd_stages=1),
         "a": T(bm=64, bn=64, warps=4, stages=2, kv_bn=64, kv_bm=32, q_bm=64, q_bn=32, bwd_warps=8, bwd_stages=2),
         "b": T(bm=64, bn=64, warps=8, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=8, bwd_stages=2),
         "c": T(bm=128, bn=64, warps=8, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=8, bwd_stages=1),
@@ -45,7 +46,8 @@ VARIANTS = {
         "e": T(bm=64, bn=64, warps=8, stages=2, kv_bn=64, kv_bm=32, q_bm=64, q_bn=32, bwd_warps=8, bwd_stages=1),
     },
     128: {
-        "cur": steps.GPU_TILES[128],
+        "cur": steps.GPU_TILES[128],  # forward d's, backward a's
+        "s31": T(bm=128, bn=64, warps=8, stages=3, kv_bn=64, kv_bm=32, q_bm=64, q_bn=32, bwd_warps=4, bwd_stages=2),
         "a": T(bm=128, bn=128, warps=8, stages=2, kv_bn=128, kv_bm=64, q_bm=128, q_bn=64, bwd_warps=8, bwd_stages=2),
         "b": T(bm=128, bn=64, warps=8, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=4, bwd_stages=3),
         "c": T(bm=128, bn=64, warps=4, stages=3, kv_bn=128, kv_bm=32, q_bm=128, q_bn=32, bwd_warps=8, bwd_stages=2),
@@ -54,7 +56,7 @@ VARIANTS = {
 }
 # A variant's name with "+atomic": dQ added by the key blocks' programs (fp32 atomics, no dQ programs);
 # by default for these (others need more shared memory than a program has).
-ATOMIC = {256: ("a", "e"), 128: ("d", "b")}
+ATOMIC = {256: ("a",), 128: ("a",)}
 
 
 def variant(a: Attention, name: str):

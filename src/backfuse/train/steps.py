@@ -186,16 +186,17 @@ class AttentionTiles:
     dq_atomic: bool = False
 
 
-# By head size on a GPU (registers: the backward's two fp32 accumulators are kv_bn x D each).
+# By head size on a GPU (registers: the backward's two fp32 accumulators are kv_bn x D each). 128 and 256:
+# the fastest of `benchmarks/tools/attention_tiles.py`'s variants at the presets' shapes (notes/training.md).
 GPU_TILES = {
     16: AttentionTiles(bm=64, bn=64, warps=4, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=4, bwd_stages=2),
     32: AttentionTiles(bm=64, bn=64, warps=4, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=4, bwd_stages=2),
     64: AttentionTiles(bm=128, bn=64, warps=4, stages=3, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=4,
                        bwd_stages=2),
-    128: AttentionTiles(bm=128, bn=64, warps=8, stages=3, kv_bn=64, kv_bm=32, q_bm=64, q_bn=32, bwd_warps=4,
+    128: AttentionTiles(bm=64, bn=64, warps=4, stages=3, kv_bn=128, kv_bm=64, q_bm=128, q_bn=64, bwd_warps=8,
                         bwd_stages=2),
-    256: AttentionTiles(bm=64, bn=32, warps=4, stages=2, kv_bn=32, kv_bm=32, q_bm=32, q_bn=32, bwd_warps=8,
-                        bwd_stages=1),
+    256: AttentionTiles(bm=128, bn=64, warps=8, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=8,
+                        bwd_stages=2),
 }
 INTERPRETER_TILES = AttentionTiles(bm=32, bn=32, warps=4, stages=1, kv_bn=32, kv_bm=32, q_bm=32, q_bn=32, bwd_warps=4,
                                    bwd_stages=1, dq_atomic=True)
