@@ -150,6 +150,10 @@ class ModelLayer(Steps):
             leaves = params + [a for a in acts if a.requires_grad]
             fn = model_function(preset, config, module)
             if impl == "compile_bf16":
+                # compiled afresh, as the user's own model would be: dynamo keeps what it compiled per code
+                # object, so without the reset every layer after the first recompiles `fn` with dynamic
+                # shapes, and past the recompile limit runs it eagerly
+                torch._dynamo.reset()
                 fn = torch.compile(fn)
             call = lambda: fn(*acts, *params)  # noqa: E731
         super().__init__(leaves, call, grads)
