@@ -31,7 +31,8 @@ def main() -> None:
     results = json.loads(RESULTS.read_text())
     text = _between(README.read_text(), START, END, report.readme_table(results))
     text = _between(text, TRAIN_START, TRAIN_END, report.train_readme_table(results))
-    README.write_text(_between(text, MODELS_START, MODELS_END, report.models_table(results.get("models", {}))))
+    README.write_text(_between(text, MODELS_START, MODELS_END, report.models_table(results.get("models", {}),
+                                                                                          results.get("models_run"))))
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     report.plot(results, str(PLOT))
     print(f"updated {README.name} and {PLOT.relative_to(ROOT)}")

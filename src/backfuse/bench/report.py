@@ -379,13 +379,18 @@ def train_readme_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def models_table(entries: dict) -> str:
+def models_table(entries: dict, run: dict | None = None) -> str:
     """Markdown table of `bench --models`: per preset layer and token count, ms per bfloat16 training step
     of backfuse, the model's own code eager and compiled, the ratio, and peak memory; then the geometric
-    mean of the ratios."""
+    mean of the ratios. run (a results file's "models_run"): the run's device, versions, date, commit."""
     if not entries:
         return "(no `bench --models` results yet)"
-    lines = ["| layer / tokens | backfuse | model's code (bf16) | compiled | backfuse / compiled | peak MiB (backfuse, "
+    head = []
+    if run:
+        head = [f"Measured on {run['device']} (torch {run['torch']}, triton {run['triton']}, {run['date']}, commit "
+                f"{run['commit']}): one bfloat16 training step, {run['steps']} steps queued back to back after "
+                f"{run['warmup']}, one synchronization at the end; ms per step.", ""]
+    lines = head + ["| layer / tokens | backfuse | model's code (bf16) | compiled | backfuse / compiled | peak MiB (backfuse, "
              "model's code) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     ratios = []
     for key, e in entries.items():
