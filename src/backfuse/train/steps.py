@@ -198,6 +198,8 @@ GPU_TILES = {
     256: AttentionTiles(bm=128, bn=64, warps=8, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=8,
                         bwd_stages=2),
 }
+# The interpreter's: dQ by atomics (fewer programs: 037's training-path tests run 16 % faster than with dQ
+# programs). On the GPU the dQ programs win at every measured shape but the soft-capped one.
 INTERPRETER_TILES = AttentionTiles(bm=32, bn=32, warps=4, stages=1, kv_bn=32, kv_bm=32, q_bm=32, q_bn=32, bwd_warps=4,
                                    bwd_stages=1, dq_atomic=True)
 
