@@ -22,7 +22,8 @@ from helpers import (
 
 import backfuse
 from backfuse.kernels import buffers
-from backfuse.ops.gemma3_core import config, spec
+from backfuse.kernels.launch import constexprs_of
+from backfuse.ops.gemma3_core import config
 from backfuse.ops.gemma3_core.backward import FORWARD_PRODUCTS
 
 
@@ -72,27 +73,29 @@ def test_norm_rope_pass():
     which on the CPU no other test reaches): rot = RoPE(RMSNorm(q) (1 + w)), q heads times scaling /
     |cap|, from fp32 projections, v copied to fp16, every slot of rot, v and the range regions written."""
     prob = backfuse.problem("037")
+    c = prob.config
     _, hidden, cos, sin, wq, wk, wv, _, qnw, knw, scaling, cap, eps = prob.make_inputs(
         dict(batch_size=2, seq_len=19), seed=4, device=DEVICE)
     tokens = hidden.shape[0] * hidden.shape[1]
-    x2 = hidden.reshape(tokens, spec.HIDDEN)
+    x2 = hidden.reshape(tokens, c.hidden)
     qkv32 = torch.cat([x2 @ wq.T, x2 @ wk.T, x2 @ wv.T], 1)  # the plan's qk_width on this path: QKV
     cfg = (config.CONFIG if DEVICE == "cuda" else config.INTERPRETER_CONFIG).norm_rope
     row_blocks = -(-tokens // cfg.bm)
     unused = torch.empty(1, dtype=torch.float16, device=DEVICE)  # operands of the products path
-    rot16 = torch.full((tokens, spec.QK), float("nan"), dtype=torch.float16, device=DEVICE)
-    v16 = torch.full((tokens, spec.KV_OUT), float("nan"), dtype=torch.float16, device=DEVICE)
-    ranges = torch.full(((spec.HEADS + spec.KV_HEADS) * row_blocks,), float("nan"), device=DEVICE)
-    qkv_tiles = row_blocks * spec.QKV // spec.HEAD_DIM  # the whole grid: no dA tiles without PRODUCTS
+    rot16 = torch.full((tokens, c.qk), float("nan"), dtype=torch.float16, device=DEVICE)
+    v16 = torch.full((tokens, c.kv_out), float("nan"), dtype=torch.float16, device=DEVICE)
+    ranges = torch.full(((c.heads + c.kv_heads) * row_blocks,), float("nan"), device=DEVICE)
+    qkv_tiles = row_blocks * c.qkv // c.head_dim  # the whole grid: no dA tiles without PRODUCTS
     FORWARD_PRODUCTS((qkv_tiles,), unused, unused, unused, unused, cos, sin, qnw, knw,
                      qkv32, v16, rot16, unused, ranges, tokens, qkv_tiles, float(eps), float(scaling) / abs(float(cap)),
-                     BM=cfg.bm, BK=cfg.bk, PRODUCTS=False, QK_WIDTH=spec.QKV, PDL=False, num_warps=cfg.warps)
+                     **constexprs_of(FORWARD_PRODUCTS.fn, config.size_constexprs(c)), BM=cfg.bm, BK=cfg.bk,
+                     PRODUCTS=False, QK_WIDTH=c.qkv, PDL=False, num_warps=cfg.warps)
 
     _, q, k, _ = prob._project(hidden, cos, sin, wq, wk, wk, qnw, knw, eps)
     expected = torch.cat([q["rotated"] * (scaling / abs(cap)), k["rotated"]], 1)  # [batch, heads, seq, 128]
-    expected = expected.transpose(1, 2).reshape(tokens, spec.QK)
+    expected = expected.transpose(1, 2).reshape(tokens, c.qk)
     assert rel_err(rot16.float(), expected) < FP16_REL_ERR
-    assert torch.equal(v16, qkv32[:, spec.QK:].half())
+    assert torch.equal(v16, qkv32[:, c.qk:].half())
     largest = rot16.float().abs().max()  # the slots hold maxima before the rounding to fp16
     assert torch.isfinite(ranges).all() and abs(ranges.max() - largest) <= 1e-3 * largest
 

@@ -38,7 +38,8 @@ def _compile(case: str):
 
     from backfuse.kernels.gluon import gemm
     from backfuse.kernels.gluon.sm90 import compile_sm90, descriptor_type, usage
-    from backfuse.ops.qkv_gqa import config, gluon_kernels
+    from backfuse.kernels.launch import constexprs_of
+    from backfuse.ops.qkv_gqa import config, gluon_kernels, spec
 
     if case in ENGINE_CASES:
         fp32, a_kmajor, b_kmajor, (bm, bn, bk), stages = ENGINE_CASES[case]
@@ -55,7 +56,8 @@ def _compile(case: str):
         if p.name not in sig and not p.is_constexpr:
             sig[p.name] = INTS if p.do_not_specialize else \
                 "*fp16" if p.name.endswith("16") else "*i32" if p.name == "counters" else "*fp32"
-    kernel = compile_sm90(fn, sig, dict(STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.regs),
+    sizes = constexprs_of(fn, config.size_constexprs(spec.OFFICIAL))
+    kernel = compile_sm90(fn, sig, dict(**sizes, STAGES=g.stages, PACK_WARPS=g.pack_warps, REGS=g.regs),
                           num_warps=4, maxnreg=g.maxnreg)
     assert usage(kernel).shared <= g.shared_bytes + 1024, (usage(kernel), g.shared_bytes)  # the plan's count holds
     return usage(kernel), g.maxnreg

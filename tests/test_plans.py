@@ -329,21 +329,23 @@ def test_product_launches_take_the_plans_tile_bounds():
     """The kernels read each product's programs [start, end) from the plan instead of recounting its
     tiles: the bounds must partition the launch's product programs and match the tile counts, with
     021's bias sums after them and its forward tiles laid out as its range regions are."""
+    sizes = {pid: backfuse.problem(pid).config for pid in CONFIGS}
     for p, w in zip(_plans("072") + _plans("072", needs=[True, True, False, False, False]),
                     backfuse.problem("072").workloads * 2):
         if p.tiles is not None:
             t = qkv_gqa.CONFIG.tiles
             tiles = [qkv_gqa.tile_count(m, n, s, t.bm, t.bn)
-                     for (m, n, _), s in zip(qkv_gqa.product_shapes(w.axes), p.splits)]
+                     for (m, n, _), s in zip(qkv_gqa.product_shapes(sizes["072"], w.axes), p.splits)]
             kept = [n * (p.tiles.weight_grads if i < 2 else p.tiles.input_grads) for i, n in enumerate(tiles)]
             assert [end - start for start, end in p.tiles.bounds] == kept
             _tile_partition(p.tiles.bounds, p.tiles.programs)
     for p, w in zip(_plans("021") + _plans("021", products="cublas"), backfuse.problem("021").workloads * 2):
         _tile_partition(p.bounds, p.sums_start)
-        assert p.gradient_programs == p.sums_start + 3 * wan_xattn.HIDDEN // wan_xattn.CONFIG.sums.cols
+        assert p.gradient_programs == p.sums_start + 3 * sizes["021"].hidden // wan_xattn.CONFIG.sums.cols
         (q0, q1), (kv0, kv1), (dc0, dc1) = p.forward_bounds
         assert q0 == 0 and q1 == kv0 and kv1 == dc0 and dc1 - dc0 == q1 - q0
-        assert dc1 == wan_xattn.forward_tile_count(p.forward, w.axes["batch_size"] * w.axes["num_video_tokens"],
+        assert dc1 == wan_xattn.forward_tile_count(p.forward, sizes["021"],
+                                                   w.axes["batch_size"] * w.axes["num_video_tokens"],
                                                    w.axes["batch_size"] * w.axes["num_text_tokens"])
         regions = p.ranges[1]
         bases = [regions.base(name) for name in wan_xattn.FORWARD_REGIONS]
@@ -353,18 +355,18 @@ def test_product_launches_take_the_plans_tile_bounds():
         tokens = w.axes["batch_size"] * w.axes["seq_len"]
         g = gemma3_core.CONFIG.gradients
         tiles = [gemma3_core.tile_count(m, n, s, g.bm, g.bn)
-                 for (m, n, _), s in zip(gemma3_core.gradient_shapes(tokens), p.splits)]
+                 for (m, n, _), s in zip(gemma3_core.gradient_shapes(sizes["037"], tokens), p.splits)]
         assert [end - start for start, end in p.gradient_bounds] == tiles
         order = gemma3_core.GRADIENT_ORDER  # grad_Wo's tiles first: they need not wait for the attention backward
         assert sorted(order) == [0, 1, 2] and order[0] == 2
         assert [p.gradient_bounds[g][0] for g in order] == [0, tiles[order[0]], tiles[order[0]] + tiles[order[1]]]
         assert p.sums_start == sum(tiles)
-        assert p.sum_programs == 2 * gemma3_core.HEAD_DIM // gemma3_core.CONFIG.sums.cols
+        assert p.sum_programs == 2 * sizes["037"].head_dim // gemma3_core.CONFIG.sums.cols
         assert p.gradient_programs == sum(tiles) + p.sum_programs  # the norm-weight sums after the tiles
         assert p.attention_backward_programs == p.kv_programs + p.q_programs
         assert p.done == p.arrivals and p.counters == p.arrivals + 1  # zeroed by the pack
         assert p.pack.size("zero attention counters") >= 1
-        assert p.qk_width == (gemma3_core.QKV if p.products == "cublas" else gemma3_core.QK)
+        assert p.qk_width == (sizes["037"].qkv if p.products == "cublas" else sizes["037"].qk)
         (q0, q1), (a0, a1) = p.forward_bounds
-        assert q0 == 0 and q1 == a0 == gemma3_core.tile_count(tokens, gemma3_core.QKV, 1, p.forward.bm, p.forward.bn)
+        assert q0 == 0 and q1 == a0 == gemma3_core.tile_count(tokens, sizes["037"].qkv, 1, p.forward.bm, p.forward.bn)
         assert a1 == p.forward_programs and (a1 == a0) == (p.products == "cublas")

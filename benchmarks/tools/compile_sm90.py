@@ -20,13 +20,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from backfuse.kernels.launch import constexprs_of
+
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_sm90(jit_fn, scalars: dict, constexprs: dict, num_warps: int, num_stages: int, int_pointers=()):
-    """scalars: name -> 'i32' or 'fp32' (arguments in the kernel's do_not_specialize default to 'i32');
-    every other non-constexpr argument is a pointer: fp16 when its name ends in 16 (our fp16 operand
-    buffers), int32 when listed in int_pointers, else fp32."""
+def compile_sm90(jit_fn, sizes: dict, scalars: dict, constexprs: dict, num_warps: int, num_stages: int,
+                 int_pointers=()):
+    """sizes: the operator's sizes as constexprs (its `config.size_constexprs` at the benchmark's sizes;
+    the kernel gets those it takes); scalars: name -> 'i32' or 'fp32' (arguments in the kernel's
+    do_not_specialize default to 'i32'); every other non-constexpr argument is a pointer: fp16 when
+    its name ends in 16 (our fp16 operand buffers), int32 when listed in int_pointers, else fp32."""
+    constexprs = {**constexprs_of(jit_fn, sizes), **constexprs}
     scalars = {**{p.name: "i32" for p in jit_fn.params if p.do_not_specialize}, **scalars}
     signature, attrs = {}, {}
     for i, name in enumerate(jit_fn.arg_names):
@@ -57,16 +62,17 @@ def report(name: str, kernel) -> str:
 
 def wan_021_kernels(cfg=None):
     from backfuse.kernels.schedule import next_power_of_2
-    from backfuse.ops.wan_xattn import config, triton_attention, triton_kernels
+    from backfuse.ops.wan_xattn import config, spec, triton_attention, triton_kernels
 
     cfg = cfg or config.CONFIG
+    sizes = config.size_constexprs(spec.OFFICIAL)
     p, fw, at, gr, sums, pdl = cfg.pack, cfg.forward, cfg.attention, cfg.gradients, cfg.sums, cfg.pdl
     yield "021 pack", compile_sm90(
-        triton_kernels.pack_kernel, {},
+        triton_kernels.pack_kernel, sizes, {},
         dict(ROWS=p.rows, COLS=p.cols, T=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1,
         int_pointers=("counters",))
     yield "021 forward products", compile_sm90(
-        triton_kernels.forward_products_kernel, {},
+        triton_kernels.forward_products_kernel, sizes, {},
         dict(BM=fw.bm, BN=fw.bn, BK=fw.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), fw.warps, fw.stages)
     # one tile of the widest text, the suite's 77 tokens as head + tail (also in lone blocks), text in tiles
     lone_rows, lone_warps = at.lone_block or (at.bm, at.warps)
@@ -76,27 +82,28 @@ def wan_021_kernels(cfg=None):
         for alone, deterministic in ((False, False), (False, True), (True, False)):
             yield (f"021 attention {'one tile' if one_tile else 'tiles'} {bm}x{bn}+{tail}"
                    f"{' det' if deterministic else ''}{' alone' if alone else ''}",
-                   compile_sm90(triton_attention.attention_kernel, {"scale": "fp32"},
+                   compile_sm90(triton_attention.attention_kernel, sizes, {"scale": "fp32"},
                                 dict(BM=bm, BN=bn, BN_TAIL=tail, ONE_TILE=one_tile,
                                      FINISH=next_power_of_2(bn + tail) if one_tile else bn, ALONE=alone,
                                      DETERMINISTIC=deterministic, PDL=pdl), warps, at.stages,
                                 int_pointers=("counters",)))
     yield "021 gradient products", compile_sm90(
-        triton_kernels.gradient_products_kernel, {},
+        triton_kernels.gradient_products_kernel, sizes, {},
         dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages,
         int_pointers=("counters",))
 
 
 def qkv_gqa_072_kernels(cfg=None):
-    from backfuse.ops.qkv_gqa import config, triton_kernels
+    from backfuse.ops.qkv_gqa import config, spec, triton_kernels
 
     cfg = cfg or config.CONFIG
+    sizes = config.size_constexprs(spec.OFFICIAL)
     p, g, pdl = cfg.pack, cfg.tiles, cfg.pdl
     yield "072 pack", compile_sm90(
-        triton_kernels.pack_kernel, {},
+        triton_kernels.pack_kernel, sizes, {},
         dict(ROWS=p.rows, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
     yield "072 products", compile_sm90(
-        triton_kernels.projection_grads_kernel, {},
+        triton_kernels.projection_grads_kernel, sizes, {},
         dict(WEIGHT_GRADS=True, INPUT_GRADS=True, BM=g.bm, BN=g.bn, BK=g.bk, PDL=pdl), g.warps, g.stages)
 
 
@@ -104,29 +111,31 @@ def gemma3_037_kernels(cfg=None):
     from backfuse.ops.gemma3_core import config, spec, triton_kernels
 
     cfg = cfg or config.CONFIG
+    official = spec.OFFICIAL
+    sizes = config.size_constexprs(official)
     p, at, gr, sums, pdl = cfg.pack, cfg.attention, cfg.gradients, cfg.sums, cfg.pdl
     yield "037 pack", compile_sm90(
-        triton_kernels.pack_kernel, {},
+        triton_kernels.pack_kernel, sizes, {},
         dict(TILE=p.tile, BLOCK=p.block, ITERS=p.iters, PDL=pdl), p.warps, 1)
     forwards = [("products", True, cfg.forward), ("products, one wave", True, cfg.forward_one_wave),
                 ("norm+rope", False, cfg.norm_rope)]
     for name, products, fw in (f for f in forwards if f[2] is not None):
         yield f"037 forward {name}", compile_sm90(
-            triton_kernels.forward_products_kernel, {"eps": "fp32", "q_scale": "fp32"},
-            dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, QK_WIDTH=spec.QK if products else spec.QKV, PDL=pdl),
+            triton_kernels.forward_products_kernel, sizes, {"eps": "fp32", "q_scale": "fp32"},
+            dict(BM=fw.bm, BK=fw.bk, PRODUCTS=products, QK_WIDTH=official.qk if products else official.qkv, PDL=pdl),
             fw.warps, fw.stages)
     for bn in (at.fwd_bn, at.short_fwd_bn):
         yield f"037 attention forward BN={bn}", compile_sm90(
-            triton_kernels.attention_forward_kernel, {"cap": "fp32"},
+            triton_kernels.attention_forward_kernel, sizes, {"cap": "fp32"},
             dict(BM=at.fwd_bm, BN=bn, APPROX_TANH=at.approx_tanh, PDL=pdl), at.fwd_warps, at.fwd_stages)
-    for kv_bn, split in ((at.kv_bn, 1), (at.few_kv_bn, 1), (at.few_kv_bn, spec.GROUP)):
+    for kv_bn, split in ((at.kv_bn, 1), (at.few_kv_bn, 1), (at.few_kv_bn, official.group)):
         yield f"037 attention backward KV_BN={kv_bn} split {split}", compile_sm90(
-            triton_kernels.attention_backward_kernel, {"scaling": "fp32", "cap": "fp32", "eps": "fp32"},
-            dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=split, QK_WIDTH=spec.QK,
+            triton_kernels.attention_backward_kernel, sizes, {"scaling": "fp32", "cap": "fp32", "eps": "fp32"},
+            dict(KV_BN=kv_bn, KV_BM=at.kv_bm, Q_BM=at.q_bm, Q_BN=at.q_bn, HEAD_SPLIT=split, QK_WIDTH=official.qk,
                  APPROX_TANH=at.approx_tanh, PDL=pdl), at.warps, at.stages,
             int_pointers=("counters",))
     yield "037 gradient products", compile_sm90(
-        triton_kernels.gradient_products_kernel, {},
+        triton_kernels.gradient_products_kernel, sizes, {},
         dict(BM=gr.bm, BN=gr.bn, BK=gr.bk, SUM_ROWS=sums.rows, SUM_COLS=sums.cols, PDL=pdl), gr.warps, gr.stages,
         int_pointers=("counters",))
 

@@ -16,19 +16,20 @@ import sys
 import torch
 
 import backfuse
-from backfuse.ops.gemma3_core.spec import GROUP, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, rotate_half, rotate_half_transposed
+from backfuse.ops.gemma3_core.spec import OFFICIAL, rotate_half, rotate_half_transposed
 
 
 def emulate(go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, round_ops, round_raw):
     """The reference's math with fp16 rounding where asked (a copy of reference_math with roundings)."""
     o = (lambda t: t.half().float()) if round_ops else (lambda t: t)
     rr = (lambda t: t.half().float()) if round_raw else (lambda t: t)
+    c = OFFICIAL
     batch, seq, _ = x.shape
-    x2 = x.reshape(batch * seq, HIDDEN)
+    x2 = x.reshape(batch * seq, c.hidden)
     cos_h, sin_h = cos[:, None], sin[:, None]
 
     def heads(t, n):
-        return t.view(batch, seq, n, HEAD_DIM).transpose(1, 2)
+        return t.view(batch, seq, n, c.head_dim).transpose(1, 2)
 
     def norm_rope(raw, w):
         raw = rr(raw)
@@ -37,11 +38,11 @@ def emulate(go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, round_
         hat = normed * (1 + w)
         return dict(raw=raw, r=r, normed=normed, rotated=hat * cos_h + rotate_half(hat) * sin_h)
 
-    q = norm_rope(heads(o(x2) @ o(wq).T, HEADS), qnw)
-    k = norm_rope(heads(o(x2) @ o(wk).T, KV_HEADS), knw)
-    v = heads(o(x2) @ o(wv).T, KV_HEADS)
-    kr = k["rotated"].repeat_interleave(GROUP, dim=1)
-    vr = v.repeat_interleave(GROUP, dim=1)
+    q = norm_rope(heads(o(x2) @ o(wq).T, c.heads), qnw)
+    k = norm_rope(heads(o(x2) @ o(wk).T, c.kv_heads), knw)
+    v = heads(o(x2) @ o(wv).T, c.kv_heads)
+    kr = k["rotated"].repeat_interleave(c.group, dim=1)
+    vr = v.repeat_interleave(c.group, dim=1)
     z = (o(q["rotated"]) @ o(kr).transpose(-1, -2)) * scaling
     t = torch.tanh(z / cap)
     masked = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
@@ -50,9 +51,9 @@ def emulate(go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, round_
     def tokens(th):
         return th.transpose(1, 2).reshape(batch * seq, -1)
 
-    go2 = go.reshape(batch * seq, HIDDEN)
+    go2 = go.reshape(batch * seq, c.hidden)
     grad_wo = o(go2).T @ o(tokens(p @ vr))
-    d_out = (o(go2) @ o(wo)).view(batch, seq, HEADS, HEAD_DIM).transpose(1, 2)
+    d_out = (o(go2) @ o(wo)).view(batch, seq, c.heads, c.head_dim).transpose(1, 2)
     dp = o(d_out) @ o(vr).transpose(-1, -2)
     dv_per_q = o(p).transpose(-1, -2) @ o(d_out)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * (1 - t * t) * scaling
@@ -60,20 +61,20 @@ def emulate(go, x, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, cap, eps, round_
     dkr_per_q = o(ds).transpose(-1, -2) @ o(q["rotated"])
 
     def group_sum(g):
-        return g.view(batch, KV_HEADS, GROUP, seq, HEAD_DIM).sum(2)
+        return g.view(batch, c.kv_heads, c.group, seq, c.head_dim).sum(2)
 
     def rope_norm_backward(d_rot, state, w):
         d_hat = d_rot * cos_h + rotate_half_transposed(d_rot * sin_h)
         grad_w = (d_hat * state["normed"]).sum((0, 1, 2))
         m = d_hat * (1 + w)
         r, raw = state["r"], state["raw"]
-        return r * m - (r**3 / HEAD_DIM) * raw * (m * raw).sum(-1, keepdim=True), grad_w
+        return r * m - (r**3 / c.head_dim) * raw * (m * raw).sum(-1, keepdim=True), grad_w
 
     dq, grad_qnw = rope_norm_backward(dqr, q, qnw)
     dk, grad_knw = rope_norm_backward(group_sum(dkr_per_q), k, knw)
     gq, gk, gv = tokens(dq), tokens(dk), tokens(group_sum(dv_per_q))
     grad_x = o(gq) @ o(wq) + o(gk) @ o(wk) + o(gv) @ o(wv)
-    return (grad_x.view(batch, seq, HIDDEN), o(gq).T @ o(x2), o(gk).T @ o(x2), o(gv).T @ o(x2), grad_wo, grad_qnw,
+    return (grad_x.view(batch, seq, c.hidden), o(gq).T @ o(x2), o(gk).T @ o(x2), o(gv).T @ o(x2), grad_wo, grad_qnw,
             grad_knw)
 
 

@@ -355,21 +355,21 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
 
 
 # ------------------------------------------- Problem.backward: the official inputs ---------------------------------
-def problem_backward(pid: str, inputs, needs: tuple) -> tuple:
-    """`Problem.backward` of operator `pid` (inputs in official order, validated): the training path's
-    backward without saved activations, at the benchmark operator's sizes."""
-    if pid == "021":
+def problem_backward(problem, inputs, needs: tuple) -> tuple:
+    """`Problem.backward` of `problem` (inputs in official order, validated): the training path's
+    backward without saved activations, at the problem's sizes (`problem.config`)."""
+    if problem.id == "021":
         go, *fwd, scale = inputs
         tensors = _contiguous(fwd)
-        plan = _needs_plan(_wan_plan(tensors, scale, 16, False), needs + (False, False))
+        plan = _needs_plan(_wan_plan(tensors, scale, problem.config.heads, False), needs + (False, False))
         return _wan.backward(tensors, go, scale, plan, None)
-    if pid == "072":
+    if problem.id == "072":
         tensors = _contiguous(inputs[3:])
-        plan = _needs_plan(_qkv_plan(tensors, 256, False), needs)
+        plan = _needs_plan(_qkv_plan(tensors, problem.config.head_dim, False), needs)
         return _qkv.backward(tensors, list(inputs[:3]), plan, None)
     go, *fwd, scaling, cap, eps = inputs
     tensors = _contiguous(fwd)
-    plan = _needs_plan(_gemma_plan(tensors, _softcap(cap), 0, False), needs)
+    plan = _needs_plan(_gemma_plan(tensors, _softcap(cap), problem.config.window, False), needs)
     return _gemma.backward(tensors, go, scaling, eps, plan, None)
 
 

@@ -1,7 +1,8 @@
 """What every operator shares: its signature, input validation, official workloads and cost model.
 
-An operator's `spec.py` describes its signature with `Tensor` and `Scalar` entries and supplies four
-pieces of math (`draw`, `reference_math`, `forward`, `macs`); its fused path is the `backward`
+An operator's `spec.py` describes its signature with `Tensor` and `Scalar` entries at the sizes of
+its config (`self.config`, a frozen dataclass whose default is the benchmark operator's) and supplies
+four pieces of math (`draw`, `reference_math`, `forward`, `macs`); its fused path is the `backward`
 function of the `backward.py` beside it. This base class turns that into the public object returned
 by `backfuse.problem(...)`. Nothing here imports Triton: the fused path is imported on first use.
 """
@@ -136,7 +137,8 @@ class Problem:
     id: str
     name: str
     workload_file: str
-    inputs: tuple  # of Tensor | Scalar, official order
+    config: object  # the operator's sizes: its spec's frozen config (default the benchmark operator's, spec.OFFICIAL)
+    inputs: tuple  # of Tensor | Scalar, official order, at the config's sizes
     outputs: tuple  # of Tensor, official order
     # Which inputs are upstream gradients, and which forward inputs the outputs differentiate.
     upstream_grads: tuple
@@ -166,14 +168,15 @@ class Problem:
         (one bool per output) lets the kernels skip work for outputs nobody wants (those come back
         as None), deterministic asks for the same bits on every call and ranges (a RangeSlots)
         receives the largest |value| of every tensor the kernels round to fp16; options go to the
-        launcher as they are (config, products, sms). On a device where they cannot run
-        (`fused_unusable`), a RuntimeError says why in one line."""
+        launcher as they are (config, products, sms). The kernels run at this problem's sizes
+        (`self.config`): their plan refuses sizes they are not made for (a ValueError naming them).
+        On a device where they cannot run (`fused_unusable`), a RuntimeError says why in one line."""
         reason = fused_unusable(next(x for x in inputs if isinstance(x, torch.Tensor)).device)
         if reason:
             raise RuntimeError(f"{self.name}.fused: {reason}")
         package = type(self).__module__.rpartition(".")[0]
         backward = importlib.import_module(package + ".backward").backward
-        return backward(*inputs, needs=needs, deterministic=deterministic, ranges=ranges, **options)
+        return backward(*inputs, problem=self, needs=needs, deterministic=deterministic, ranges=ranges, **options)
 
     def fp32_backward(self, *inputs) -> tuple:
         """reference_math in IEEE fp32 (no validation): the fused path's fallback."""
@@ -343,7 +346,7 @@ class Problem:
                              f"{list(self.output_names)}")
         from . import functional
 
-        return functional.problem_backward(self.id, inputs, tuple(bool(n) for n in needs) if needs is not None
+        return functional.problem_backward(self, inputs, tuple(bool(n) for n in needs) if needs is not None
                                            else (True,) * len(self.outputs))
 
     def _guarded(self, inputs, checking) -> tuple:

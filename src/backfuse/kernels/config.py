@@ -53,6 +53,13 @@ def check_rings(owner: str, tiles: dict) -> None:
                              f"{tile.ring_bytes} bytes of shared memory; a program has {SM90_SHARED_BYTES}")
 
 
+def check_sizes(owner: str, sizes, official) -> None:
+    """Refuse, before anything launches, operator sizes other than the benchmark operator's (`official`,
+    its spec's OFFICIAL): `owner`'s fused kernels, their tiles, pack items and splits are made for those."""
+    if sizes != official:
+        raise ValueError(f"{owner}: the fused kernels take the benchmark operator's sizes {official}, not {sizes}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PackConfig:
     """Shape of a pack launch (fp16 copies of the operands, zero fills). Flat passes: `block`

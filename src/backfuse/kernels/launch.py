@@ -85,6 +85,13 @@ def specialization(args, meta) -> tuple:
     return tuple(meta.items()), tensors, descriptors
 
 
+def constexprs_of(fn, shared: dict) -> dict:
+    """The entries of `shared` that name a parameter of kernel `fn`: an operator's kernels share its
+    sizes as constexprs (`ops/<stem>/config.size_constexprs`, by the names they read them under), each
+    kernel taking those it reads."""
+    return {name: value for name, value in shared.items() if name in fn.arg_names}
+
+
 @dataclass(frozen=True)
 class SMLimits:
     """What one streaming multiprocessor holds at once (CUDA's occupancy limits)."""

@@ -2,9 +2,9 @@
 above `kernels/`, since it also reserves the fp16 range guard's slots).
 
 A fused path (`FusedPath`) says four things about its operator: the element counts its kernels
-index (`indexed`), the plan of a call (`plan`), the buffers that plan needs (`allocate`), and its
-launches in order, each prepared before the first runs (`launches`). `FusedPath.backward` is the
-one driver:
+index (`indexed`), the plan of a call (`plan`, at the problem's sizes: `Problem.config`), the buffers
+that plan needs (`allocate`), and its launches in order, each prepared before the first runs
+(`launches`). `FusedPath.backward` is the one driver:
 
     if not fits_int32(*path.indexed(inputs)):   # then the fp32 reference instead
         return problem.fp32_backward(*inputs)
@@ -91,10 +91,10 @@ _plans: OrderedDict = OrderedDict()  # what a plan depends on -> the frozen plan
 def begin(device: torch.device, sms, config, configs: tuple, ranges, make_plan, plan_key) -> FusedCall:
     """The start of a fused call: Host(device, sms); `config`, else configs[0] on a GPU and
     configs[1] (the interpreter's) on the CPU; make_plan(cfg, host), unless a call with the same
-    plan_key (what else the plan depends on: the path, the shapes, the options) on the same config
-    and host made it already (a plan is a pure function of these, like a compiled kernel of its
-    constexprs; it holds no data); the range slots of every launch of the plan reserved in `ranges`
-    (a fresh RangeSlots when None) and allocated."""
+    plan_key (what else the plan depends on: the path, the sizes, the shapes, the options) on the
+    same config and host made it already (a plan is a pure function of these, like a compiled kernel
+    of its constexprs; it holds no data); the range slots of every launch of the plan reserved in
+    `ranges` (a fresh RangeSlots when None) and allocated."""
     host = Host(device, sms)
     cfg = host.config(config, *configs)
     key = (plan_key, cfg, host.sms, host.gpu, host.gluon)
@@ -127,8 +127,8 @@ def cublas_products(products, concurrently: bool = False) -> Callable[[], None]:
 
 
 class FusedPath(ABC):
-    """One operator's fused backward. `problem`: its `Problem` (the fp32 fallback); `configs`:
-    (the GPU's config, the Triton interpreter's)."""
+    """One operator's fused backward. `problem`: its `Problem` at the benchmark operator's sizes (the
+    default of a call's `problem`); `configs`: (the GPU's config, the Triton interpreter's)."""
 
     problem = None
     configs: tuple = ()
@@ -139,8 +139,9 @@ class FusedPath(ABC):
 
     @abstractmethod
     def plan(self, cfg, inputs, host: Host, **options):
-        """The frozen plan of a call on `host`; options: products, needs, deterministic. It may read
-        only the inputs' shapes (the driver keeps a plan per config, host, shapes and options)."""
+        """The frozen plan of a call on `host`; options: sizes (the problem's config; default the
+        benchmark operator's), products, needs, deterministic. It may read only the inputs' shapes (the
+        driver keeps a plan per config, host, sizes, shapes and options)."""
 
     @abstractmethod
     def allocate(self, call: FusedCall, inputs) -> SimpleNamespace:
@@ -155,8 +156,12 @@ class FusedPath(ABC):
     def outputs(self, bufs) -> tuple:
         """The official outputs, in order."""
 
-    def backward(self, *inputs, needs=None, deterministic=False, ranges=None, config=None, products=None, sms=None):
+    def backward(self, *inputs, problem=None, needs=None, deterministic=False, ranges=None, config=None, products=None,
+                 sms=None):
         """The operator's outputs from the official inputs (validated by the caller).
+
+        problem: the `Problem` whose inputs these are (None: `self.problem`): the plan is made at its
+        sizes (`problem.config`), and its fp32 reference is the fallback.
 
         needs: one bool per output (None: all); the products only unneeded outputs read are skipped.
         deterministic: the same outputs bit for bit on every call (no K splits, no atomics whose
@@ -167,14 +172,16 @@ class FusedPath(ABC):
         size on a GPU). sms: processors to balance K splits and grids over (the GPU's count; on
         the CPU interpreter, 1).
         """
+        problem = problem or self.problem
         if not fits_int32(*self.indexed(inputs)):
-            return self.problem.fp32_backward(*inputs)
+            return problem.fp32_backward(*inputs)
         device = next(x for x in inputs if isinstance(x, torch.Tensor)).device
         shapes = tuple(tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor))
         call = begin(device, sms, config, self.configs, ranges,
-                     lambda cfg, host: self.plan(cfg, inputs, host, products=products, needs=needs,
+                     lambda cfg, host: self.plan(cfg, inputs, host, sizes=problem.config, products=products, needs=needs,
                                                  deterministic=deterministic),
-                     (type(self), shapes, products, None if needs is None else tuple(needs), deterministic))
+                     (type(self), problem.config, shapes, products, None if needs is None else tuple(needs),
+                      deterministic))
         bufs = self.allocate(call, inputs)
         with buffers.on_device(call.host.device):
             launches = list(self.launches(call, inputs, bufs))  # all prepared before the first runs

@@ -1,7 +1,9 @@
 """037's launch shapes (`Config`), the rules that pick among them, and the plan of one call (`plan`):
 pack, forward products (or, after cuBLAS's, only norm, RoPE and v's fp16 copy), attention forward,
 attention backward, gradient products (or, on cuBLAS's path, only the norm-weight sums: before its
-products, or with branches beside them).
+products, or with branches beside them). The operator's sizes come from its config
+(`spec.Gemma3CoreConfig`; the kernels take the benchmark operator's, `spec.OFFICIAL`), and reach the
+kernels as constexprs (`size_constexprs`).
 
 Plain Python: a plan can be checked on any machine without launching anything.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.config import PackConfig, SumConfig, TileConfig, check_rings
+from ...kernels.config import PackConfig, SumConfig, TileConfig, check_rings, check_sizes
 from ...kernels.schedule import (
     Holds,
     Layout,
@@ -23,7 +25,15 @@ from ...kernels.schedule import (
     chunks,
     tile_count,
 )
-from .spec import GROUP, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT, QK, QKV
+from .spec import OFFICIAL, Gemma3CoreConfig
+
+
+def size_constexprs(sizes: Gemma3CoreConfig) -> dict:
+    """The operator's sizes by the constexpr names the kernels read them under (each kernel takes
+    those it reads: `kernels.launch.constexprs_of`)."""
+    return dict(HIDDEN=sizes.hidden, HEADS=sizes.heads, KV_HEADS=sizes.kv_heads, GROUP=sizes.group,
+                HEAD_DIM=sizes.head_dim, HALF=sizes.half, Q_OUT=sizes.q_out, KV_OUT=sizes.kv_out, QK=sizes.qk,
+                QKV=sizes.qkv)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,14 +69,14 @@ class Config:
     pack: PackConfig = PackConfig(tile=64, block=8192, iters=1, warps=4)  # tile: the Wo^T tiles' side
     # bn: one head per tile (the norm is per head). Our products (below cublas_min_flop, products="triton",
     # the interpreter): 64-row tiles at 4 warps, so that 128 tokens still give 128 programs, not 64.
-    forward: TileConfig = TileConfig(bm=64, bn=HEAD_DIM, bk=64, warps=4, stages=4)
+    forward: TileConfig = TileConfig(bm=64, bn=OFFICIAL.head_dim, bk=64, warps=4, stages=4)
     # The forward's tiles where its programs at these tiles fit one wave at one program per SM (128
     # tokens: 128 programs): a deeper ring (144 KB) keeps more of each program's weight slab in
     # flight, which a second program per SM cannot then (notes/037.md row 33). None: never.
-    forward_one_wave: TileConfig | None = TileConfig(bm=64, bn=HEAD_DIM, bk=64, warps=4, stages=6)
+    forward_one_wave: TileConfig | None = TileConfig(bm=64, bn=OFFICIAL.head_dim, bk=64, warps=4, stages=6)
     # The forward launch when cuBLAS made the projections and it only norms and rotates: a pass over
     # memory, so small tiles and few registers (71 at 32 rows, 4 warps) for many programs per SM.
-    norm_rope: TileConfig = TileConfig(bm=32, bn=HEAD_DIM, bk=64, warps=4, stages=1)
+    norm_rope: TileConfig = TileConfig(bm=32, bn=OFFICIAL.head_dim, bk=64, warps=4, stages=1)
     attention: AttentionConfig = AttentionConfig()
     gradients: TileConfig = TileConfig(bm=128, bn=128, bk=32, warps=4, stages=6)
     sums: SumConfig = SumConfig(rows=256, cols=16)  # the norm-weight gradients from their partial rows
@@ -87,8 +97,8 @@ CONFIG = Config()
 # The Triton interpreter's cost is per program and per operation, not per FLOP: few, large tiles.
 INTERPRETER_CONFIG = Config(
     pack=PackConfig(tile=1024, block=1 << 20, iters=1, warps=4),
-    forward=TileConfig(bm=128, bn=HEAD_DIM, bk=1024, warps=4, stages=1), forward_one_wave=None,
-    norm_rope=TileConfig(bm=128, bn=HEAD_DIM, bk=1024, warps=4, stages=1),
+    forward=TileConfig(bm=128, bn=OFFICIAL.head_dim, bk=1024, warps=4, stages=1), forward_one_wave=None,
+    norm_rope=TileConfig(bm=128, bn=OFFICIAL.head_dim, bk=1024, warps=4, stages=1),
     attention=AttentionConfig(fwd_bm=32, fwd_bn=16, fwd_warps=4, fwd_stages=1, kv_bn=32, kv_bm=16, q_bm=32, q_bn=16,
                               warps=4, stages=1, approx_tanh=False, short_fwd_bn=16),
     gradients=TileConfig(bm=1024, bn=1024, bk=256, warps=4, stages=1), pdl=False)
@@ -100,25 +110,25 @@ def forward_keys(at: AttentionConfig, seq: int) -> int:
     return at.short_fwd_bn if seq <= at.short_seq else at.fwd_bn
 
 
-def key_block(at: AttentionConfig, batch: int, seq: int, sms: int) -> int:
+def key_block(at: AttentionConfig, sizes: Gemma3CoreConfig, batch: int, seq: int, sms: int) -> int:
     """Keys per dK/dV program: few_kv_bn when kv_bn-key programs would not fill the GPU once (batch
     1-4 at short sequences): twice the programs, each half as long on the launch's critical path."""
-    return at.few_kv_bn if batch * KV_HEADS * cdiv(seq, at.kv_bn) <= sms else at.kv_bn
+    return at.few_kv_bn if batch * sizes.kv_heads * cdiv(seq, at.kv_bn) <= sms else at.kv_bn
 
 
-def head_split(at: AttentionConfig, kv_slots: int, seq: int, sms: int) -> int:
+def head_split(at: AttentionConfig, sizes: Gemma3CoreConfig, kv_slots: int, seq: int, sms: int) -> int:
     """dK/dV programs per key block: one per query head of the group (summed by the last of them)
     while the split grid has at most head_split_per_sm programs per SM, from head_split_min_seq
     tokens: at batch 1 the first key blocks' programs (three heads times every later query) are the
     launch's critical path (benchmarks/notes/037.md row 27). Shorter sequences split only where the
     split grid still fits one wave (head_split_one_wave; row 34: 128 tokens at batch 1, while at
     batch 4 three programs per SM lose). Else 1."""
-    programs = kv_slots * GROUP
+    programs = kv_slots * sizes.group
     if not at.head_split_per_sm:
         return 1
     if at.head_split_one_wave and programs <= sms:
-        return GROUP
-    return GROUP if programs <= at.head_split_per_sm * sms and seq >= at.head_split_min_seq else 1
+        return sizes.group
+    return sizes.group if programs <= at.head_split_per_sm * sms and seq >= at.head_split_min_seq else 1
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,7 @@ class Plan:
 
     batch: int
     seq: int
+    sizes: Gemma3CoreConfig  # the operator's (the benchmark operator's: the plan refuses others)
     products: str  # "triton" (our tiles) or "cublas" (the forward and gradient products)
     pdl: bool
     branches: bool  # Config.branches on a GPU
@@ -214,12 +225,13 @@ class Plan:
     def qk_width(self) -> int:
         """Row width of the fp32 projections buffer: [q | k] after our products (v goes to fp16
         directly), [q | k | v] after cuBLAS's (one product writes all three; launch 2 copies v to fp16)."""
-        return QKV if self.products == "cublas" else QK
+        return self.sizes.qkv if self.products == "cublas" else self.sizes.qk
 
 
-def gradient_shapes(tokens: int) -> list:
+def gradient_shapes(sizes: Gemma3CoreConfig, tokens: int) -> list:
     """(M, N, K) of grad_hidden, grad_[Wq; Wk; Wv], grad_Wo."""
-    return [(tokens, HIDDEN, QKV), (QKV, HIDDEN, tokens), (Q_OUT, HIDDEN, tokens)]
+    hidden, qkv = sizes.hidden, sizes.qkv
+    return [(tokens, hidden, qkv), (qkv, hidden, tokens), (sizes.q_out, hidden, tokens)]
 
 
 # The gradient launch's programs take the products' tiles in this order (indices into
@@ -229,7 +241,7 @@ def gradient_shapes(tokens: int) -> list:
 GRADIENT_ORDER = (2, 0, 1)
 
 
-def pack_layout(cfg: Config, tokens: int, splits, counters: int) -> Layout:
+def pack_layout(cfg: Config, sizes: Gemma3CoreConfig, tokens: int, splits, counters: int) -> Layout:
     """The pack's programs: the cast of grad_output and the Wo^T tiles (what dA reads), flat casts of
     X, Wq, Wk, Wv (what [q | k | v] reads; those converting), then zero fills of split-K outputs and
     of the attention backward's counters. With branches the two parts run as two launches
@@ -240,44 +252,49 @@ def pack_layout(cfg: Config, tokens: int, splits, counters: int) -> Layout:
         return chunks(n, pk.block, pk.iters)
 
     split_gx, split_wqkv, split_wo = (s > 1 for s in splits)
+    hidden, q_out, kv_out = sizes.hidden, sizes.q_out, sizes.kv_out
     return Layout((
-        Segment("grad_output", flat(tokens * HIDDEN), holds=Holds.UPSTREAM, end="e_go"),
-        Segment("o_weight", (HIDDEN // pk.tile) * (Q_OUT // pk.tile), end="e_wo"),
-        Segment("hidden_states", flat(tokens * HIDDEN), end="e_x"),
-        Segment("q_weight", flat(Q_OUT * HIDDEN), end="e_wq"),
-        Segment("k_weight", flat(KV_OUT * HIDDEN), end="e_wk"),
-        Segment("v_weight", flat(KV_OUT * HIDDEN), end="e_wv"),
-        Segment("zero grad_hidden_states", split_gx * flat(tokens * HIDDEN), ranged=False, end="e_gx"),
-        Segment("zero grad_[q; k; v]_weight", split_wqkv * flat(QKV * HIDDEN), ranged=False, end="e_zwqkv"),
-        Segment("zero grad_o_weight", split_wo * flat(Q_OUT * HIDDEN), ranged=False, end="e_zwo"),
+        Segment("grad_output", flat(tokens * hidden), holds=Holds.UPSTREAM, end="e_go"),
+        Segment("o_weight", (hidden // pk.tile) * (q_out // pk.tile), end="e_wo"),
+        Segment("hidden_states", flat(tokens * hidden), end="e_x"),
+        Segment("q_weight", flat(q_out * hidden), end="e_wq"),
+        Segment("k_weight", flat(kv_out * hidden), end="e_wk"),
+        Segment("v_weight", flat(kv_out * hidden), end="e_wv"),
+        Segment("zero grad_hidden_states", split_gx * flat(tokens * hidden), ranged=False, end="e_gx"),
+        Segment("zero grad_[q; k; v]_weight", split_wqkv * flat(sizes.qkv * hidden), ranged=False, end="e_zwqkv"),
+        Segment("zero grad_o_weight", split_wo * flat(q_out * hidden), ranged=False, end="e_zwo"),
         Segment("zero attention counters", flat(counters), ranged=False),
     ))
 
 
-def forward_tiles(tokens: int, t: TileConfig) -> int:
+def forward_tiles(sizes: Gemma3CoreConfig, tokens: int, t: TileConfig) -> int:
     """The forward launch's programs with our products at tiles t: [q | k | v], then dA."""
-    return tile_count(tokens, QKV, 1, t.bm, t.bn) + tile_count(tokens, Q_OUT, 1, t.bm, t.bn)
+    return tile_count(tokens, sizes.qkv, 1, t.bm, t.bn) + tile_count(tokens, sizes.q_out, 1, t.bm, t.bn)
 
 
-def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None = None, needs=None,
-         deterministic: bool = False) -> Plan:
+def plan(cfg: Config, axes, sms: int, *, sizes: Gemma3CoreConfig = OFFICIAL, gpu: bool = True,
+         products: str | None = None, needs=None, deterministic: bool = False) -> Plan:
     """The launches of one call at `axes` on `sms` processors.
+
+    sizes: the operator's (its `Problem.config`); the kernels are made for the benchmark operator's
+    (`spec.OFFICIAL`), and other sizes are refused (a ValueError naming them).
 
     needs: one bool per output (None: all); grad_hidden's product, the three projection weights'
     product and grad_Wo's product are skipped when nobody needs them. deterministic: no K splits
     (nothing else uses atomics). products: "triton", "cublas", or None (by size on a GPU:
     `cublas_min_flop` of gradient-product work).
     """
+    check_sizes("037 plan", sizes, OFFICIAL)
     widths = [t.bn for t in (cfg.forward, cfg.forward_one_wave, cfg.norm_rope) if t is not None]
-    if any(w != HEAD_DIM for w in widths):
-        raise ValueError(f"037 forward launch: tile width must be one head ({HEAD_DIM}), got {widths}")
+    if any(w != sizes.head_dim for w in widths):
+        raise ValueError(f"037 forward launch: tile width must be one head ({sizes.head_dim}), got {widths}")
     if gpu:
         check_rings("037 Config", dict(forward=cfg.forward, forward_one_wave=cfg.forward_one_wave,
                                        norm_rope=cfg.norm_rope, gradients=cfg.gradients))
     batch, seq = axes["batch_size"], axes["seq_len"]
     tokens = batch * seq
     at, gr = cfg.attention, cfg.gradients
-    gemms = gradient_shapes(tokens)
+    gemms = gradient_shapes(sizes, tokens)
     backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu)
     on_cublas = backend == "cublas"
     needs = needs or (True,) * 7
@@ -287,27 +304,27 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     else:
         splits = [1] * 3 if deterministic else choose_splits(gemms, gr.bm, gr.bn, gr.bk, sms)
         splits = [s * w for s, w in zip(splits, wanted)]  # 0: skipped
-    sum_programs = 2 * HEAD_DIM // cfg.sums.cols  # the q and k norm weights' columns in strips
+    sum_programs = 2 * sizes.head_dim // cfg.sums.cols  # the q and k norm weights' columns in strips
     gradient_bounds, at_tile = [None] * 3, 0
     for g in GRADIENT_ORDER:
         (m, n, _), s = gemms[g], splits[g]
         gradient_bounds[g] = (at_tile, at_tile + tile_count(m, n, s, gr.bm, gr.bn))
         at_tile = gradient_bounds[g][1]
 
-    kv_bn = key_block(at, batch, seq, sms)
-    kv_slots = batch * KV_HEADS * cdiv(seq, kv_bn)  # one per (batch, KV head, key block)
-    split = head_split(at, kv_slots, seq, sms)
-    q_programs = batch * HEADS * cdiv(seq, at.q_bm)
+    kv_bn = key_block(at, sizes, batch, seq, sms)
+    kv_slots = batch * sizes.kv_heads * cdiv(seq, kv_bn)  # one per (batch, KV head, key block)
+    split = head_split(at, sizes, kv_slots, seq, sms)
+    q_programs = batch * sizes.heads * cdiv(seq, at.q_bm)
     fw = cfg.norm_rope if on_cublas else cfg.forward
     deep = cfg.forward_one_wave
-    if not on_cublas and deep is not None and forward_tiles(tokens, deep) <= sms:
+    if not on_cublas and deep is not None and forward_tiles(sizes, tokens, deep) <= sms:
         fw = deep
     row_blocks = cdiv(tokens, fw.bm)
-    qkv_tiles = tile_count(tokens, QKV, 1, fw.bm, fw.bn)
-    forward_bounds = ((0, qkv_tiles), (qkv_tiles, qkv_tiles + (not on_cublas) * tile_count(tokens, Q_OUT, 1, fw.bm, fw.bn)))
+    qkv_tiles = tile_count(tokens, sizes.qkv, 1, fw.bm, fw.bn)
+    forward_bounds = ((0, qkv_tiles), (qkv_tiles, qkv_tiles + (not on_cublas) * tile_count(tokens, sizes.q_out, 1, fw.bm, fw.bn)))
     forward_programs = forward_bounds[1][1]
-    attention_forward_programs = batch * HEADS * cdiv(seq, at.fwd_bm)
-    pack = pack_layout(cfg, tokens, splits, (kv_slots if split > 1 else 0) + 1)
+    attention_forward_programs = batch * sizes.heads * cdiv(seq, at.fwd_bm)
+    pack = pack_layout(cfg, sizes, tokens, splits, (kv_slots if split > 1 else 0) + 1)
     branches = cfg.branches and gpu
     pack_parts = ((0, pack.programs),)
     if on_cublas and branches:
@@ -316,13 +333,14 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     vanishing = Holds.VANISHING
     ranges = (
         pack.regions,
-        Regions((Region("normed, rotated q", HEADS * row_blocks), Region("normed, rotated k", KV_HEADS * row_blocks))),
+        Regions((Region("normed, rotated q", sizes.heads * row_blocks),
+                 Region("normed, rotated k", sizes.kv_heads * row_blocks))),
         Regions((Region("gradient of attention output", attention_forward_programs, Holds.GRADIENT),)),
         Regions((Region("v projection", kv_slots), Region("gradient of k projection", kv_slots, vanishing),
                  Region("gradient of v projection", kv_slots, vanishing),
                  Region("gradient of q projection", q_programs, vanishing))),
     )
-    return Plan(batch=batch, seq=seq, products=backend, pdl=cfg.pdl and gpu, branches=branches, pack=pack,
+    return Plan(batch=batch, seq=seq, sizes=sizes, products=backend, pdl=cfg.pdl and gpu, branches=branches, pack=pack,
                 pack_parts=pack_parts, forward=fw,
                 forward_programs=forward_programs,
                 forward_bounds=forward_bounds,

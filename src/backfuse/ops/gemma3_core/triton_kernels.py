@@ -12,6 +12,11 @@
    G^T X, and the norm-weight gradients from their partials.
 On the cuBLAS path cuBLAS does the products of 2 and 5: launch 2 then only norms and rotates q, k
 and copies v to fp16, launch 5 only sums the norm-weight partials.
+
+The operator's sizes are constexpr parameters, given by the plan (`config.size_constexprs`): HIDDEN,
+HEADS query heads and KV_HEADS KV heads (GROUP query heads each) of HEAD_DIM features (HALF: the
+halves RoPE rotates together), Q_OUT and KV_OUT the q and the k / v projections' widths, QK = [q | k]'s
+and QKV = [q | k | v]'s.
 """
 
 from __future__ import annotations
@@ -23,18 +28,7 @@ from ...kernels.triton.elementwise import cast_chunk, column_sums, max_abs, tran
 from ...kernels.triton.gemm import gemm_tile, mma_tile, store_tile, tile_coords
 from ...kernels.triton.pdl import after_previous_launch
 from ...kernels.triton.queue import wait_at_least
-from .spec import GROUP, HALF, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT, QK, QKV
 
-_HIDDEN = tl.constexpr(HIDDEN)
-_HEADS = tl.constexpr(HEADS)
-_KV_HEADS = tl.constexpr(KV_HEADS)
-_GROUP = tl.constexpr(GROUP)
-_HEAD_DIM = tl.constexpr(HEAD_DIM)
-_HALF = tl.constexpr(HALF)
-_Q_OUT = tl.constexpr(Q_OUT)
-_KV_OUT = tl.constexpr(KV_OUT)
-_QKV = tl.constexpr(QKV)
-_QK = tl.constexpr(QK)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -44,6 +38,7 @@ def pack_kernel(
     go, x, wq, wk, wv, wo,
     go16, x16, wqkv16, wo_t16, ranges, grad_x, grad_wqkv, grad_wo, counters,
     T, n_counters, first, e_go, e_wo, e_x, e_wq, e_wk, e_wv, e_gx, e_zwqkv, e_zwo,
+    HIDDEN: tl.constexpr, Q_OUT: tl.constexpr, KV_OUT: tl.constexpr, QKV: tl.constexpr,
     TILE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -55,14 +50,14 @@ def pack_kernel(
     it converted in ranges[program]."""
     after_previous_launch(PDL)
     pid = tl.program_id(0) + first
-    WQ: tl.constexpr = _Q_OUT * _HIDDEN
-    WKV: tl.constexpr = _KV_OUT * _HIDDEN
-    n_act = T * _HIDDEN
+    WQ: tl.constexpr = Q_OUT * HIDDEN
+    WKV: tl.constexpr = KV_OUT * HIDDEN
+    n_act = T * HIDDEN
     largest = 0.0
     if pid < e_go:
         largest = cast_chunk(go, go16, n_act, pid, BLOCK, ITERS)
     elif pid < e_wo:
-        largest = transpose_tile(wo, wo_t16, pid - e_go, _HIDDEN, TILE)
+        largest = transpose_tile(wo, wo_t16, pid - e_go, HIDDEN, TILE)
     elif pid < e_x:
         largest = cast_chunk(x, x16, n_act, pid - e_wo, BLOCK, ITERS)
     elif pid < e_wq:
@@ -74,7 +69,7 @@ def pack_kernel(
     elif pid < e_gx:
         zero_chunk(grad_x, n_act, pid - e_wv, BLOCK, ITERS)
     elif pid < e_zwqkv:
-        zero_chunk(grad_wqkv, _QKV * _HIDDEN, pid - e_gx, BLOCK, ITERS)
+        zero_chunk(grad_wqkv, QKV * HIDDEN, pid - e_gx, BLOCK, ITERS)
     elif pid < e_zwo:
         zero_chunk(grad_wo, WQ, pid - e_zwqkv, BLOCK, ITERS)
     else:
@@ -84,25 +79,25 @@ def pack_kernel(
 
 
 @triton.jit
-def _halves(x):
+def _halves(x, HALF: tl.constexpr):
     """[R, 128] -> its feature halves [R, 64], [R, 64] (the pairs RoPE rotates together)."""
     R: tl.constexpr = x.shape[0]
-    return tl.split(tl.permute(tl.reshape(x, (R, 2, _HALF)), (0, 2, 1)))
+    return tl.split(tl.permute(tl.reshape(x, (R, 2, HALF)), (0, 2, 1)))
 
 
 @triton.jit
-def _whole(lo, hi):
+def _whole(lo, hi, HEAD_DIM: tl.constexpr):
     """Inverse of _halves."""
     R: tl.constexpr = lo.shape[0]
-    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (R, _HEAD_DIM))
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (R, HEAD_DIM))
 
 
 @triton.jit
-def _rope_table(table, tok, ok):
+def _rope_table(table, tok, ok, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
     """cos or sin rows of tokens tok ([R]) as halves [R, 64], [R, 64]."""
-    d = tl.arange(0, _HALF)
-    row = table + tok[:, None].to(tl.int64) * _HEAD_DIM + d[None, :]
-    return tl.load(row, mask=ok, other=0.0), tl.load(row + _HALF, mask=ok, other=0.0)
+    d = tl.arange(0, HALF)
+    row = table + tok[:, None].to(tl.int64) * HEAD_DIM + d[None, :]
+    return tl.load(row, mask=ok, other=0.0), tl.load(row + HALF, mask=ok, other=0.0)
 
 
 @triton.jit(do_not_specialize=["T", "end_qkv"])
@@ -110,6 +105,8 @@ def forward_products_kernel(
     x16, go16, wqkv16, wo_t16, cos, sin, q_norm_w, k_norm_w,
     qk32, v16, rot16, d_attn16, ranges,
     T, end_qkv, eps, q_scale,
+    HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, Q_OUT: tl.constexpr, KV_OUT: tl.constexpr,
+    QK: tl.constexpr, QKV: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, PRODUCTS: tl.constexpr, QK_WIDTH: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -129,61 +126,61 @@ def forward_products_kernel(
     pid = tl.program_id(0)
     on_qkv = pid < end_qkv
     local = tl.where(on_qkv, pid, pid - end_qkv)
-    width = tl.multiple_of(tl.where(on_qkv, _QKV, _Q_OUT), 1024)
-    off_m = (local // (width // _HEAD_DIM)) * BM
-    off_n = (local % (width // _HEAD_DIM)) * _HEAD_DIM
+    width = tl.multiple_of(tl.where(on_qkv, QKV, Q_OUT), 1024)
+    off_m = (local // (width // HEAD_DIM)) * BM
+    off_n = (local % (width // HEAD_DIM)) * HEAD_DIM
     tok = off_m + tl.arange(0, BM)
     ok = tok[:, None] < T
-    d = tl.arange(0, _HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)
     rows = tok[:, None].to(tl.int64)
-    on_qk = on_qkv & (off_n < _QK)
-    on_v = on_qkv & (off_n >= _QK)
+    on_qk = on_qkv & (off_n < QK)
+    on_v = on_qkv & (off_n >= QK)
     if PRODUCTS:
         acc = mma_tile(
             tl.where(on_qkv, x16, go16), tl.where(on_qkv, wqkv16, wo_t16),
-            off_m, off_n, T, width, 0, _HIDDEN, _HIDDEN, 1, 1, _HIDDEN, BM, _HEAD_DIM, BK,
+            off_m, off_n, T, width, 0, HIDDEN, HIDDEN, 1, 1, HIDDEN, BM, HEAD_DIM, BK,
         )
         if on_qk:
             tl.store(qk32 + rows * QK_WIDTH + off_n + d[None, :], acc, mask=ok)
         elif on_qkv:
-            tl.store(v16 + rows * _KV_OUT + off_n - _QK + d[None, :], acc.to(tl.float16), mask=ok)
+            tl.store(v16 + rows * KV_OUT + off_n - QK + d[None, :], acc.to(tl.float16), mask=ok)
         else:
-            tl.store(d_attn16 + rows * _Q_OUT + off_n + d[None, :], acc.to(tl.float16), mask=ok)
+            tl.store(d_attn16 + rows * Q_OUT + off_n + d[None, :], acc.to(tl.float16), mask=ok)
     elif on_v:
         v = tl.load(qk32 + rows * QK_WIDTH + off_n + d[None, :], mask=ok, other=0.0)
-        tl.store(v16 + rows * _KV_OUT + off_n - _QK + d[None, :], v.to(tl.float16), mask=ok)
+        tl.store(v16 + rows * KV_OUT + off_n - QK + d[None, :], v.to(tl.float16), mask=ok)
     if on_qk:
         if PRODUCTS:
             raw = acc
         else:
             raw = tl.load(qk32 + rows * QK_WIDTH + off_n + d[None, :], mask=ok, other=0.0)
         row_blocks = (T + BM - 1) // BM
-        r = tl.rsqrt(tl.sum(raw * raw, 1) / _HEAD_DIM + eps)
-        w = tl.load(tl.where(off_n < _Q_OUT, q_norm_w, k_norm_w) + d)
-        lo, hi = _halves(raw * r[:, None] * (1 + w)[None, :])
-        cos_lo, cos_hi = _rope_table(cos, tok, ok)
-        sin_lo, sin_hi = _rope_table(sin, tok, ok)
-        rot = _whole(lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi) * tl.where(off_n < _Q_OUT, q_scale, 1.0)
-        tl.store(rot16 + rows * _QK + off_n + d[None, :], rot.to(tl.float16), mask=ok)
-        tl.store(ranges + (off_n // _HEAD_DIM) * row_blocks + off_m // BM, max_abs(tl.where(ok, rot, 0.0)))
+        r = tl.rsqrt(tl.sum(raw * raw, 1) / HEAD_DIM + eps)
+        w = tl.load(tl.where(off_n < Q_OUT, q_norm_w, k_norm_w) + d)
+        lo, hi = _halves(raw * r[:, None] * (1 + w)[None, :], HALF)
+        cos_lo, cos_hi = _rope_table(cos, tok, ok, HEAD_DIM, HALF)
+        sin_lo, sin_hi = _rope_table(sin, tok, ok, HEAD_DIM, HALF)
+        rot = _whole(lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi, HEAD_DIM) * tl.where(off_n < Q_OUT, q_scale, 1.0)
+        tl.store(rot16 + rows * QK + off_n + d[None, :], rot.to(tl.float16), mask=ok)
+        tl.store(ranges + (off_n // HEAD_DIM) * row_blocks + off_m // BM, max_abs(tl.where(ok, rot, 0.0)))
 
 
 @triton.jit
-def _head_rows(buf16, width, column0, tok, ok):
+def _head_rows(buf16, width, column0, tok, ok, HEAD_DIM: tl.constexpr):
     """The [R, 128] fp16 slice of a token-major buffer for tokens tok at column column0."""
-    d = tl.arange(0, _HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)
     return tl.load(buf16 + tok[:, None].to(tl.int64) * width + column0 + d[None, :], mask=ok, other=0.0)
 
 
 @triton.jit
-def _query_block(index, programs, S, BM: tl.constexpr):
+def _query_block(index, programs, S, BM: tl.constexpr, HEADS: tl.constexpr):
     """Program `index` of `programs` over (batch, head, block of BM queries), the last blocks (most
     keys) first: its batch, head, batch * heads + head, block and query positions."""
     n_blocks = (S + BM - 1) // BM
     n_heads = programs // n_blocks
     bh = index % n_heads
     block = n_blocks - 1 - index // n_heads
-    return bh // _HEADS, bh % _HEADS, bh, block, block * BM + tl.arange(0, BM)
+    return bh // HEADS, bh % HEADS, bh, block, block * BM + tl.arange(0, BM)
 
 
 @triton.jit
@@ -202,6 +199,8 @@ def _capped(x, APPROX_TANH: tl.constexpr):
 def attention_forward_kernel(
     rot16, v16, d_attn16, attn16, lse, delta, ranges,
     S, cap,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, Q_OUT: tl.constexpr, KV_OUT: tl.constexpr,
+    QK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, APPROX_TANH: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -211,19 +210,19 @@ def attention_forward_kernel(
     rows are convex combinations of v's, which the attention backward checks.)"""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    b, h, bh, block, rows = _query_block(pid, tl.num_programs(0), S, BM)
-    kv = h // _GROUP
+    b, h, bh, block, rows = _query_block(pid, tl.num_programs(0), S, BM, HEADS)
+    kv = h // GROUP
     row_ok = rows < S
-    q = _head_rows(rot16, _QK, h * _HEAD_DIM, b * S + rows, row_ok[:, None])
+    q = _head_rows(rot16, QK, h * HEAD_DIM, b * S + rows, row_ok[:, None], HEAD_DIM)
     row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BM,), dtype=tl.float32)
-    acc = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
+    acc = tl.zeros((BM, HEAD_DIM), dtype=tl.float32)
     log2_scale = cap * _LOG2E  # > 0: row maxima of t are those of the capped logits
     for n0 in range(0, tl.minimum((block + 1) * BM, S), BN):
         cols = n0 + tl.arange(0, BN)
         col_ok = (cols < S)[:, None]
-        k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
-        v = _head_rows(v16, _KV_OUT, kv * _HEAD_DIM, b * S + cols, col_ok)
+        k = _head_rows(rot16, QK, Q_OUT + kv * HEAD_DIM, b * S + cols, col_ok, HEAD_DIM)
+        v = _head_rows(v16, KV_OUT, kv * HEAD_DIM, b * S + cols, col_ok, HEAD_DIM)
         t = _capped(tl.dot(q, tl.trans(k)), APPROX_TANH)
         t = tl.where(cols[None, :] <= rows[:, None], t, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(t, 1) * log2_scale)  # in base-2 units of the capped logits
@@ -234,8 +233,8 @@ def attention_forward_kernel(
         row_max = new_max
     attn = acc / row_sum[:, None]
     tok = b * S + rows
-    d = tl.arange(0, _HEAD_DIM)
-    offs = tok[:, None].to(tl.int64) * _Q_OUT + h * _HEAD_DIM + d[None, :]
+    d = tl.arange(0, HEAD_DIM)
+    offs = tok[:, None].to(tl.int64) * Q_OUT + h * HEAD_DIM + d[None, :]
     tl.store(attn16 + offs, attn.to(tl.float16), mask=row_ok[:, None])
     d_attn = tl.load(d_attn16 + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     tl.store(lse + bh * S + rows, row_max + tl.log2(row_sum), mask=row_ok)
@@ -244,35 +243,37 @@ def attention_forward_kernel(
 
 
 @triton.jit
-def _rope_norm_backward(d_rot, qk32, cos, sin, norm_w, g16, tok, ok, column, eps, QK_WIDTH: tl.constexpr):
+def _rope_norm_backward(d_rot, qk32, cos, sin, norm_w, g16, tok, ok, column, eps, QK_WIDTH: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QKV: tl.constexpr):
     """RoPE, then RMSNorm backward of one head's rows: writes d(raw projection) to G in fp16 and
     returns this tile's share of the norm-weight gradient, sum over rows of d(qhat) * qn, and the
     tile's largest |d(raw)|."""
-    lo, hi = _halves(d_rot)
-    cos_lo, cos_hi = _rope_table(cos, tok, ok)
-    sin_lo, sin_hi = _rope_table(sin, tok, ok)
-    d_hat = _whole(lo * cos_lo + hi * sin_hi, hi * cos_hi - lo * sin_lo)
-    raw = _head_rows(qk32, QK_WIDTH, column, tok, ok)
-    r = tl.rsqrt(tl.sum(raw * raw, 1) / _HEAD_DIM + eps)
+    lo, hi = _halves(d_rot, HALF)
+    cos_lo, cos_hi = _rope_table(cos, tok, ok, HEAD_DIM, HALF)
+    sin_lo, sin_hi = _rope_table(sin, tok, ok, HEAD_DIM, HALF)
+    d_hat = _whole(lo * cos_lo + hi * sin_hi, hi * cos_hi - lo * sin_lo, HEAD_DIM)
+    raw = _head_rows(qk32, QK_WIDTH, column, tok, ok, HEAD_DIM)
+    r = tl.rsqrt(tl.sum(raw * raw, 1) / HEAD_DIM + eps)
     normed = raw * r[:, None]
-    m = d_hat * (1 + tl.load(norm_w + tl.arange(0, _HEAD_DIM)))[None, :]
-    d_raw = r[:, None] * (m - normed * (tl.sum(m * normed, 1) / _HEAD_DIM)[:, None])
-    d = tl.arange(0, _HEAD_DIM)
-    tl.store(g16 + tok[:, None].to(tl.int64) * _QKV + column + d[None, :], d_raw.to(tl.float16), mask=ok)
+    m = d_hat * (1 + tl.load(norm_w + tl.arange(0, HEAD_DIM)))[None, :]
+    d_raw = r[:, None] * (m - normed * (tl.sum(m * normed, 1) / HEAD_DIM)[:, None])
+    d = tl.arange(0, HEAD_DIM)
+    tl.store(g16 + tok[:, None].to(tl.int64) * QKV + column + d[None, :], d_raw.to(tl.float16), mask=ok)
     return tl.sum(d_hat * normed, 0), max_abs(d_raw)
 
 
 @triton.jit
-def _group_sum(kv_parts, arrivals, slot, g, dk, dv, key_tok, col_ok, kv, tokens, HEAD_SPLIT: tl.constexpr):
+def _group_sum(kv_parts, arrivals, slot, g, dk, dv, key_tok, col_ok, kv, tokens, HEAD_SPLIT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, KV_OUT: tl.constexpr):
     """Hand-off between the HEAD_SPLIT programs that share a key block, one per query head: each
     stores its fp32 dK, dV partial and counts itself in; the last to arrive (acq_rel, so the others'
     stores are visible) sums the partials in head order, the same order on every call. Returns the
     sums and whether this program was the last."""
-    d = tl.arange(0, _HEAD_DIM)
-    off = key_tok[:, None].to(tl.int64) * (2 * _KV_OUT) + kv * _HEAD_DIM + d[None, :]
-    part = tokens.to(tl.int64) * (2 * _KV_OUT)
+    d = tl.arange(0, HEAD_DIM)
+    off = key_tok[:, None].to(tl.int64) * (2 * KV_OUT) + kv * HEAD_DIM + d[None, :]
+    part = tokens.to(tl.int64) * (2 * KV_OUT)
     tl.store(kv_parts + g * part + off, dk, mask=col_ok)
-    tl.store(kv_parts + g * part + off + _KV_OUT, dv, mask=col_ok)
+    tl.store(kv_parts + g * part + off + KV_OUT, dv, mask=col_ok)
     tl.debug_barrier()  # every thread's stores before the (one-thread) release below
     last = tl.atomic_add(arrivals + slot, 1, sem="acq_rel") == HEAD_SPLIT - 1
     dk = tl.zeros_like(dk)
@@ -280,7 +281,7 @@ def _group_sum(kv_parts, arrivals, slot, g, dk, dv, key_tok, col_ok, kv, tokens,
     if last:
         for i in tl.static_range(HEAD_SPLIT):  # L2 reads (.cg): other programs wrote them
             dk += tl.load(kv_parts + i * part + off, mask=col_ok, other=0.0, cache_modifier=".cg")
-            dv += tl.load(kv_parts + i * part + off + _KV_OUT, mask=col_ok, other=0.0, cache_modifier=".cg")
+            dv += tl.load(kv_parts + i * part + off + KV_OUT, mask=col_ok, other=0.0, cache_modifier=".cg")
     return dk, dv, last
 
 
@@ -288,7 +289,9 @@ def _group_sum(kv_parts, arrivals, slot, g, dk, dv, key_tok, col_ok, kv, tokens,
 def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
                      kv_parts, arrivals, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN: tl.constexpr,
                      KV_BM: tl.constexpr, HEAD_SPLIT: tl.constexpr, QK_WIDTH: tl.constexpr,
-                     APPROX_TANH: tl.constexpr):
+                     APPROX_TANH: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, Q_OUT: tl.constexpr, KV_OUT: tl.constexpr,
+                     QK: tl.constexpr, QKV: tl.constexpr):
     """dK, dV of one (batch, KV head, block of KV_BN keys), summed over the group's query heads and
     the causal query blocks (KV_BM at a time); RoPE and RMSNorm backward of dK into G. HEAD_SPLIT >
     1: each of that many programs takes GROUP / HEAD_SPLIT of the query heads and the last to finish
@@ -297,23 +300,23 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
     slot pid // HEAD_SPLIT of k_norm_parts and of the range regions at r_v, r_dk, r_dv."""
     n_kv = kv_programs // ((S + KV_BN - 1) // KV_BN)
     block = pid // n_kv
-    g0 = (pid % n_kv) % HEAD_SPLIT * (_GROUP // HEAD_SPLIT)
-    b = (pid % n_kv) // HEAD_SPLIT // _KV_HEADS
-    kv = (pid % n_kv) // HEAD_SPLIT % _KV_HEADS
+    g0 = (pid % n_kv) % HEAD_SPLIT * (GROUP // HEAD_SPLIT)
+    b = (pid % n_kv) // HEAD_SPLIT // KV_HEADS
+    kv = (pid % n_kv) // HEAD_SPLIT % KV_HEADS
     cols = block * KV_BN + tl.arange(0, KV_BN)
     key_tok = b * S + cols
     col_ok = (cols < S)[:, None]
-    k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, key_tok, col_ok)
-    v = _head_rows(v16, _KV_OUT, kv * _HEAD_DIM, key_tok, col_ok)
-    dk = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
-    dv = tl.zeros((KV_BN, _HEAD_DIM), dtype=tl.float32)
-    for g in range(g0, g0 + _GROUP // HEAD_SPLIT):
-        bh = b * _HEADS + kv * _GROUP + g
+    k = _head_rows(rot16, QK, Q_OUT + kv * HEAD_DIM, key_tok, col_ok, HEAD_DIM)
+    v = _head_rows(v16, KV_OUT, kv * HEAD_DIM, key_tok, col_ok, HEAD_DIM)
+    dk = tl.zeros((KV_BN, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((KV_BN, HEAD_DIM), dtype=tl.float32)
+    for g in range(g0, g0 + GROUP // HEAD_SPLIT):
+        bh = b * HEADS + kv * GROUP + g
         for m0 in range((block * KV_BN) // KV_BM * KV_BM, S, KV_BM):
             rows = m0 + tl.arange(0, KV_BM)
             row_ok = rows < S
-            q = _head_rows(rot16, _QK, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
-            d_attn = _head_rows(d_attn16, _Q_OUT, (kv * _GROUP + g) * _HEAD_DIM, b * S + rows, row_ok[:, None])
+            q = _head_rows(rot16, QK, (kv * GROUP + g) * HEAD_DIM, b * S + rows, row_ok[:, None], HEAD_DIM)
+            d_attn = _head_rows(d_attn16, Q_OUT, (kv * GROUP + g) * HEAD_DIM, b * S + rows, row_ok[:, None], HEAD_DIM)
             row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=float("inf"))  # P = 0 past S
             row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
             t = _capped(tl.dot(k, tl.trans(q)), APPROX_TANH)  # [keys, queries]
@@ -326,15 +329,15 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
     slot = pid // HEAD_SPLIT
     last = True
     if HEAD_SPLIT > 1:
-        dk, dv, last = _group_sum(kv_parts, arrivals, slot, g0 // (_GROUP // HEAD_SPLIT), dk, dv, key_tok, col_ok,
-                                  kv, n_kv // HEAD_SPLIT // _KV_HEADS * S, HEAD_SPLIT)
+        dk, dv, last = _group_sum(kv_parts, arrivals, slot, g0 // (GROUP // HEAD_SPLIT), dk, dv, key_tok, col_ok,
+                                  kv, n_kv // HEAD_SPLIT // KV_HEADS * S, HEAD_SPLIT, HEAD_DIM, KV_OUT)
     if last:
         # dK = scaling * sum dS^T q = cap * sum dS^T (q scaling / cap)
         part, dk_largest = _rope_norm_backward(dk * cap, qk32, cos, sin, k_norm_w, g16, key_tok, col_ok,
-                                               _Q_OUT + kv * _HEAD_DIM, eps, QK_WIDTH)
-        tl.store(k_norm_parts + slot * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
-        d = tl.arange(0, _HEAD_DIM)
-        tl.store(g16 + key_tok[:, None].to(tl.int64) * _QKV + _QK + kv * _HEAD_DIM + d[None, :], dv.to(tl.float16),
+                                               Q_OUT + kv * HEAD_DIM, eps, QK_WIDTH, HEAD_DIM, HALF, QKV)
+        tl.store(k_norm_parts + slot * HEAD_DIM + tl.arange(0, HEAD_DIM), part)
+        d = tl.arange(0, HEAD_DIM)
+        tl.store(g16 + key_tok[:, None].to(tl.int64) * QKV + QK + kv * HEAD_DIM + d[None, :], dv.to(tl.float16),
                  mask=col_ok)
         tl.store(ranges + r_v + slot, max_abs(v.to(tl.float32)))
         tl.store(ranges + r_dk + slot, dk_largest)
@@ -344,23 +347,25 @@ def _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_no
 @triton.jit
 def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, g16, q_norm_parts,
                        ranges, S, r_dq, scaling, cap, eps, Q_BM: tl.constexpr, Q_BN: tl.constexpr,
-                       QK_WIDTH: tl.constexpr, APPROX_TANH: tl.constexpr):
+                       QK_WIDTH: tl.constexpr, APPROX_TANH: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, HALF: tl.constexpr, Q_OUT: tl.constexpr, KV_OUT: tl.constexpr,
+                       QK: tl.constexpr, QKV: tl.constexpr):
     """dQ of one (batch, head, block of Q_BM queries) over its causal keys (Q_BN at a time), heaviest
     blocks first; RoPE and RMSNorm backward into G."""
-    b, h, bh, block, rows = _query_block(local, q_programs, S, Q_BM)
-    kv = h // _GROUP
+    b, h, bh, block, rows = _query_block(local, q_programs, S, Q_BM, HEADS)
+    kv = h // GROUP
     row_ok = rows < S
     tok = b * S + rows
-    q = _head_rows(rot16, _QK, h * _HEAD_DIM, tok, row_ok[:, None])
-    d_attn = _head_rows(d_attn16, _Q_OUT, h * _HEAD_DIM, tok, row_ok[:, None])
+    q = _head_rows(rot16, QK, h * HEAD_DIM, tok, row_ok[:, None], HEAD_DIM)
+    d_attn = _head_rows(d_attn16, Q_OUT, h * HEAD_DIM, tok, row_ok[:, None], HEAD_DIM)
     row_lse = tl.load(lse + bh * S + rows, mask=row_ok, other=float("inf"))  # P = 0 past S
     row_delta = tl.load(delta + bh * S + rows, mask=row_ok, other=0.0)
-    dq = tl.zeros((Q_BM, _HEAD_DIM), dtype=tl.float32)
+    dq = tl.zeros((Q_BM, HEAD_DIM), dtype=tl.float32)
     for n0 in range(0, tl.minimum((block + 1) * Q_BM, S), Q_BN):
         cols = n0 + tl.arange(0, Q_BN)
         col_ok = (cols < S)[:, None]
-        k = _head_rows(rot16, _QK, _Q_OUT + kv * _HEAD_DIM, b * S + cols, col_ok)
-        v = _head_rows(v16, _KV_OUT, kv * _HEAD_DIM, b * S + cols, col_ok)
+        k = _head_rows(rot16, QK, Q_OUT + kv * HEAD_DIM, b * S + cols, col_ok, HEAD_DIM)
+        v = _head_rows(v16, KV_OUT, kv * HEAD_DIM, b * S + cols, col_ok, HEAD_DIM)
         t = _capped(tl.dot(q, tl.trans(k)), APPROX_TANH)
         visible = cols[None, :] <= rows[:, None]
         p = tl.where(visible, tl.exp2(t * (cap * _LOG2E) - row_lse[:, None]), 0.0)
@@ -368,8 +373,8 @@ def _query_block_grads(local, q_programs, rot16, qk32, v16, d_attn16, lse, delta
         ds = p * (dp - row_delta[:, None]) * (1.0 - t * t)  # dS / scaling
         dq = tl.dot(ds.to(tl.float16), k, dq)
     part, dq_largest = _rope_norm_backward(dq * scaling, qk32, cos, sin, q_norm_w, g16, tok, row_ok[:, None],
-                                           h * _HEAD_DIM, eps, QK_WIDTH)
-    tl.store(q_norm_parts + local * _HEAD_DIM + tl.arange(0, _HEAD_DIM), part)
+                                           h * HEAD_DIM, eps, QK_WIDTH, HEAD_DIM, HALF, QKV)
+    tl.store(q_norm_parts + local * HEAD_DIM + tl.arange(0, HEAD_DIM), part)
     tl.store(ranges + r_dq + local, dq_largest)
 
 
@@ -378,6 +383,8 @@ def attention_backward_kernel(
     rot16, qk32, v16, d_attn16, lse, delta, cos, sin, q_norm_w, k_norm_w,
     g16, q_norm_parts, k_norm_parts, ranges, kv_parts, counters,
     S, kv_programs, done, r_v, r_dk, r_dv, r_dq, scaling, cap, eps,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    Q_OUT: tl.constexpr, KV_OUT: tl.constexpr, QK: tl.constexpr, QKV: tl.constexpr,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, HEAD_SPLIT: tl.constexpr,
     QK_WIDTH: tl.constexpr, APPROX_TANH: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -396,11 +403,12 @@ def attention_backward_kernel(
     if pid < kv_programs:
         _key_block_grads(pid, rot16, qk32, v16, d_attn16, lse, delta, cos, sin, k_norm_w, g16, k_norm_parts, ranges,
                          kv_parts, counters, S, kv_programs, r_v, r_dk, r_dv, scaling, cap, eps, KV_BN, KV_BM,
-                         HEAD_SPLIT, QK_WIDTH, APPROX_TANH)
+                         HEAD_SPLIT, QK_WIDTH, APPROX_TANH, HEADS, KV_HEADS, GROUP, HEAD_DIM, HALF, Q_OUT, KV_OUT, QK,
+                         QKV)
     else:
         _query_block_grads(pid - kv_programs, tl.num_programs(0) - kv_programs, rot16, qk32, v16, d_attn16, lse,
                            delta, cos, sin, q_norm_w, g16, q_norm_parts, ranges, S, r_dq, scaling, cap, eps, Q_BM,
-                           Q_BN, QK_WIDTH, APPROX_TANH)
+                           Q_BN, QK_WIDTH, APPROX_TANH, HEADS, GROUP, HEAD_DIM, HALF, Q_OUT, KV_OUT, QK, QKV)
     tl.debug_barrier()  # every thread's stores before the (one-thread) release below
     tl.atomic_add(counters + done, 1, sem="release")
 
@@ -412,6 +420,7 @@ def gradient_products_kernel(
     grad_x, grad_wqkv, grad_wo, grad_q_norm_w, grad_k_norm_w,
     T, split_gx, split_wqkv, split_wo, start_gx, end_gx, start_wqkv, end_wqkv, start_wo, end_wo, sums_start, done,
     n_done, n_q_parts, n_k_parts,
+    HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr, Q_OUT: tl.constexpr, QKV: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -437,23 +446,23 @@ def gradient_products_kernel(
         if in_gx | in_wqkv:
             wait_at_least(counters + done, n_done)
     if in_gx:
-        gemm_tile(pid - start_gx, g16, wqkv16, grad_x, T, _HIDDEN, _QKV, _QKV, 1, _HIDDEN, 1, _HIDDEN, split_gx, BM,
+        gemm_tile(pid - start_gx, g16, wqkv16, grad_x, T, HIDDEN, QKV, QKV, 1, HIDDEN, 1, HIDDEN, split_gx, BM,
                   BN, BK)
     elif in_wqkv | in_wo:
-        rows = tl.where(in_wqkv, _QKV, _Q_OUT)
+        rows = tl.where(in_wqkv, QKV, Q_OUT)
         splits = tl.where(in_wqkv, split_wqkv, split_wo)
-        off_m, off_n, k_lo, k_hi = tile_coords(pid - tl.where(in_wqkv, start_wqkv, start_wo), rows, _HIDDEN, T,
+        off_m, off_n, k_lo, k_hi = tile_coords(pid - tl.where(in_wqkv, start_wqkv, start_wo), rows, HIDDEN, T,
                                                splits, BM, BN, BK)
-        acc = mma_tile(tl.where(in_wqkv, g16, go16), tl.where(in_wqkv, x16, attn16), off_m, off_n, rows, _HIDDEN,
-                       k_lo, k_hi, 1, tl.multiple_of(rows, 1024), _HIDDEN, 1, BM, BN, BK)
-        store_tile(tl.where(in_wqkv, grad_wqkv, grad_wo), acc, off_m, off_n, rows, _HIDDEN, _HIDDEN, 1, splits > 1,
+        acc = mma_tile(tl.where(in_wqkv, g16, go16), tl.where(in_wqkv, x16, attn16), off_m, off_n, rows, HIDDEN,
+                       k_lo, k_hi, 1, tl.multiple_of(rows, 1024), HIDDEN, 1, BM, BN, BK)
+        store_tile(tl.where(in_wqkv, grad_wqkv, grad_wo), acc, off_m, off_n, rows, HIDDEN, HIDDEN, 1, splits > 1,
                    BM, BN)
     elif pid >= sums_start:
         if PDL:
             wait_at_least(counters + done, n_done)
         strip = pid - sums_start
-        on_q = strip < _HEAD_DIM // SUM_COLS
-        cols = (strip % (_HEAD_DIM // SUM_COLS)) * SUM_COLS + tl.arange(0, SUM_COLS)
+        on_q = strip < HEAD_DIM // SUM_COLS
+        cols = (strip % (HEAD_DIM // SUM_COLS)) * SUM_COLS + tl.arange(0, SUM_COLS)
         total = column_sums(tl.where(on_q, q_norm_parts, k_norm_parts), tl.where(on_q, n_q_parts, n_k_parts),
-                            _HEAD_DIM, cols, SUM_ROWS, SUM_COLS)
+                            HEAD_DIM, cols, SUM_ROWS, SUM_COLS)
         tl.store(tl.where(on_q, grad_q_norm_w, grad_k_norm_w) + cols, total)

@@ -1,6 +1,8 @@
 """072's launch shapes (`Config`) and the plan of one call (`plan`): a pack launch that makes every
 fp16 operand, then the four products, as one launch of our tiles or as four cuBLAS products; or, on
-Hopper, one Gluon launch doing both (`GluonLaunch`, ops/qkv_gqa/gluon_kernels.py).
+Hopper, one Gluon launch doing both (`GluonLaunch`, ops/qkv_gqa/gluon_kernels.py). The operator's
+sizes come from its config (`spec.QkvGqaConfig`; the kernels take the benchmark operator's,
+`spec.OFFICIAL`), and reach the kernels as constexprs (`size_constexprs`).
 
 Plain Python: a plan can be checked on any machine without launching anything.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.config import GLUON_LOADER_REGS, SM90_SHARED_BYTES, PackConfig, TileConfig, check_rings
+from ...kernels.config import GLUON_LOADER_REGS, SM90_SHARED_BYTES, PackConfig, TileConfig, check_rings, check_sizes
 from ...kernels.schedule import (
     Holds,
     Layout,
@@ -23,14 +25,30 @@ from ...kernels.schedule import (
     longest_first,
     tile_count,
 )
-from .spec import CROSS_HIDDEN, HEADS, HIDDEN, KV_HEADS, KV_OUT, Q_OUT
+from .spec import OFFICIAL, QkvGqaConfig
 
 # The Gluon kernel's pack items (ops/qkv_gqa/gluon_pack.py): 64 rows x 256 columns, or, for the
 # head-group sums, 16 tokens of the 4 query heads of one KV head; counted per 128-token block. The
 # pack stages its loads in GLUON_PACK_SLOTS shared slots of GLUON_SUM_ROWS x 256 fp32 (64 KB in flight).
 GLUON_TOKEN_BLOCK, GLUON_ITEM_ROWS, GLUON_SUM_ROWS, GLUON_PACK_SLOTS = 128, 64, 16, 4
-GLUON_WQ_ITEMS = (Q_OUT // GLUON_ITEM_ROWS) * (HIDDEN // 256)  # items of Wq16 (or of zeroing grad_Wq)
-GLUON_WKV_ITEMS = 2 * (KV_OUT // GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256)  # of [Wk; Wv]16 (or its zero fill)
+
+
+def gluon_wq_items(sizes: QkvGqaConfig) -> int:
+    """The Gluon pack's items of Wq16 (or of zeroing grad_Wq)."""
+    return (sizes.q_out // GLUON_ITEM_ROWS) * (sizes.hidden // 256)
+
+
+def gluon_wkv_items(sizes: QkvGqaConfig) -> int:
+    """The Gluon pack's items of [Wk; Wv]16 (or of its zero fill)."""
+    return 2 * (sizes.kv_out // GLUON_ITEM_ROWS) * (sizes.cross_hidden // 256)
+
+
+def size_constexprs(sizes: QkvGqaConfig) -> dict:
+    """The operator's sizes by the constexpr names the kernels read them under (each kernel takes
+    those it reads: `kernels.launch.constexprs_of`), and the Gluon pack's items of Wk16 (then Wv16's)
+    in its [Wk; Wv]16 segment."""
+    return dict(HIDDEN=sizes.hidden, CROSS=sizes.cross_hidden, HEADS=sizes.heads, GROUP=sizes.group,
+                HEAD_DIM=sizes.head_dim, Q_OUT=sizes.q_out, KV_OUT=sizes.kv_out, KV_ITEMS=gluon_wkv_items(sizes) // 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +193,7 @@ class Plan:
     batch: int
     sd: int  # decoder tokens per batch entry
     se: int  # encoder tokens per batch entry
+    sizes: QkvGqaConfig  # the operator's (the benchmark operator's: the plan refuses others)
     products: str  # "triton" (our tiles), "cublas", or "gluon" (one launch, pack included)
     pdl: bool
     branches: bool  # cuBLAS's products beside each other (`Config.branches_below_flop`)
@@ -214,13 +233,14 @@ class Plan:
                     c_enc=c.enc, n_counters=c.total, **bases, **g.items.end_arguments, pack_items=g.items.programs)
 
 
-def product_shapes(axes) -> list:
+def product_shapes(sizes: QkvGqaConfig, axes) -> list:
     """(M, N, K) of grad_Wq, grad_[Wk; Wv], grad_dec, grad_enc."""
     td, te = axes["batch_size"] * axes["seq_len_dec"], axes["batch_size"] * axes["seq_len_enc"]
-    return [(Q_OUT, HIDDEN, td), (2 * KV_OUT, CROSS_HIDDEN, te), (td, HIDDEN, Q_OUT), (te, CROSS_HIDDEN, 2 * KV_OUT)]
+    q_out, hidden, kv_out, cross = sizes.q_out, sizes.hidden, sizes.kv_out, sizes.cross_hidden
+    return [(q_out, hidden, td), (2 * kv_out, cross, te), (td, hidden, q_out), (te, cross, 2 * kv_out)]
 
 
-def pack_layout(cfg: Config, axes, splits) -> Layout:
+def pack_layout(cfg: Config, sizes: QkvGqaConfig, axes, splits) -> Layout:
     """The pack's programs: GQ head-tiles, the GK and GV group sums, the flat casts of dec, enc, Wq,
     Wk and Wv (those converting), then zero fills of the outputs that split-K products accumulate into."""
     batch, sd, se = axes["batch_size"], axes["seq_len_dec"], axes["seq_len_enc"]
@@ -230,25 +250,26 @@ def pack_layout(cfg: Config, axes, splits) -> Layout:
         return chunks(n, cfg.pack.block, cfg.pack.iters)
 
     split_wq, split_wkv, split_dec, split_enc = (s > 1 for s in splits)
-    n_gk = batch * KV_HEADS * cdiv(se, rows)
+    hidden, cross, q_out, kv_out = sizes.hidden, sizes.cross_hidden, sizes.q_out, sizes.kv_out
+    n_gk = batch * sizes.kv_heads * cdiv(se, rows)
     return Layout((
-        Segment("grad_query_states", batch * HEADS * cdiv(sd, rows), holds=Holds.UPSTREAM, end="e_gq"),
+        Segment("grad_query_states", batch * sizes.heads * cdiv(sd, rows), holds=Holds.UPSTREAM, end="e_gq"),
         Segment("grad_key_states (head-group sums)", n_gk, holds=Holds.UPSTREAM, end="e_gk"),
         Segment("grad_value_states (head-group sums)", n_gk, holds=Holds.UPSTREAM, end="e_gv"),
-        Segment("decoder_hidden_states", flat(batch * sd * HIDDEN), end="e_dec"),
-        Segment("encoder_hidden_states", flat(batch * se * CROSS_HIDDEN), end="e_enc"),
-        Segment("q_weight", flat(Q_OUT * HIDDEN), end="e_wq"),
-        Segment("k_weight", flat(KV_OUT * CROSS_HIDDEN), end="e_wk"),
-        Segment("v_weight", flat(KV_OUT * CROSS_HIDDEN), end="e_wv"),
-        Segment("zero grad_decoder_hidden_states", split_dec * flat(batch * sd * HIDDEN), ranged=False, end="e_zdec"),
-        Segment("zero grad_encoder_hidden_states", split_enc * flat(batch * se * CROSS_HIDDEN), ranged=False,
+        Segment("decoder_hidden_states", flat(batch * sd * hidden), end="e_dec"),
+        Segment("encoder_hidden_states", flat(batch * se * cross), end="e_enc"),
+        Segment("q_weight", flat(q_out * hidden), end="e_wq"),
+        Segment("k_weight", flat(kv_out * cross), end="e_wk"),
+        Segment("v_weight", flat(kv_out * cross), end="e_wv"),
+        Segment("zero grad_decoder_hidden_states", split_dec * flat(batch * sd * hidden), ranged=False, end="e_zdec"),
+        Segment("zero grad_encoder_hidden_states", split_enc * flat(batch * se * cross), ranged=False,
                 end="e_zenc"),
-        Segment("zero grad_q_weight", split_wq * flat(Q_OUT * HIDDEN), ranged=False, end="e_zwq"),
-        Segment("zero grad_[k; v]_weight", split_wkv * flat(2 * KV_OUT * CROSS_HIDDEN), ranged=False),
+        Segment("zero grad_q_weight", split_wq * flat(q_out * hidden), ranged=False, end="e_zwq"),
+        Segment("zero grad_[k; v]_weight", split_wkv * flat(2 * kv_out * cross), ranged=False),
     ))
 
 
-def gluon_launch(cfg: GluonConfig, axes, splits, needs) -> GluonLaunch:
+def gluon_launch(cfg: GluonConfig, sizes: QkvGqaConfig, axes, splits, needs) -> GluonLaunch:
     """Tile ranges, pack chunks, counters and range regions of the Gluon kernel at `axes` (refusing a
     config whose ring and pack slots exceed one program's shared memory)."""
     if cfg.shared_bytes > SM90_SHARED_BYTES - 1024:  # the mbarriers and alignment take the rest
@@ -257,27 +278,28 @@ def gluon_launch(cfg: GluonConfig, axes, splits, needs) -> GluonLaunch:
     td, te = axes["batch_size"] * axes["seq_len_dec"], axes["batch_size"] * axes["seq_len_enc"]
     input_grads, weight_grads = any(needs[:2]), any(needs[2:])
     split_wq, split_wkv, split_dec, split_enc = splits
-    t_wq = cdiv(Q_OUT, cfg.bm) * cdiv(HIDDEN, cfg.bn) * split_wq * weight_grads
-    t_dec = cdiv(td, cfg.bm) * cdiv(HIDDEN, cfg.bn) * split_dec * input_grads
-    t_wkv = cdiv(2 * KV_OUT, cfg.bm) * cdiv(CROSS_HIDDEN, cfg.bn) * split_wkv * weight_grads
-    t_enc = cdiv(te, cfg.bm) * cdiv(CROSS_HIDDEN, cfg.bn) * split_enc * input_grads
+    hidden, cross, q_out, kv_out = sizes.hidden, sizes.cross_hidden, sizes.q_out, sizes.kv_out
+    t_wq = cdiv(q_out, cfg.bm) * cdiv(hidden, cfg.bn) * split_wq * weight_grads
+    t_dec = cdiv(td, cfg.bm) * cdiv(hidden, cfg.bn) * split_dec * input_grads
+    t_wkv = cdiv(2 * kv_out, cfg.bm) * cdiv(cross, cfg.bn) * split_wkv * weight_grads
+    t_enc = cdiv(te, cfg.bm) * cdiv(cross, cfg.bn) * split_enc * input_grads
 
-    dec_chunks, enc_chunks = (HIDDEN // 256, CROSS_HIDDEN // 256) if weight_grads else (0, 0)
+    dec_chunks, enc_chunks = (hidden // 256, cross // 256) if weight_grads else (0, 0)
     sums = _block_items(te, GLUON_SUM_ROWS)
     w = input_grads  # Wq16 and [Wk; Wv]16 feed the input gradients only
     regions = Regions((
-        Region("grad_query_states", HEADS * _block_items(td, GLUON_ITEM_ROWS), Holds.UPSTREAM),
-        Region("grad_key_states (head-group sums)", KV_HEADS * sums, Holds.UPSTREAM),
-        Region("grad_value_states (head-group sums)", KV_HEADS * sums, Holds.UPSTREAM),
+        Region("grad_query_states", sizes.heads * _block_items(td, GLUON_ITEM_ROWS), Holds.UPSTREAM),
+        Region("grad_key_states (head-group sums)", sizes.kv_heads * sums, Holds.UPSTREAM),
+        Region("grad_value_states (head-group sums)", sizes.kv_heads * sums, Holds.UPSTREAM),
         Region("decoder_hidden_states", dec_chunks * _block_items(td, GLUON_ITEM_ROWS)),
         Region("encoder_hidden_states", enc_chunks * _block_items(te, GLUON_ITEM_ROWS)),
-        Region("q_weight", w * GLUON_WQ_ITEMS),
-        Region("k_weight", w * GLUON_WKV_ITEMS // 2),
-        Region("v_weight", w * GLUON_WKV_ITEMS // 2),
+        Region("q_weight", w * gluon_wq_items(sizes)),
+        Region("k_weight", w * gluon_wkv_items(sizes) // 2),
+        Region("v_weight", w * gluon_wkv_items(sizes) // 2),
     ))
     starts = (t_wq, t_wq + t_dec, t_wq + t_dec + t_wkv)
     return GluonLaunch(starts, starts[-1] + t_enc, dec_chunks, enc_chunks, GluonCounters.of(td, te), regions,
-                       gluon_pack_items(td, te, splits, dec_chunks, enc_chunks, input_grads))
+                       gluon_pack_items(sizes, td, te, splits, dec_chunks, enc_chunks, input_grads))
 
 
 def _block_items(t: int, rows: int) -> int:
@@ -286,7 +308,8 @@ def _block_items(t: int, rows: int) -> int:
     return last * (GLUON_TOKEN_BLOCK // rows) + cdiv(t - last * GLUON_TOKEN_BLOCK, rows)
 
 
-def gluon_pack_items(td: int, te: int, splits, dec_chunks: int, enc_chunks: int, pack_weights: bool) -> Layout:
+def gluon_pack_items(sizes: QkvGqaConfig, td: int, te: int, splits, dec_chunks: int, enc_chunks: int,
+                     pack_weights: bool) -> Layout:
     """The Gluon pack partition's items (64 rows x 256 columns; 16 tokens of one head group for the
     sums), in the order it runs them: zero fills of the outputs that split-K tiles add into, the
     decoder side token block by token block (GQ's 16 heads, then dec16's chunks), Wq16, the encoder
@@ -294,24 +317,29 @@ def gluon_pack_items(td: int, te: int, splits, dec_chunks: int, enc_chunks: int,
     takes each segment's end (`end_arguments`) and the item count (`programs`: `pack_items`); a
     fixed counter's target is its segment's size."""
     split_wq, split_wkv, split_dec, split_enc = (s > 1 for s in splits)
+    wq_items, wkv_items = gluon_wq_items(sizes), gluon_wkv_items(sizes)
     return Layout((
-        Segment("zero grad_q_weight", split_wq * GLUON_WQ_ITEMS, ranged=False, end="e_zwq"),
-        Segment("zero grad_[k; v]_weight", split_wkv * GLUON_WKV_ITEMS, ranged=False, end="e_zwkv"),
-        Segment("zero grad_decoder_hidden_states", split_dec * cdiv(td, GLUON_ITEM_ROWS) * (HIDDEN // 256),
+        Segment("zero grad_q_weight", split_wq * wq_items, ranged=False, end="e_zwq"),
+        Segment("zero grad_[k; v]_weight", split_wkv * wkv_items, ranged=False, end="e_zwkv"),
+        Segment("zero grad_decoder_hidden_states", split_dec * cdiv(td, GLUON_ITEM_ROWS) * (sizes.hidden // 256),
                 ranged=False, end="e_zdec"),
-        Segment("zero grad_encoder_hidden_states", split_enc * cdiv(te, GLUON_ITEM_ROWS) * (CROSS_HIDDEN // 256),
+        Segment("zero grad_encoder_hidden_states", split_enc * cdiv(te, GLUON_ITEM_ROWS) * (sizes.cross_hidden // 256),
                 ranged=False, end="e_zenc"),
-        Segment("decoder side", _block_items(td, GLUON_ITEM_ROWS) * (HEADS + dec_chunks), ranged=False, end="e_dec"),
-        Segment("Wq16", pack_weights * GLUON_WQ_ITEMS, ranged=False, end="e_wq"),
-        Segment("encoder side", _block_items(te, GLUON_SUM_ROWS) * 2 * KV_HEADS
+        Segment("decoder side", _block_items(td, GLUON_ITEM_ROWS) * (sizes.heads + dec_chunks), ranged=False,
+                end="e_dec"),
+        Segment("Wq16", pack_weights * wq_items, ranged=False, end="e_wq"),
+        Segment("encoder side", _block_items(te, GLUON_SUM_ROWS) * 2 * sizes.kv_heads
                 + _block_items(te, GLUON_ITEM_ROWS) * enc_chunks, ranged=False, end="e_enc"),
-        Segment("[Wk; Wv]16", pack_weights * GLUON_WKV_ITEMS, ranged=False),
+        Segment("[Wk; Wv]16", pack_weights * wkv_items, ranged=False),
     ))
 
 
-def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, products: str | None = None,
-         needs=None, deterministic: bool = False) -> Plan:
+def plan(cfg: Config, axes, sms: int, *, sizes: QkvGqaConfig = OFFICIAL, gpu: bool = True, gluon: bool = False,
+         products: str | None = None, needs=None, deterministic: bool = False) -> Plan:
     """The launches of one call at `axes` on `sms` processors.
+
+    sizes: the operator's (its `Problem.config`); the kernels are made for the benchmark operator's
+    (`spec.OFFICIAL`), and other sizes are refused (a ValueError naming them).
 
     needs: one bool per output (None: all); with our tiles the input gradients (grad_dec, grad_enc)
     and the weight gradients go as groups, with cuBLAS per product. deterministic: no K splits (our
@@ -319,9 +347,10 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
     products: "triton", "cublas", "gluon", or None (by size on a GPU: the Gluon kernel's window
     where it runs, else `cublas_min_flop`).
     """
+    check_sizes("072 plan", sizes, OFFICIAL)
     if gpu:
         check_rings("072 Config", dict(tiles=cfg.tiles))
-    gemms = product_shapes(axes)
+    gemms = product_shapes(sizes, axes)
     flop = 2 * sum(m * n * k for m, n, k in gemms)
     # On Hopper, cuBLAS's products beside each other beat our tiles below the Gluon kernel's window too
     # (notes/072.md row 34); elsewhere our tiles stay below cublas_min_flop.
@@ -331,8 +360,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
     if backend == "gluon":
         g = cfg.gluon
         splits = [1] * 4 if deterministic else choose_splits(gemms, g.bm, g.bn, g.bk, sms)
-        launch = gluon_launch(g, axes, splits, needs)
-        return Plan(batch=axes["batch_size"], sd=axes["seq_len_dec"], se=axes["seq_len_enc"], products=backend,
+        launch = gluon_launch(g, sizes, axes, splits, needs)
+        return Plan(batch=axes["batch_size"], sd=axes["seq_len_dec"], se=axes["seq_len_enc"], sizes=sizes, products=backend,
                     pdl=False, branches=False, pack=None, splits=tuple(splits), tiles=None, cublas=(False,) * 4,
                     ranges=(launch.regions,), gluon=launch)
     t = cfg.tiles
@@ -344,8 +373,8 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, gluon: bool = False, 
                  for i, ((m, n, _), s) in enumerate(zip(gemms, splits))]
         bounds = longest_first([(n, k, s) for n, (_, _, k), s in zip(tiles, gemms, splits)])
         launch = TilesLaunch(sum(tiles), weight_grads, input_grads, bounds)
-    pack = pack_layout(cfg, axes, splits)
+    pack = pack_layout(cfg, sizes, axes, splits)
     branches = backend == "cublas" and gpu and flop < cfg.branches_below_flop
-    return Plan(batch=axes["batch_size"], sd=axes["seq_len_dec"], se=axes["seq_len_enc"], products=backend,
+    return Plan(batch=axes["batch_size"], sd=axes["seq_len_dec"], se=axes["seq_len_enc"], sizes=sizes, products=backend,
                 pdl=cfg.pdl and gpu, branches=branches, pack=pack, splits=tuple(splits), tiles=launch,
                 cublas=(needs[0], needs[1], needs[2], needs[3] or needs[4]), ranges=(pack.regions,))

@@ -33,12 +33,7 @@ from .gluon_pack import (
     C_ZERO_ENC,
     C_ZERO_WKV,
     C_ZERO_WQ,
-    CROSS,
-    HEAD_DIM,
-    HIDDEN,
     ITEM_ROWS,
-    KV_OUT,
-    Q_OUT,
     TOKEN_BLOCK,
     UNIT,
     UNITS,
@@ -48,6 +43,7 @@ from .gluon_pack import (
     Outputs,
     PackList,
     RangeBases,
+    Sizes,
     _chunks,
     _gkv_items,
     _gq_items,
@@ -123,10 +119,15 @@ def _product_of(tile, s1, s2, s3):
 
 
 @gluon.jit
-def _loader(d, ring, counters, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+def _loader(d, ring, counters, t, lst, sz, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """The TMA copies of tiles `t` (this partition's share) into the ring; each tile waits for the
     pack items (list `lst`) it reads: per K step (weight gradients: K is tokens) or once (input
     gradients; a weight's counter reaches its segment's size)."""
+    # the operator's sizes (`Sizes`) under their kernel names
+    HIDDEN: gl.constexpr = sz.HIDDEN
+    CROSS: gl.constexpr = sz.CROSS
+    Q_OUT: gl.constexpr = sz.Q_OUT
+    KV_OUT: gl.constexpr = sz.KV_OUT
     c = counters.slots
     dec_chunks, enc_chunks = lst.dec_chunks, lst.enc_chunks
     TD, TE, s1, s2, s3 = t.TD, t.TE, t.s1, t.s2, t.s3
@@ -138,14 +139,14 @@ def _loader(d, ring, counters, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: g
             for k in range(k_lo, k_hi, BK):
                 block = k // TOKEN_BLOCK
                 if (k == k_lo) | (k % TOKEN_BLOCK == 0):
-                    wait_count(c + counters.gq + block, _gq_items(block, TD))
+                    wait_count(c + counters.gq + block, _gq_items(block, TD, sz.HEADS))
                     wait_count(c + counters.dec + block, dec_chunks * _chunks(block, TD, ITEM_ROWS))
                 issue_step(d.a_wq, d.b_wq, ring.a_m, ring.b, ring.ready, ring.empty, it, k, off_m, k, off_n, STAGES)
                 it += 1
         elif p == 1:  # grad_dec = GQ Wq16
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s1, gl.cdiv(TD, BM), HIDDEN // BN, Q_OUT, t.split_dec, BM, BN, BK)
             wait_count(c + C_WQ16, lst.e_wq - lst.e_dec)
-            wait_count(c + counters.gq + off_m // TOKEN_BLOCK, _gq_items(off_m // TOKEN_BLOCK, TD))
+            wait_count(c + counters.gq + off_m // TOKEN_BLOCK, _gq_items(off_m // TOKEN_BLOCK, TD, sz.HEADS))
             for k in range(k_lo, k_hi, BK):
                 issue_step(d.a_dec, d.b_dec, ring.a_k, ring.b, ring.ready, ring.empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
@@ -154,7 +155,7 @@ def _loader(d, ring, counters, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: g
             for k in range(k_lo, k_hi, BK):
                 block = k // TOKEN_BLOCK
                 if (k == k_lo) | (k % TOKEN_BLOCK == 0):
-                    wait_count(c + counters.gkv + block, _gkv_items(block, TE))
+                    wait_count(c + counters.gkv + block, _gkv_items(block, TE, sz.GROUP))
                     wait_count(c + counters.enc + block, enc_chunks * _chunks(block, TE, ITEM_ROWS))
                 issue_step(d.a_wkv, d.b_wkv, ring.a_m, ring.b, ring.ready, ring.empty, it, k, off_m, k, off_n, STAGES)
                 it += 1
@@ -162,7 +163,7 @@ def _loader(d, ring, counters, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: g
             off_m, off_n, k_lo, k_hi = tile_coords(tile - s3, gl.cdiv(TE, BM), CROSS // BN, 2 * KV_OUT, t.split_enc, BM, BN,
                                                    BK)
             wait_count(c + C_WKV16, lst.items - lst.e_enc)
-            wait_count(c + counters.gkv + off_m // TOKEN_BLOCK, _gkv_items(off_m // TOKEN_BLOCK, TE))
+            wait_count(c + counters.gkv + off_m // TOKEN_BLOCK, _gkv_items(off_m // TOKEN_BLOCK, TE, sz.GROUP))
             for k in range(k_lo, k_hi, BK):
                 issue_step(d.a_enc, d.b_enc, ring.a_k, ring.b, ring.ready, ring.empty, it, off_m, k, k, off_n, STAGES)
                 it += 1
@@ -170,11 +171,16 @@ def _loader(d, ring, counters, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: g
 
 
 @gluon.jit
-def _consumer(ring, counters, outs, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+def _consumer(ring, counters, outs, t, lst, sz, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, PART: gl.constexpr):
     """Rows [PART * BM/2, +BM/2) of tiles `t` (the loader's); split-K tiles add into outputs that
     the pack zeroed (waited for before the first atomic: the zero fill's counter reaches its
     segment's size in the pack list `lst`)."""
+    # the operator's sizes (`Sizes`) under their kernel names
+    HIDDEN: gl.constexpr = sz.HIDDEN
+    CROSS: gl.constexpr = sz.CROSS
+    Q_OUT: gl.constexpr = sz.Q_OUT
+    KV_OUT: gl.constexpr = sz.KV_OUT
     ROWS: gl.constexpr = BM // 2
     ROW0: gl.constexpr = PART * ROWS
     c = counters.slots
@@ -218,9 +224,9 @@ def _consumer(ring, counters, outs, t, lst, BM: gl.constexpr, BN: gl.constexpr, 
 
 
 @gluon.jit
-def _second_consumer(ring, counters, outs, t, lst, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+def _second_consumer(ring, counters, outs, t, lst, sz, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr):
-    _consumer(ring, counters, outs, t, lst, BM, BN, BK, STAGES, 1)
+    _consumer(ring, counters, outs, t, lst, sz, BM, BN, BK, STAGES, 1)
 
 
 @gluon.jit(do_not_specialize=["TD", "TE", "SD", "SE", "dec_chunks", "enc_chunks", "split_wq", "split_wkv", "split_dec",
@@ -233,6 +239,8 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
                  TD, TE, SD, SE, dec_chunks, enc_chunks, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total,
                  c_gq, c_dec, c_gkv, c_enc, n_counters, r_gq, r_gk, r_gv, r_dec, r_enc, r_wq, r_wk, r_wv,
                  e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc, pack_items,
+                 HIDDEN: gl.constexpr, CROSS: gl.constexpr, HEADS: gl.constexpr, GROUP: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, Q_OUT: gl.constexpr, KV_OUT: gl.constexpr, KV_ITEMS: gl.constexpr,
                  STAGES: gl.constexpr, PACK_WARPS: gl.constexpr, REGS: gl.constexpr):
     """The five 072 outputs from the official inputs, one persistent launch (counters zero at the
     start; it leaves them zero).
@@ -244,8 +252,9 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     grad_enc [s3, total). slots: the completion counters, laid out as config.GluonCounters says
     (its runs start at c_gq, c_dec, c_gkv, c_enc; n_counters slots). r_*: the first range slot of
     each region (the plan's Regions.bases). e_*: the ends of the pack list's segments, pack_items
-    its length (config.gluon_pack_items). Inside, they travel as argument packs (`Descriptors`,
-    `Inputs`, `Operands`, `Outputs`, `Tiles`, `PackList`, `RangeBases`, `Ring`). Launched with num_warps=4 (the
+    its length (config.gluon_pack_items). HIDDEN ... KV_ITEMS: the operator's sizes
+    (config.size_constexprs). Inside, they travel as argument packs (`Descriptors`, `Inputs`,
+    `Operands`, `Outputs`, `Tiles`, `PackList`, `RangeBases`, `Sizes`, `Ring`). Launched with num_warps=4 (the
     first consumer warpgroup) and the pool's maxnreg; the second consumer and the pack partition
     get REGS registers each (config.GluonConfig).
     """
@@ -259,6 +268,7 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
     t = Tiles(TD, TE, split_wq, split_wkv, split_dec, split_enc, s1, s2, s3, total, pid, programs)
     lst = PackList(TD, TE, SD, SE, dec_chunks, enc_chunks, e_zwq, e_zwkv, e_zdec, e_zenc, e_dec, e_wq, e_enc,
                    pack_items)
+    sz = Sizes(HIDDEN, CROSS, HEADS, GROUP, HEAD_DIM, Q_OUT, KV_OUT, KV_ITEMS)
     BK: gl.constexpr = a_dec.block_type.shape[1]
     BM: gl.constexpr = a_dec.block_type.shape[0]
     BN: gl.constexpr = b_dec.block_type.shape[1]
@@ -274,10 +284,10 @@ def fused_kernel(a_wq, b_wq, a_dec, b_dec, a_wkv, b_wkv, a_enc, b_enc,
         mbarrier.init(empty.index(i), count=2)
     ring = Ring(a_k, a_m, b_bufs, ready, empty)
     gl.warp_specialize([
-        (_consumer, (ring, counters, outs, t, lst, BM, BN, BK, STAGES, 0)),
-        (_second_consumer, (ring, counters, outs, t, lst, BM, BN, BK, STAGES)),
-        (_loader, (d, ring, counters, t, lst, BM, BN, BK, STAGES)),
-        (_pack, (pack_bufs, inp, ops, outs, counters, lst, rb, pid, programs)),
+        (_consumer, (ring, counters, outs, t, lst, sz, BM, BN, BK, STAGES, 0)),
+        (_second_consumer, (ring, counters, outs, t, lst, sz, BM, BN, BK, STAGES)),
+        (_loader, (d, ring, counters, t, lst, sz, BM, BN, BK, STAGES)),
+        (_pack, (pack_bufs, inp, ops, outs, counters, lst, rb, sz, pid, programs)),
     ], [4, 1, PACK_WARPS], [REGS, LOADER_REGS, REGS])
 
 

@@ -17,26 +17,42 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.language.core import _aggregate as aggregate
 
-from . import config, spec
+from . import config
 
-HIDDEN = gl.constexpr(spec.HIDDEN)
-CROSS = gl.constexpr(spec.CROSS_HIDDEN)
-HEADS = gl.constexpr(spec.HEADS)
-GROUP = gl.constexpr(spec.GROUP)
-HEAD_DIM = gl.constexpr(spec.HEAD_DIM)
-Q_OUT = gl.constexpr(spec.Q_OUT)
-KV_OUT = gl.constexpr(spec.KV_OUT)
 TOKEN_BLOCK = gl.constexpr(config.GLUON_TOKEN_BLOCK)  # tokens per pack counter (= BM)
 UNIT = gl.constexpr(config.GLUON_SUM_ROWS)  # rows of one shared-memory slot of the pack (16 x 256 fp32)
 UNITS = gl.constexpr(config.GLUON_PACK_SLOTS)  # slots: 64 KB in flight per item
 ITEM_ROWS = gl.constexpr(config.GLUON_ITEM_ROWS)  # rows of a plain item (UNITS slots); a head-group sum: UNIT
-KV_ITEMS = gl.constexpr(config.GLUON_WKV_ITEMS // 2)  # items of Wk16 (then Wv16's) in the [Wk; Wv]16 segment
 PARTITIONS = gl.constexpr(4)  # per program: two consumers, the loader, the pack
 # the fixed counter slots, by their index in config.GLUON_FIXED_COUNTERS
 C_WQ16, C_WKV16, C_ZERO_WQ, C_ZERO_WKV, C_ZERO_DEC, C_ZERO_ENC, C_LEFT = (
     gl.constexpr(config.GLUON_FIXED_COUNTERS.index(name)) for name in (
         "Wq16", "[Wk; Wv]16", "zeroed grad_Wq", "zeroed grad_[Wk; Wv]", "zeroed grad_dec", "zeroed grad_enc",
         "partitions left"))
+
+
+@aggregate
+class Sizes:
+    """The operator's sizes (constexprs, `config.size_constexprs`): decoder and encoder widths (HIDDEN,
+    CROSS), query heads, query heads per KV head (GROUP), the head size, the q and the k / v
+    projections' widths (Q_OUT, KV_OUT), and the pack's items of Wk16 (then Wv16's) in its [Wk; Wv]16
+    segment (KV_ITEMS)."""
+
+    HIDDEN: gl.constexpr
+    CROSS: gl.constexpr
+    HEADS: gl.constexpr
+    GROUP: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    Q_OUT: gl.constexpr
+    KV_OUT: gl.constexpr
+    KV_ITEMS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, HIDDEN, CROSS, HEADS, GROUP, HEAD_DIM, Q_OUT, KV_OUT, KV_ITEMS):
+        self.HIDDEN, self.CROSS, self.HEADS, self.GROUP = gl.constexpr(HIDDEN), gl.constexpr(CROSS), \
+            gl.constexpr(HEADS), gl.constexpr(GROUP)
+        self.HEAD_DIM, self.Q_OUT, self.KV_OUT, self.KV_ITEMS = gl.constexpr(HEAD_DIM), gl.constexpr(Q_OUT), \
+            gl.constexpr(KV_OUT), gl.constexpr(KV_ITEMS)
 
 
 @aggregate
@@ -174,12 +190,12 @@ def _chunks(block, T, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _gq_items(block, TD):
+def _gq_items(block, TD, HEADS: gl.constexpr):
     return HEADS * _chunks(block, TD, ITEM_ROWS)
 
 
 @gluon.jit
-def _gkv_items(block, TE):
+def _gkv_items(block, TE, GROUP: gl.constexpr):
     return 2 * GROUP * _chunks(block, TE, UNIT)
 
 
@@ -205,7 +221,7 @@ def _release(counter):
 
 
 @gluon.jit
-def _token_rows(t0, S, head):
+def _token_rows(t0, S, head, HEADS: gl.constexpr):
     """Rows of grad_*_states [B, 16, S, 256] (viewed [B*16*S, 256]) of tokens t0 + r, r < 16, of one head."""
     r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, pack_layout(gl.num_warps())))
     t = t0 + r
@@ -219,7 +235,7 @@ def _plain_rows(row0):
 
 
 @gluon.jit
-def _fetch(buf, src, rows, stride, n_rows):
+def _fetch(buf, src, rows, stride, n_rows, HEAD_DIM: gl.constexpr):
     """Asynchronous copy of src[rows[r], :256] (r < n_rows; zeros past) into a [16, 256] slot."""
     r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, pack_layout(gl.num_warps())))
     c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, pack_layout(gl.num_warps())))
@@ -228,7 +244,7 @@ def _fetch(buf, src, rows, stride, n_rows):
 
 
 @gluon.jit
-def _put(dst, rows, stride, n_rows, x):
+def _put(dst, rows, stride, n_rows, x, HEAD_DIM: gl.constexpr):
     """dst[rows[r], :256] = fp16(x[r]) for r < n_rows."""
     r = gl.arange(0, UNIT, layout=gl.SliceLayout(1, pack_layout(gl.num_warps())))
     c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, pack_layout(gl.num_warps())))
@@ -237,50 +253,61 @@ def _put(dst, rows, stride, n_rows, x):
 
 
 @gluon.jit
-def _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head):
+def _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Start the asynchronous copies of one pack item into its 4 slots: mode 1, 64 rows of src from
     row0; mode 2, 64 tokens from row0 of one head of grad_*_states [B, 16, S, 256]; mode 3, 16
     tokens of 4 consecutive heads from `head`; mode 0 (zero fill) reads nothing."""
     for u in gl.static_range(UNITS):
         if mode == 1:
-            _fetch(bufs.slice(u * UNIT, UNIT), src, _plain_rows(row0 + u * UNIT), src_stride, n_rows - u * UNIT)
+            _fetch(bufs.slice(u * UNIT, UNIT), src, _plain_rows(row0 + u * UNIT), src_stride, n_rows - u * UNIT,
+                   HEAD_DIM)
         elif mode == 2:
-            _fetch(bufs.slice(u * UNIT, UNIT), src, _token_rows(row0 + u * UNIT, S, head), HEAD_DIM, n_rows - u * UNIT)
+            _fetch(bufs.slice(u * UNIT, UNIT), src, _token_rows(row0 + u * UNIT, S, head, HEADS), HEAD_DIM,
+                   n_rows - u * UNIT, HEAD_DIM)
         elif mode == 3:
-            _fetch(bufs.slice(u * UNIT, UNIT), src, _token_rows(row0, S, head + u), HEAD_DIM, n_rows)
+            _fetch(bufs.slice(u * UNIT, UNIT), src, _token_rows(row0, S, head + u, HEADS), HEAD_DIM, n_rows, HEAD_DIM)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot):
+def _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot, HEAD_DIM: gl.constexpr):
     """Store a landed item as fp16 rows of dst from row0 (mode 3: the sum of its 4 slots; mode 0:
     zeros in fp32) and record its largest |value| in `slot`."""
     if mode == 3:
         acc = bufs.slice(0, UNIT).load(pack_layout(gl.num_warps()))
         for u in gl.static_range(1, UNITS):
             acc += bufs.slice(u * UNIT, UNIT).load(pack_layout(gl.num_warps()))
-        _put(dst, _plain_rows(row0), dst_stride, n_rows, acc)
+        _put(dst, _plain_rows(row0), dst_stride, n_rows, acc, HEAD_DIM)
         gl.store(slot, gl.max(gl.max(gl.abs(acc), axis=1), axis=0))
     elif mode == 0:
         for u in gl.static_range(UNITS):
             _put(zero_dst, _plain_rows(row0 + u * UNIT), dst_stride, n_rows - u * UNIT,
-                 gl.zeros([UNIT, HEAD_DIM], gl.float32, pack_layout(gl.num_warps())))
+                 gl.zeros([UNIT, HEAD_DIM], gl.float32, pack_layout(gl.num_warps())), HEAD_DIM)
     else:  # one reduction per item: elementwise maxima over its units first (rows past n_rows are zeros)
         largest = gl.zeros([UNIT, HEAD_DIM], gl.float32, pack_layout(gl.num_warps()))
         for u in gl.static_range(UNITS):
             x = bufs.slice(u * UNIT, UNIT).load(pack_layout(gl.num_warps()))
-            _put(dst, _plain_rows(row0 + u * UNIT), dst_stride, n_rows - u * UNIT, x)
+            _put(dst, _plain_rows(row0 + u * UNIT), dst_stride, n_rows - u * UNIT, x, HEAD_DIM)
             largest = gl.maximum(largest, gl.abs(x))
         gl.store(slot, gl.max(gl.max(largest, axis=1), axis=0))
 
 
 @gluon.jit
-def _item(item, inp, ops, outs, counters, lst, rb):
+def _item(item, inp, ops, outs, counters, lst, rb, sz):
     """Pack item `item` of the call's list `lst` (its segments' ends are the plan's): zero fills
     (split-K outputs), the decoder side per token block (GQ heads, dec16), Wq16, the encoder side per
     token block ([GK | GV] head sums, enc16), [Wk; Wv]16. Returns (mode, src, dst (fp16), zero_dst
     (fp32, zero fills), row0, n_rows, src_stride, dst_stride, S, head, range slot, counter); items
     past the list have n_rows 0."""
+    # the operator's sizes (`Sizes`) under their kernel names
+    HIDDEN: gl.constexpr = sz.HIDDEN
+    CROSS: gl.constexpr = sz.CROSS
+    HEADS: gl.constexpr = sz.HEADS
+    GROUP: gl.constexpr = sz.GROUP
+    HEAD_DIM: gl.constexpr = sz.HEAD_DIM
+    Q_OUT: gl.constexpr = sz.Q_OUT
+    KV_OUT: gl.constexpr = sz.KV_OUT
+    KV_ITEMS: gl.constexpr = sz.KV_ITEMS
     ROWS: gl.constexpr = ITEM_ROWS
     PER_BLOCK: gl.constexpr = TOKEN_BLOCK // ROWS
     SUM_PER_BLOCK: gl.constexpr = TOKEN_BLOCK // UNIT
@@ -331,7 +358,7 @@ def _item(item, inp, ops, outs, counters, lst, rb):
         chunks = _chunks(block, lst.TD, ROWS)
         row0 = block * TOKEN_BLOCK + sub % chunks * ROWS
         n_rows = lst.TD - row0
-        if sub < _gq_items(block, lst.TD):  # GQ: 64 tokens of one head
+        if sub < _gq_items(block, lst.TD, HEADS):  # GQ: 64 tokens of one head
             mode = 2
             head = sub // chunks
             dst = ops.gq16 + head * HEAD_DIM
@@ -363,7 +390,7 @@ def _item(item, inp, ops, outs, counters, lst, rb):
         sub = local - block * per_e
         sum_chunks = _chunks(block, lst.TE, UNIT)
         S = lst.SE
-        if sub < _gkv_items(block, lst.TE):  # one KV head of GK or GV for 16 tokens: the sum of its 4 query heads
+        if sub < _gkv_items(block, lst.TE, GROUP):  # one KV head of GK or GV for 16 tokens: the sum of its 4 query heads
             mode = 3
             part = sub // sum_chunks  # 0..3: GK heads, 4..7: GV heads
             row0 = block * TOKEN_BLOCK + sub % sum_chunks * UNIT
@@ -406,7 +433,7 @@ def _item(item, inp, ops, outs, counters, lst, rb):
 
 
 @gluon.jit
-def _pack(bufs, inp, ops, outs, counters, lst, rb, first, stride):
+def _pack(bufs, inp, ops, outs, counters, lst, rb, sz, first, stride):
     """The pack partition: items first, first + stride, ... of the pack list `lst` (`_item`; in the
     one-launch kernel a program's share, every num_programs-th), one at a time (64 KB of copies in
     flight), with the next item's decode done while an item's
@@ -417,18 +444,18 @@ def _pack(bufs, inp, ops, outs, counters, lst, rb, first, stride):
     pack alone 1.9x slower, with spills)."""
     item = first
     mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter = _item(
-        item, inp, ops, outs, counters, lst, rb)
-    _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head)
+        item, inp, ops, outs, counters, lst, rb, sz)
+    _fetch_item(bufs, mode, src, row0, n_rows, src_stride, S, head, sz.HEADS, sz.HEAD_DIM)
     while n_rows > 0:
         item += stride
         # the next item's decode (integer divisions) while this item's copies fly
         n_mode, n_src, n_dst, n_zero_dst, n_row0, n_n_rows, n_src_stride, n_dst_stride, n_S, n_head, n_slot, \
-            n_counter = _item(item, inp, ops, outs, counters, lst, rb)
+            n_counter = _item(item, inp, ops, outs, counters, lst, rb, sz)
         async_copy.wait_group(0)
         gl.thread_barrier()  # every thread's copies have landed
-        _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot)
+        _finish_item(bufs, mode, dst, zero_dst, row0, n_rows, dst_stride, slot, sz.HEAD_DIM)
         gl.thread_barrier()  # every thread has read the slots
-        _fetch_item(bufs, n_mode, n_src, n_row0, n_n_rows, n_src_stride, n_S, n_head)
+        _fetch_item(bufs, n_mode, n_src, n_row0, n_n_rows, n_src_stride, n_S, n_head, sz.HEADS, sz.HEAD_DIM)
         _release(counter)  # its fence waits for this item's stores while the next item's copies fly
         mode, src, dst, zero_dst, row0, n_rows, src_stride, dst_stride, S, head, slot, counter = \
             n_mode, n_src, n_dst, n_zero_dst, n_row0, n_n_rows, n_src_stride, n_dst_stride, n_S, n_head, n_slot, \

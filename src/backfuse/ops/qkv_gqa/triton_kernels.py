@@ -1,5 +1,7 @@
 """072's Triton kernels: the pack (every fp16 operand of the products, the zero fills) and the
-four products' tiles. Launched by `backward.py` as `config.plan` says."""
+four products' tiles. Launched by `backward.py` as `config.plan` says; the operator's sizes are
+constexpr parameters (HIDDEN, CROSS: the decoder's and encoder's widths; HEADS query heads, GROUP per
+KV head, HEAD_DIM; Q_OUT, KV_OUT: the q and the k / v projections' widths), by `config.size_constexprs`."""
 
 from __future__ import annotations
 
@@ -9,50 +11,41 @@ import triton.language as tl
 from ...kernels.triton.elementwise import cast_chunk, max_abs, zero_chunk
 from ...kernels.triton.gemm import gemm_tile
 from ...kernels.triton.pdl import after_previous_launch
-from .spec import CROSS_HIDDEN, GROUP, HEAD_DIM, HEADS, HIDDEN, KV_OUT, Q_OUT
-
-# The model's constants as constexpr for the kernels.
-_HIDDEN = tl.constexpr(HIDDEN)
-_CROSS = tl.constexpr(CROSS_HIDDEN)
-_HEADS = tl.constexpr(HEADS)
-_GROUP = tl.constexpr(GROUP)
-_HEAD_DIM = tl.constexpr(HEAD_DIM)
-_Q_OUT = tl.constexpr(Q_OUT)
-_KV_OUT = tl.constexpr(KV_OUT)
 
 
 @triton.jit
-def _gq_tile(gq, gq16, tile, SD, ROWS: tl.constexpr):
+def _gq_tile(gq, gq16, tile, SD, ROWS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_OUT: tl.constexpr):
     """GQ[b*Sd + s, h*256 + d] = fp16(grad_query_states[b, h, s, d]) for ROWS tokens of one head;
     returns their largest |value|."""
     s_blocks = (SD + ROWS - 1) // ROWS
-    b = tile // (_HEADS * s_blocks)
-    h = (tile // s_blocks) % _HEADS
+    b = tile // (HEADS * s_blocks)
+    h = (tile // s_blocks) % HEADS
     s = (tile % s_blocks) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, _HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)
     rows_ok = s[:, None] < SD
-    src = gq + ((b * _HEADS + h).to(tl.int64) * SD + s[:, None]) * _HEAD_DIM + d[None, :]
-    dst = gq16 + (b.to(tl.int64) * SD + s[:, None]) * _Q_OUT + h * _HEAD_DIM + d[None, :]
+    src = gq + ((b * HEADS + h).to(tl.int64) * SD + s[:, None]) * HEAD_DIM + d[None, :]
+    dst = gq16 + (b.to(tl.int64) * SD + s[:, None]) * Q_OUT + h * HEAD_DIM + d[None, :]
     x = tl.load(src, mask=rows_ok, other=0.0)
     tl.store(dst, x.to(tl.float16), mask=rows_ok)
     return max_abs(x)
 
 
 @triton.jit
-def _group_sum_tile(g, gkv16, tile, SE, column0, ROWS: tl.constexpr):
+def _group_sum_tile(g, gkv16, tile, SE, column0, ROWS: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, KV_OUT: tl.constexpr):
     """GK[b*Se + s, j*256 + d] = fp16(sum over g < 4 of grad[b, 4j + g, s, d]), at column0 of [GK | GV];
     returns the sums' largest |value|."""
     s_blocks = (SE + ROWS - 1) // ROWS
-    b = tile // (_KV_OUT // _HEAD_DIM * s_blocks)
-    j = (tile // s_blocks) % (_KV_OUT // _HEAD_DIM)
+    b = tile // (KV_OUT // HEAD_DIM * s_blocks)
+    j = (tile // s_blocks) % (KV_OUT // HEAD_DIM)
     s = (tile % s_blocks) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, _HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)
     rows_ok = s[:, None] < SE
-    acc = tl.zeros((ROWS, _HEAD_DIM), dtype=tl.float32)
-    for q_head in tl.static_range(_GROUP):
-        head = b * _HEADS + j * _GROUP + q_head
-        acc += tl.load(g + (head.to(tl.int64) * SE + s[:, None]) * _HEAD_DIM + d[None, :], mask=rows_ok)
-    dst = gkv16 + (b.to(tl.int64) * SE + s[:, None]) * (2 * _KV_OUT) + column0 + j * _HEAD_DIM + d[None, :]
+    acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
+    for q_head in tl.static_range(GROUP):
+        head = b * HEADS + j * GROUP + q_head
+        acc += tl.load(g + (head.to(tl.int64) * SE + s[:, None]) * HEAD_DIM + d[None, :], mask=rows_ok)
+    dst = gkv16 + (b.to(tl.int64) * SE + s[:, None]) * (2 * KV_OUT) + column0 + j * HEAD_DIM + d[None, :]
     tl.store(dst, acc.to(tl.float16), mask=rows_ok)
     return max_abs(acc)
 
@@ -65,6 +58,8 @@ def pack_kernel(
     grad_dec, grad_enc, grad_wq, grad_wkv,
     B, SD, SE,
     e_gq, e_gk, e_gv, e_dec, e_enc, e_wq, e_wk, e_wv, e_zdec, e_zenc, e_zwq,
+    HIDDEN: tl.constexpr, CROSS: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    Q_OUT: tl.constexpr, KV_OUT: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     ITERS: tl.constexpr,
@@ -80,17 +75,17 @@ def pack_kernel(
     """
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    n_dec = B * SD * _HIDDEN
-    n_enc = B * SE * _CROSS
-    n_wq = _Q_OUT * _HIDDEN
-    n_wk = _KV_OUT * _CROSS
+    n_dec = B * SD * HIDDEN
+    n_enc = B * SE * CROSS
+    n_wq = Q_OUT * HIDDEN
+    n_wk = KV_OUT * CROSS
     largest = 0.0
     if pid < e_gq:
-        largest = _gq_tile(gq, gq16, pid, SD, ROWS)
+        largest = _gq_tile(gq, gq16, pid, SD, ROWS, HEADS, HEAD_DIM, Q_OUT)
     elif pid < e_gk:
-        largest = _group_sum_tile(gk, gkv16, pid - e_gq, SE, 0, ROWS)
+        largest = _group_sum_tile(gk, gkv16, pid - e_gq, SE, 0, ROWS, HEADS, GROUP, HEAD_DIM, KV_OUT)
     elif pid < e_gv:
-        largest = _group_sum_tile(gv, gkv16, pid - e_gk, SE, _KV_OUT, ROWS)
+        largest = _group_sum_tile(gv, gkv16, pid - e_gk, SE, KV_OUT, ROWS, HEADS, GROUP, HEAD_DIM, KV_OUT)
     elif pid < e_dec:
         largest = cast_chunk(dec, dec16, n_dec, pid - e_gv, BLOCK, ITERS)
     elif pid < e_enc:
@@ -121,6 +116,7 @@ def projection_grads_kernel(
     TD, TE,
     split_wq, split_wkv, split_dec, split_enc,
     start_wq, end_wq, start_wkv, end_wkv, start_dec, end_dec, start_enc, end_enc,
+    HIDDEN: tl.constexpr, CROSS: tl.constexpr, Q_OUT: tl.constexpr, KV_OUT: tl.constexpr,
     WEIGHT_GRADS: tl.constexpr,
     INPUT_GRADS: tl.constexpr,
     BM: tl.constexpr,
@@ -143,21 +139,21 @@ def projection_grads_kernel(
         # One call site for both (so they share one shared-memory ring); operands by select.
         on_q = (pid >= start_wq) & (pid < end_wq)
         if on_q | ((pid >= start_wkv) & (pid < end_wkv)):
-            width = tl.multiple_of(tl.where(on_q, _HIDDEN, _CROSS), 256)
+            width = tl.multiple_of(tl.where(on_q, HIDDEN, CROSS), 256)
             gemm_tile(
                 pid - tl.where(on_q, start_wq, start_wkv),
                 tl.where(on_q, gq16, gkv16),
                 tl.where(on_q, dec16, enc16),
                 tl.where(on_q, grad_wq, grad_wkv),
-                tl.multiple_of(tl.where(on_q, _Q_OUT, 2 * _KV_OUT), 256), width, tl.where(on_q, TD, TE),
-                1, tl.multiple_of(tl.where(on_q, _Q_OUT, 2 * _KV_OUT), 256), width, 1, width,
+                tl.multiple_of(tl.where(on_q, Q_OUT, 2 * KV_OUT), 256), width, tl.where(on_q, TD, TE),
+                1, tl.multiple_of(tl.where(on_q, Q_OUT, 2 * KV_OUT), 256), width, 1, width,
                 tl.where(on_q, split_wq, split_wkv), BM, BN, BK,
             )
     if INPUT_GRADS:
         on_dec = (pid >= start_dec) & (pid < end_dec)
         if on_dec | ((pid >= start_enc) & (pid < end_enc)):
-            width = tl.multiple_of(tl.where(on_dec, _HIDDEN, _CROSS), 256)
-            depth = tl.multiple_of(tl.where(on_dec, _Q_OUT, 2 * _KV_OUT), 256)
+            width = tl.multiple_of(tl.where(on_dec, HIDDEN, CROSS), 256)
+            depth = tl.multiple_of(tl.where(on_dec, Q_OUT, 2 * KV_OUT), 256)
             gemm_tile(
                 pid - tl.where(on_dec, start_dec, start_enc),
                 tl.where(on_dec, gq16, gkv16),

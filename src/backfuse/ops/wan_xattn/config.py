@@ -1,5 +1,7 @@
 """021's launch shapes (`Config`), the rules that pick among them, and the plan of one call (`plan`):
-pack, forward products, attention, gradient products (or, after cuBLAS's, only the bias sums).
+pack, forward products, attention, gradient products (or, after cuBLAS's, only the bias sums). The
+operator's sizes come from its config (`spec.WanXattnConfig`; the kernels take the benchmark
+operator's, `spec.OFFICIAL`), and reach the kernels as constexprs (`size_constexprs`).
 
 Plain Python: a plan can be checked on any machine without launching anything.
 """
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.config import PackConfig, SumConfig, TileConfig, check_rings
+from ...kernels.config import PackConfig, SumConfig, TileConfig, check_rings, check_sizes
 from ...kernels.schedule import (
     Holds,
     Layout,
@@ -23,7 +25,13 @@ from ...kernels.schedule import (
     next_power_of_2,
     tile_count,
 )
-from .spec import HEADS, HIDDEN
+from .spec import OFFICIAL, WanXattnConfig
+
+
+def size_constexprs(sizes: WanXattnConfig) -> dict:
+    """The operator's sizes by the constexpr names the kernels read them under (each kernel takes
+    those it reads: `kernels.launch.constexprs_of`)."""
+    return dict(HIDDEN=sizes.hidden, HEADS=sizes.heads, HEAD_DIM=sizes.head_dim)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,16 +111,16 @@ def blocks_per_run(at: AttentionConfig, m_blocks: int, heads: int, sms: int, one
     return cdiv(m_blocks, runs)
 
 
-def forward_tiles(cfg: Config, tv: int, tt: int, sms: int) -> TileConfig:
+def forward_tiles(cfg: Config, sizes: WanXattnConfig, tv: int, tt: int, sms: int) -> TileConfig:
     """The persistent forward products' tiles: `forward`, or `forward_small` when those would not fill
     the GPU once (up to ~2000 video tokens): then each program has one tile, and a half-width tile
     takes half as long."""
-    return cfg.forward if forward_tile_count(cfg.forward, tv, tt) >= sms else cfg.forward_small
+    return cfg.forward if forward_tile_count(cfg.forward, sizes, tv, tt) >= sms else cfg.forward_small
 
 
-def forward_tile_count(t: TileConfig, tv: int, tt: int) -> int:
+def forward_tile_count(t: TileConfig, sizes: WanXattnConfig, tv: int, tt: int) -> int:
     """Tiles of Q, [K | V] and dC."""
-    return 2 * tile_count(tv, HIDDEN, 1, t.bm, t.bn) + tile_count(tt, 2 * HIDDEN, 1, t.bm, t.bn)
+    return 2 * tile_count(tv, sizes.hidden, 1, t.bm, t.bn) + tile_count(tt, 2 * sizes.hidden, 1, t.bm, t.bn)
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,7 @@ class Plan:
     batch: int
     nv: int  # video tokens per batch entry
     nt: int  # text tokens per batch entry
+    sizes: WanXattnConfig  # the operator's (the benchmark operator's: the plan refuses others)
     products: str  # "triton" (our gradient products) or "cublas"
     deterministic: bool  # the attention's partial dK/dV stored per run and added in order
     pdl: bool
@@ -216,12 +225,13 @@ class Plan:
 FORWARD_REGIONS = ("queries", "keys", "gradient of attention context")
 
 
-def gradient_shapes(tv: int, tt: int) -> list:
+def gradient_shapes(sizes: WanXattnConfig, tv: int, tt: int) -> list:
     """(M, N, K) of grad_video, grad_text, grad_Wq, grad_Wo, grad_Wk, grad_Wv."""
-    return [(tv, HIDDEN, HIDDEN), (tt, HIDDEN, 2 * HIDDEN)] + [(HIDDEN, HIDDEN, tv)] * 2 + [(HIDDEN, HIDDEN, tt)] * 2
+    hidden = sizes.hidden
+    return [(tv, hidden, hidden), (tt, hidden, 2 * hidden)] + [(hidden, hidden, tv)] * 2 + [(hidden, hidden, tt)] * 2
 
 
-def pack_layout(cfg: Config, tv: int, tt: int, splits, zero_kv_partials: bool) -> Layout:
+def pack_layout(cfg: Config, sizes: WanXattnConfig, tv: int, tt: int, splits, zero_kv_partials: bool) -> Layout:
     """The pack's programs: grad_output row tiles, flat casts of video, text, Wq, Wk, Wv, the Wo^T
     tiles (those converting), one program zeroing the attention's counters, then zero fills
     of the attention's fp32 dK/dV and of the split-K products' outputs."""
@@ -231,29 +241,33 @@ def pack_layout(cfg: Config, tv: int, tt: int, splits, zero_kv_partials: bool) -
         return chunks(n, pk.block, pk.iters)
 
     split_gv, split_gt, split_wv, _, split_wt, _ = (s > 1 for s in splits)
-    weight = flat(HIDDEN * HIDDEN)
+    hidden = sizes.hidden
+    weight = flat(hidden * hidden)
     return Layout((
         Segment("grad_output", cdiv(tv, pk.rows), holds=Holds.UPSTREAM, end="e_go"),
-        Segment("video_latents", flat(tv * HIDDEN), end="e_video"),
-        Segment("text_embeddings", flat(tt * HIDDEN), end="e_text"),
+        Segment("video_latents", flat(tv * hidden), end="e_video"),
+        Segment("text_embeddings", flat(tt * hidden), end="e_text"),
         Segment("query_weight", weight, end="e_wq"),
         Segment("key_weight", weight, end="e_wk"),
         Segment("value_weight", weight, end="e_wv"),
-        Segment("output_weight", (HIDDEN // pk.tile) ** 2, end="e_wo"),
+        Segment("output_weight", (hidden // pk.tile) ** 2, end="e_wo"),
         Segment("zero attention counters", 1, ranged=False, end="e_small"),
-        Segment("zero dK/dV partial sums", zero_kv_partials * flat(tt * 2 * HIDDEN), ranged=False, end="e_dkv"),
+        Segment("zero dK/dV partial sums", zero_kv_partials * flat(tt * 2 * hidden), ranged=False, end="e_dkv"),
         Segment("zero grad_query_weight", split_wv * weight, ranged=False, end="e_zwq"),
         Segment("zero grad_output_weight", split_wv * weight, ranged=False, end="e_zwo"),
         Segment("zero grad_key_weight", split_wt * weight, ranged=False, end="e_zwk"),
         Segment("zero grad_value_weight", split_wt * weight, ranged=False, end="e_zwv"),
-        Segment("zero grad_video_latents", split_gv * flat(tv * HIDDEN), ranged=False, end="e_zgv"),
-        Segment("zero grad_text_embeddings", split_gt * flat(tt * HIDDEN), ranged=False),
+        Segment("zero grad_video_latents", split_gv * flat(tv * hidden), ranged=False, end="e_zgv"),
+        Segment("zero grad_text_embeddings", split_gt * flat(tt * hidden), ranged=False),
     ))
 
 
-def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None = None, needs=None,
-         deterministic: bool = False) -> Plan:
+def plan(cfg: Config, axes, sms: int, *, sizes: WanXattnConfig = OFFICIAL, gpu: bool = True,
+         products: str | None = None, needs=None, deterministic: bool = False) -> Plan:
     """The launches of one call at `axes` on `sms` processors.
+
+    sizes: the operator's (its `Problem.config`); the kernels are made for the benchmark operator's
+    (`spec.OFFICIAL`), and other sizes are refused (a ValueError naming them).
 
     needs: one bool per output (None: all); without input gradients (grad_video, grad_text) or
     without weight gradients (the four grad_W) their products are skipped; the bias gradients are
@@ -261,8 +275,10 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     stored per run and added in order instead of by atomics. products: "triton", "cublas", or None
     (by size on a GPU: `cublas_min_flop` of gradient-product work).
     """
+    check_sizes("021 plan", sizes, OFFICIAL)
     if gpu:
         check_rings("021 Config", dict(forward=cfg.forward, forward_small=cfg.forward_small, gradients=cfg.gradients))
+    hidden, heads = sizes.hidden, sizes.heads
     batch, nv, nt = axes["batch_size"], axes["num_video_tokens"], axes["num_text_tokens"]
     tv, tt = batch * nv, batch * nt
     at, gr = cfg.attention, cfg.gradients
@@ -270,10 +286,10 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     block_rows, block_warps = video_blocks(at, nv, one_tile)
     m_blocks = cdiv(nv, block_rows)
     text_tile, text_tail = text_tiles(nt, at.split_text) if one_tile else (at.bn, 0)
-    per_program = blocks_per_run(at, m_blocks, batch * HEADS, sms, one_tile)
+    per_program = blocks_per_run(at, m_blocks, batch * heads, sms, one_tile)
     runs = cdiv(m_blocks, per_program)
 
-    gemms = gradient_shapes(tv, tt)
+    gemms = gradient_shapes(sizes, tv, tt)
     backend = choose_products(products, 2 * sum(m * n * k for m, n, k in gemms), cfg.cublas_min_flop, gpu)
     needs = needs or (True,) * 10
     wanted = (any(needs[:2]),) * 2 + (any(needs[2::2]),) * 4  # input products, weight products
@@ -287,11 +303,11 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
     bounds = longest_first([(tiles[0], gemms[0][2], split_gv), (tiles[1], gemms[1][2], split_gt),
                             (tiles[2] + tiles[3], tv, split_wv), (tiles[4] + tiles[5], tt, split_wt)])
 
-    fw = forward_tiles(cfg, tv, tt, sms)
-    forward_programs = min(forward_tile_count(fw, tv, tt), sms)
-    attention_programs = batch * HEADS * runs
-    pack = pack_layout(cfg, tv, tt, splits, runs > 1 and not deterministic)
-    q_tiles, k_tiles = tile_count(tv, HIDDEN, 1, fw.bm, fw.bn), tile_count(tt, HIDDEN, 1, fw.bm, fw.bn)
+    fw = forward_tiles(cfg, sizes, tv, tt, sms)
+    forward_programs = min(forward_tile_count(fw, sizes, tv, tt), sms)
+    attention_programs = batch * heads * runs
+    pack = pack_layout(cfg, sizes, tv, tt, splits, runs > 1 and not deterministic)
+    q_tiles, k_tiles = tile_count(tv, hidden, 1, fw.bm, fw.bn), tile_count(tt, hidden, 1, fw.bm, fw.bn)
     forward_bounds = ((0, q_tiles), (q_tiles, q_tiles + 2 * k_tiles), (q_tiles + 2 * k_tiles, 2 * q_tiles + 2 * k_tiles))
     ranges = (
         pack.regions,
@@ -300,15 +316,15 @@ def plan(cfg: Config, axes, sms: int, *, gpu: bool = True, products: str | None 
         Regions(tuple(Region(g, attention_programs, Holds.VANISHING)
                       for g in ("gradient of queries", "gradient of keys", "gradient of values"))),
     )
-    return Plan(batch=batch, nv=nv, nt=nt, products=backend, deterministic=deterministic, pdl=cfg.pdl and gpu,
-                branches=cfg.branches and gpu, pack=pack, forward=fw,
-                forward_programs=forward_programs, forward_grid=forward_programs + HIDDEN // cfg.sums.cols,
+    return Plan(batch=batch, nv=nv, nt=nt, sizes=sizes, products=backend, deterministic=deterministic,
+                pdl=cfg.pdl and gpu, branches=cfg.branches and gpu, pack=pack, forward=fw,
+                forward_programs=forward_programs, forward_grid=forward_programs + hidden // cfg.sums.cols,
                 forward_bounds=forward_bounds,
                 one_tile=one_tile, text_tile=text_tile,
                 text_tail=text_tail, finish_rows=next_power_of_2(text_tile + text_tail) if one_tile else at.bn,
                 block_rows=block_rows, block_warps=block_warps, per_program=per_program, runs=runs,
-                attention_programs=attention_programs, counters=AttentionCounters(batch * HEADS, attention_programs),
+                attention_programs=attention_programs, counters=AttentionCounters(batch * heads, attention_programs),
                 kv_partial_rows=(runs if deterministic else 1) * tt if runs > 1 else 1, splits=tuple(splits),
-                bounds=bounds, sums_start=sum(tiles), gradient_programs=sum(tiles) + 3 * HIDDEN // cfg.sums.cols,
+                bounds=bounds, sums_start=sum(tiles), gradient_programs=sum(tiles) + 3 * hidden // cfg.sums.cols,
                 wanted=wanted,
                 ranges=ranges)

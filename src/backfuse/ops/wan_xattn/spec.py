@@ -1,5 +1,7 @@
 """021 — text-to-video cross-attention conditioning, backward (Wan 2.2 T2V A14B): the operator's
-signature, inputs as the suite draws them, reference and forward.
+signature, inputs as the suite draws them, reference and forward, at the sizes of its config
+(`WanXattnConfig`; the default, `OFFICIAL`, is the benchmark operator's: the one definition of its
+sizes).
 
 Forward: Q = video @ Wq^T + bq, K = text @ Wk^T + bk, V = text @ Wv^T + bv (16 heads of 64),
 P = softmax(scale * Q K^T) over the text tokens (no mask), C = P V token-major, out = C Wo^T + bo.
@@ -7,6 +9,7 @@ P = softmax(scale * Q K^T) over the text tokens (no mask), C = P V token-major, 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -14,9 +17,6 @@ import torch
 
 from ...problem import Problem, Scalar, Tensor
 
-HIDDEN = 1024
-HEADS = 16
-HEAD_DIM = 64
 HEAD_SIZES = (16, 32, 64, 128, 256)  # what the training path's attention kernels take
 
 
@@ -25,10 +25,11 @@ class WanXattnConfig:
     """The sizes of one Wan-style cross-attention: the model width (video and text tokens alike), its
     heads (head size hidden / heads), and whether q and k are RMS-normed across all heads with weights
     (Wan 2.1 / 2.2's `norm_q`, `norm_k`; the benchmark operator has none). The default is the benchmark
-    operator's."""
+    operator's (`OFFICIAL`)."""
 
-    hidden: int = HIDDEN
-    heads: int = HEADS
+    # The benchmark operator's sizes: the one place they are written (spec, plan and kernels read them here).
+    hidden: int = 1024
+    heads: int = 16
     qk_norm: bool = False
 
     def __post_init__(self):
@@ -46,10 +47,11 @@ class WanXattnConfig:
 
     @property
     def head_dim(self) -> int:
+        """64 in the benchmark."""
         return self.hidden // self.heads
 
 
-OFFICIAL = WanXattnConfig()
+OFFICIAL = WanXattnConfig()  # the benchmark operator's sizes
 
 B, NV, NT = "batch_size", "num_video_tokens", "num_text_tokens"
 
@@ -58,32 +60,6 @@ class WanXattnBackward(Problem):
     id = "021"
     name = "021_cross_attention_text_video_conditioning_backward"
     workload_file = "021_wan_xattn.jsonl"
-    inputs = (
-        Tensor("grad_output", (B, NV, HIDDEN)),
-        Tensor("video_latents", (B, NV, HIDDEN)),
-        Tensor("text_embeddings", (B, NT, HIDDEN)),
-        Tensor("query_weight", (HIDDEN, HIDDEN)),
-        Tensor("query_bias", (HIDDEN,)),
-        Tensor("key_weight", (HIDDEN, HIDDEN)),
-        Tensor("key_bias", (HIDDEN,)),
-        Tensor("value_weight", (HIDDEN, HIDDEN)),
-        Tensor("value_bias", (HIDDEN,)),
-        Tensor("output_weight", (HIDDEN, HIDDEN)),
-        Tensor("output_bias", (HIDDEN,)),
-        Scalar("scale", 1 / math.sqrt(HEAD_DIM)),
-    )
-    outputs = (
-        Tensor("grad_video_latents", (B, NV, HIDDEN)),
-        Tensor("grad_text_embeddings", (B, NT, HIDDEN)),
-        Tensor("grad_query_weight", (HIDDEN, HIDDEN)),
-        Tensor("grad_query_bias", (HIDDEN,)),
-        Tensor("grad_key_weight", (HIDDEN, HIDDEN)),
-        Tensor("grad_key_bias", (HIDDEN,)),
-        Tensor("grad_value_weight", (HIDDEN, HIDDEN)),
-        Tensor("grad_value_bias", (HIDDEN,)),
-        Tensor("grad_output_weight", (HIDDEN, HIDDEN)),
-        Tensor("grad_output_bias", (HIDDEN,)),
-    )
     upstream_grads = ("grad_output",)
     differentiates = (
         "video_latents",
@@ -98,23 +74,60 @@ class WanXattnBackward(Problem):
         "output_bias",
     )
 
+    def __init__(self, config: WanXattnConfig = OFFICIAL):
+        if config.qk_norm:
+            raise ValueError(f"{self.name}: the operator has no q/k norm; got {config}")
+        self.config = config
+
+    @functools.cached_property
+    def inputs(self) -> tuple:
+        h = self.config.hidden
+        return (
+            Tensor("grad_output", (B, NV, h)),
+            Tensor("video_latents", (B, NV, h)),
+            Tensor("text_embeddings", (B, NT, h)),
+            Tensor("query_weight", (h, h)),
+            Tensor("query_bias", (h,)),
+            Tensor("key_weight", (h, h)),
+            Tensor("key_bias", (h,)),
+            Tensor("value_weight", (h, h)),
+            Tensor("value_bias", (h,)),
+            Tensor("output_weight", (h, h)),
+            Tensor("output_bias", (h,)),
+            Scalar("scale", 1 / math.sqrt(self.config.head_dim)),
+        )
+
+    @functools.cached_property
+    def outputs(self) -> tuple:
+        h = self.config.hidden
+        return (
+            Tensor("grad_video_latents", (B, NV, h)),
+            Tensor("grad_text_embeddings", (B, NT, h)),
+            Tensor("grad_query_weight", (h, h)),
+            Tensor("grad_query_bias", (h,)),
+            Tensor("grad_key_weight", (h, h)),
+            Tensor("grad_key_bias", (h,)),
+            Tensor("grad_value_weight", (h, h)),
+            Tensor("grad_value_bias", (h,)),
+            Tensor("grad_output_weight", (h, h)),
+            Tensor("grad_output_bias", (h,)),
+        )
+
     def draw(self, axes, gen, device):
-        # Weights ~ N(0, 1/1024); biases, activations and grad_output ~ N(0, 1).
+        # Weights ~ N(0, 1/hidden); biases, activations and grad_output ~ N(0, 1).
         return [
             torch.randn(spec.shape(axes), generator=gen, device=device)
-            * (1 / math.sqrt(HIDDEN) if spec.name.endswith("_weight") else 1.0)
+            * (1 / math.sqrt(self.config.hidden) if spec.name.endswith("_weight") else 1.0)
             for spec in self.inputs
             if isinstance(spec, Tensor)
         ]
 
-    @staticmethod
-    def _heads(t, batch):
-        return t.view(batch, -1, HEADS, HEAD_DIM).transpose(1, 2)
+    def _heads(self, t, batch):
+        return t.view(batch, -1, self.config.heads, self.config.head_dim).transpose(1, 2)
 
-    @staticmethod
-    def _tokens(t):
+    def _tokens(self, t):
         batch, _, n, _ = t.shape
-        return t.transpose(1, 2).reshape(batch * n, HIDDEN)
+        return t.transpose(1, 2).reshape(batch * n, self.config.hidden)
 
     def _attention(self, video, text, wq, bq, wk, bk, wv, bv, scale):
         batch = video.shape[0]
@@ -127,8 +140,9 @@ class WanXattnBackward(Problem):
     def reference_math(self, go, video, text, wq, bq, wk, bk, wv, bv, wo, bo, scale):
         batch = video.shape[0]
         q, k, v, p = self._attention(video, text, wq, bq, wk, bk, wv, bv, scale)
-        go2 = go.reshape(-1, HIDDEN)
-        video2, text2 = video.reshape(-1, HIDDEN), text.reshape(-1, HIDDEN)
+        hidden = self.config.hidden
+        go2 = go.reshape(-1, hidden)
+        video2, text2 = video.reshape(-1, hidden), text.reshape(-1, hidden)
         grad_wo = go2.T @ self._tokens(p @ v)
         d_ctx = self._heads(go2 @ wo, batch)
         dp = d_ctx @ v.transpose(-1, -2)
@@ -158,8 +172,9 @@ class WanXattnBackward(Problem):
         text_tokens = axes[B] * axes[NT]
         # Video side: Q forward, dC, grad_Wo, grad_video, grad_Wq. Text side: K and V forward,
         # grad_text (two), grad_Wk, grad_Wv. Attention: QK^T, PV, dP, dV, dQ, dK.
-        projections = (5 * video_tokens + 6 * text_tokens) * HIDDEN * HIDDEN
-        return projections + 6 * axes[B] * axes[NV] * axes[NT] * HIDDEN
+        hidden = self.config.hidden
+        projections = (5 * video_tokens + 6 * text_tokens) * hidden * hidden
+        return projections + 6 * axes[B] * axes[NV] * axes[NT] * hidden
 
 
 PROBLEM = WanXattnBackward()

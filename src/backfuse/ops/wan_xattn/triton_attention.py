@@ -1,6 +1,7 @@
 """021's attention: per (batch, head, run of blocks of video tokens) C, dQ and the run's share of dK
 and dV, and the q/k/v bias gradients' partial sums (`attention_item`). Launch 3 of
-`triton_kernels.py`'s four (`attention_kernel`); `backward.py` launches it as `config.plan` says."""
+`triton_kernels.py`'s four (`attention_kernel`); `backward.py` launches it as `config.plan` says. The
+operator's sizes are constexpr parameters (HIDDEN, HEADS, HEAD_DIM: `config.size_constexprs`)."""
 
 from __future__ import annotations
 
@@ -9,49 +10,45 @@ import triton.language as tl
 
 from ...kernels.triton.elementwise import max_abs
 from ...kernels.triton.pdl import after_previous_launch
-from .spec import HEAD_DIM, HEADS, HIDDEN
 
-_HIDDEN = tl.constexpr(HIDDEN)
-_HEADS = tl.constexpr(HEADS)
-_HEAD_DIM = tl.constexpr(HEAD_DIM)
-_KV = tl.constexpr(2 * HIDDEN)  # width of the stacked [K | V] rows
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _kv_tile(kv16, h, rn, NT, column0):
-    """K (column0 = 0) or V (column0 = _HIDDEN) of head h for text tokens rn: [BN, 64] fp16 (kv16 at
-    the batch's first row)."""
-    d = tl.arange(0, _HEAD_DIM)
-    ptrs = kv16 + rn[:, None] * _KV + column0 + h * _HEAD_DIM + d[None, :]
+def _kv_tile(kv16, h, rn, NT, column0, HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """K (column0 = 0) or V (column0 = HIDDEN) of head h for text tokens rn: [BN, 64] fp16 (kv16 at
+    the batch's first row; its rows are [K | V], 2 HIDDEN wide)."""
+    d = tl.arange(0, HEAD_DIM)
+    ptrs = kv16 + rn[:, None] * (2 * HIDDEN) + column0 + h * HEAD_DIM + d[None, :]
     return tl.load(ptrs, mask=rn[:, None] < NT, other=0.0)
 
 
 @triton.jit
-def _finish_kv_grads(dkv32, dkv16, h, NT, TT, runs, BN: tl.constexpr, DETERMINISTIC: tl.constexpr):
+def _finish_kv_grads(dkv32, dkv16, h, NT, TT, runs, BN: tl.constexpr, DETERMINISTIC: tl.constexpr, HIDDEN: tl.constexpr,
+                     HEAD_DIM: tl.constexpr):
     """dK, dV of head h (dkv32, dkv16 at the batch's first row): the runs' fp32 sums (read from L2,
     bypassing L1) to fp16, BN text rows a step (the plan's `finish_rows`: one step where the text is
     one tile, since each step is a round trip to L2 on the call's critical path); returns their
     column sums and largest |value|s. DETERMINISTIC: one partial per run, added in run order; else
     one atomic sum."""
-    d = tl.arange(0, _HEAD_DIM)
-    sum_dk = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
-    sum_dv = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+    d = tl.arange(0, HEAD_DIM)
+    sum_dk = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    sum_dv = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     dk_largest = 0.0
     dv_largest = 0.0
     for n0 in range(0, NT, BN):
         rn = n0 + tl.arange(0, BN)
-        kv_off = rn[:, None] * _KV + h * _HEAD_DIM + d[None, :]
+        kv_off = rn[:, None] * (2 * HIDDEN) + h * HEAD_DIM + d[None, :]
         n_ok = rn[:, None] < NT
         dk = tl.load(dkv32 + kv_off, mask=n_ok, other=0.0, cache_modifier=".cg")
-        dv = tl.load(dkv32 + kv_off + _HIDDEN, mask=n_ok, other=0.0, cache_modifier=".cg")
+        dv = tl.load(dkv32 + kv_off + HIDDEN, mask=n_ok, other=0.0, cache_modifier=".cg")
         if DETERMINISTIC:
             for run in range(1, runs):
-                part = dkv32 + run * (TT * _KV).to(tl.int64) + kv_off
+                part = dkv32 + run * (TT * (2 * HIDDEN)).to(tl.int64) + kv_off
                 dk += tl.load(part, mask=n_ok, other=0.0, cache_modifier=".cg")
-                dv += tl.load(part + _HIDDEN, mask=n_ok, other=0.0, cache_modifier=".cg")
+                dv += tl.load(part + HIDDEN, mask=n_ok, other=0.0, cache_modifier=".cg")
         tl.store(dkv16 + kv_off, dk.to(tl.float16), mask=n_ok)
-        tl.store(dkv16 + kv_off + _HIDDEN, dv.to(tl.float16), mask=n_ok)
+        tl.store(dkv16 + kv_off + HIDDEN, dv.to(tl.float16), mask=n_ok)
         sum_dk += tl.sum(dk, 0)
         sum_dv += tl.sum(dv, 0)
         dk_largest = tl.maximum(dk_largest, max_abs(dk))
@@ -69,7 +66,8 @@ def _tile_grads(q, dc, v, p, scaled_delta, scale, dk, dv):
 
 
 @triton.jit
-def _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, run, dk, dv, ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr):
+def _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, run, dk, dv, ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr,
+                   HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr):
     """ALONE (every head has one run): the tile's dK, dV in fp16; else runs sharing a head add fp32
     partial sums (DETERMINISTIC: each run stores its own partial, summed in order by the last to
     arrive). dkv16, dkv32 point at the batch's first row.
@@ -77,27 +75,27 @@ def _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, run, dk, dv, ALONE: tl.constexpr
     A constexpr, not a runtime branch on the run count: a branch made these stores and atomics 4x
     narrower (they then left straight from the products' register layout; 021.md row 29), and
     masks still issue the unused half."""
-    d = tl.arange(0, _HEAD_DIM)
-    off = rn[:, None] * _KV + h * _HEAD_DIM + d[None, :]
+    d = tl.arange(0, HEAD_DIM)
+    off = rn[:, None] * (2 * HIDDEN) + h * HEAD_DIM + d[None, :]
     n_ok = rn[:, None] < NT
     if ALONE:
         tl.store(dkv16 + off, dk.to(tl.float16), mask=n_ok)
-        tl.store(dkv16 + off + _HIDDEN, dv.to(tl.float16), mask=n_ok)
+        tl.store(dkv16 + off + HIDDEN, dv.to(tl.float16), mask=n_ok)
     elif DETERMINISTIC:
-        part = dkv32 + run * (TT * _KV).to(tl.int64) + off
+        part = dkv32 + run * (TT * (2 * HIDDEN)).to(tl.int64) + off
         tl.store(part, dk, mask=n_ok)
-        tl.store(part + _HIDDEN, dv, mask=n_ok)
+        tl.store(part + HIDDEN, dv, mask=n_ok)
     else:
         tl.atomic_add(dkv32 + off, dk, mask=n_ok, sem="relaxed")
-        tl.atomic_add(dkv32 + off + _HIDDEN, dv, mask=n_ok, sem="relaxed")
+        tl.atomic_add(dkv32 + off + HIDDEN, dv, mask=n_ok, sem="relaxed")
 
 
 @triton.jit
-def _video_rows(q16, dc16, h, rm, NV):
+def _video_rows(q16, dc16, h, rm, NV, HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Q and dC of head h for video tokens rm ([BM, 64] fp16; q16, dc16 at the batch's first row),
     their offsets and row mask."""
-    d = tl.arange(0, _HEAD_DIM)
-    tok = rm[:, None] * _HIDDEN + h * _HEAD_DIM + d[None, :]
+    d = tl.arange(0, HEAD_DIM)
+    tok = rm[:, None] * HIDDEN + h * HEAD_DIM + d[None, :]
     m_ok = rm[:, None] < NV
     return tl.load(q16 + tok, mask=m_ok, other=0.0), tl.load(dc16 + tok, mask=m_ok, other=0.0), tok, m_ok
 
@@ -115,29 +113,29 @@ def _logits(q, k, rn, NT, MASKED: tl.constexpr):
 @triton.jit
 def _one_tile_run(q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, run, first, last, scale, qk_scale,
                   BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ALONE: tl.constexpr,
-                  DETERMINISTIC: tl.constexpr):
+                  DETERMINISTIC: tl.constexpr, HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr):
     """All NT text tokens in one tile (a head of BN, and a tail of BN_TAIL when > 0), blocks `first`
     to `last` (exclusive) of BM video tokens of head h: K and V loaded once, P exact from the
     logits, C, δ = rowsum(dC∘C), dS = P(dP − δ)·scale, dQ = dS K per block; dK = dS^T Q and
     dV = P^T dC summed over the run in registers, then emitted (_emit_kv_grads). Returns the column
     sums of dQ, dK, dV and their largest |value|s."""
     rn = tl.arange(0, BN)
-    k = _kv_tile(kv16, h, rn, NT, 0)
-    v = _kv_tile(kv16, h, rn, NT, _HIDDEN)
-    dk = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
-    dv = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
+    k = _kv_tile(kv16, h, rn, NT, 0, HIDDEN, HEAD_DIM)
+    v = _kv_tile(kv16, h, rn, NT, HIDDEN, HIDDEN, HEAD_DIM)
+    dk = tl.zeros((BN, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BN, HEAD_DIM), dtype=tl.float32)
     if BN_TAIL:
         rt = BN + tl.arange(0, BN_TAIL)
-        kt = _kv_tile(kv16, h, rt, NT, 0)
-        vt = _kv_tile(kv16, h, rt, NT, _HIDDEN)
-        dkt = tl.zeros((BN_TAIL, _HEAD_DIM), dtype=tl.float32)
-        dvt = tl.zeros((BN_TAIL, _HEAD_DIM), dtype=tl.float32)
-    sum_dq = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+        kt = _kv_tile(kv16, h, rt, NT, 0, HIDDEN, HEAD_DIM)
+        vt = _kv_tile(kv16, h, rt, NT, HIDDEN, HIDDEN, HEAD_DIM)
+        dkt = tl.zeros((BN_TAIL, HEAD_DIM), dtype=tl.float32)
+        dvt = tl.zeros((BN_TAIL, HEAD_DIM), dtype=tl.float32)
+    sum_dq = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     # Row maxima of |dQ| over the run (a whole-tile maximum per step would cost a shared-memory
     # reduction and registers inside the loop).
     dq_rows = tl.zeros((BM,), dtype=tl.float32)
     for block in range(first, last):
-        q, dc, tok, m_ok = _video_rows(q16, dc16, h, block * BM + tl.arange(0, BM), NV)
+        q, dc, tok, m_ok = _video_rows(q16, dc16, h, block * BM + tl.arange(0, BM), NV, HIDDEN, HEAD_DIM)
         # Row maxima of the unscaled logits (scale > 0), so that scaling and subtracting the
         # maximum are one multiply-add per logit.
         s = _logits(q, k, rn, NT, BN_TAIL == 0)
@@ -167,14 +165,14 @@ def _one_tile_run(q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, run
         tl.store(dq16 + tok, dq.to(tl.float16), mask=m_ok)
         sum_dq += tl.sum(dq, 0)
         dq_rows = tl.maximum(dq_rows, tl.max(tl.abs(dq), 1))
-    _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, run, dk, dv, ALONE, DETERMINISTIC)
+    _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, run, dk, dv, ALONE, DETERMINISTIC, HIDDEN, HEAD_DIM)
     sum_dk = tl.sum(dk, 0)
     sum_dv = tl.sum(dv, 0)
     dq_largest = tl.max(dq_rows)
     dk_largest = max_abs(dk)
     dv_largest = max_abs(dv)
     if BN_TAIL:
-        _emit_kv_grads(dkv16, dkv32, h, rt, NT, TT, run, dkt, dvt, ALONE, DETERMINISTIC)
+        _emit_kv_grads(dkv16, dkv32, h, rt, NT, TT, run, dkt, dvt, ALONE, DETERMINISTIC, HIDDEN, HEAD_DIM)
         sum_dk += tl.sum(dkt, 0)
         sum_dv += tl.sum(dvt, 0)
         dk_largest = tl.maximum(dk_largest, max_abs(dkt))
@@ -184,19 +182,20 @@ def _one_tile_run(q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, run
 
 @triton.jit
 def _text_tiles_block(q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, run, block, scale, qk_scale,
-                      BM: tl.constexpr, BN: tl.constexpr, ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr,
+                      HIDDEN: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One block of BM video tokens of head h against text in tiles of BN tokens, in two passes:
     pass 1 the forward (online softmax, base 2) for C and the log-sum-exp, δ = rowsum(dC∘C); pass 2
     recomputes P tile by tile, dS = P(dP − δ)·scale, dQ += dS K, and emits each tile's dK = dS^T Q,
     dV = P^T dC (_emit_kv_grads). Returns the column sums of dQ, dK, dV and their largest |value|s."""
-    q, dc, tok, m_ok = _video_rows(q16, dc16, h, block * BM + tl.arange(0, BM), NV)
+    q, dc, tok, m_ok = _video_rows(q16, dc16, h, block * BM + tl.arange(0, BM), NV, HIDDEN, HEAD_DIM)
     row_max = tl.full((BM,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BM,), dtype=tl.float32)
-    ctx = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
+    ctx = tl.zeros((BM, HEAD_DIM), dtype=tl.float32)
     for n0 in range(0, NT, BN):
         rn = n0 + tl.arange(0, BN)
-        k = _kv_tile(kv16, h, rn, NT, 0)
-        v = _kv_tile(kv16, h, rn, NT, _HIDDEN)
+        k = _kv_tile(kv16, h, rn, NT, 0, HIDDEN, HEAD_DIM)
+        v = _kv_tile(kv16, h, rn, NT, HIDDEN, HIDDEN, HEAD_DIM)
         s = _logits(q, k, rn, NT, True)
         new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
         shrink = tl.exp2(row_max - new_max)
@@ -209,21 +208,21 @@ def _text_tiles_block(q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT,
     tl.store(ctx16 + tok, ctx.to(tl.float16), mask=m_ok)
     scaled_delta = tl.sum(dc.to(tl.float32) * ctx, 1) * scale
 
-    dq = tl.zeros((BM, _HEAD_DIM), dtype=tl.float32)
-    sum_dk = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
-    sum_dv = tl.zeros((_HEAD_DIM,), dtype=tl.float32)
+    dq = tl.zeros((BM, HEAD_DIM), dtype=tl.float32)
+    sum_dk = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    sum_dv = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     dk_rows = tl.zeros((BN,), dtype=tl.float32)  # maxima of |dK|, |dV| rows over the text tiles
     dv_rows = tl.zeros((BN,), dtype=tl.float32)
     for n0 in range(0, NT, BN):
         rn = n0 + tl.arange(0, BN)
-        k = _kv_tile(kv16, h, rn, NT, 0)
-        v = _kv_tile(kv16, h, rn, NT, _HIDDEN)
+        k = _kv_tile(kv16, h, rn, NT, 0, HIDDEN, HEAD_DIM)
+        v = _kv_tile(kv16, h, rn, NT, HIDDEN, HIDDEN, HEAD_DIM)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.where(rn[None, :] < NT, tl.exp2(s - lse[:, None]), 0.0)
-        zero = tl.zeros((BN, _HEAD_DIM), dtype=tl.float32)
+        zero = tl.zeros((BN, HEAD_DIM), dtype=tl.float32)
         ds, dk, dv = _tile_grads(q, dc, v, p, scaled_delta, scale, zero, zero)
         dq = tl.dot(ds, k, dq)
-        _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, run, dk, dv, ALONE, DETERMINISTIC)
+        _emit_kv_grads(dkv16, dkv32, h, rn, NT, TT, run, dk, dv, ALONE, DETERMINISTIC, HIDDEN, HEAD_DIM)
         sum_dk += tl.sum(dk, 0)
         sum_dv += tl.sum(dv, 0)
         dk_rows = tl.maximum(dk_rows, tl.max(tl.abs(dk), 1))
@@ -237,7 +236,8 @@ def attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arriv
                    first, last,
                    slot_dq, slot_dk, slot_dv, NV, NT, TT, runs, scale,
                    BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr,
-                   FINISH: tl.constexpr, ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr):
+                   FINISH: tl.constexpr, ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr, HIDDEN: tl.constexpr,
+                   HEAD_DIM: tl.constexpr):
     """One (batch b, head h, run of video blocks [first, last) of BM tokens): C, dQ and the run's
     share of dK and dV.
 
@@ -256,49 +256,49 @@ def attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arriv
     dV left to the head's last run). C needs no check: its rows are convex combinations of V's,
     which the forward tiles check.
     """
-    d = tl.arange(0, _HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)
     qk_scale = scale * _LOG2E  # softmax in base 2
     # The batch's first rows: offsets within a batch fit 32 bits (one wide multiply-add per address).
-    video_row0 = (b * NV).to(tl.int64) * _HIDDEN
+    video_row0 = (b * NV).to(tl.int64) * HIDDEN
     q16 += video_row0
     dc16 += video_row0
     ctx16 += video_row0
     dq16 += video_row0
-    text_row0 = (b * NT).to(tl.int64) * _KV
+    text_row0 = (b * NT).to(tl.int64) * (2 * HIDDEN)
     kv16 += text_row0
     dkv16 += text_row0
     dkv32 += text_row0
     if ONE_TILE:
         sum_dq, sum_dk, sum_dv, dq_largest, dk_largest, dv_largest = _one_tile_run(
             q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, run, first, last, scale, qk_scale,
-            BM, BN, BN_TAIL, ALONE, DETERMINISTIC)
+            BM, BN, BN_TAIL, ALONE, DETERMINISTIC, HIDDEN, HEAD_DIM)
     else:
         sum_dq, sum_dk, sum_dv, dq_largest, dk_largest, dv_largest = _text_tiles_block(
             q16, kv16, dc16, ctx16, dq16, dkv16, dkv32, h, NV, NT, TT, run, first, scale, qk_scale, BM, BN,
-            ALONE, DETERMINISTIC)
-    row = bias_parts + (b * runs + run) * (3 * _HIDDEN) + h * _HEAD_DIM + d
+            ALONE, DETERMINISTIC, HIDDEN, HEAD_DIM)
+    row = bias_parts + (b * runs + run) * (3 * HIDDEN) + h * HEAD_DIM + d
     tl.store(row, sum_dq)
     tl.store(ranges + slot_dq, dq_largest)
     tl.store(ranges + slot_dk, dk_largest if ALONE else 0.0)
     tl.store(ranges + slot_dv, dv_largest if ALONE else 0.0)
     if ALONE:
-        tl.store(row + _HIDDEN, sum_dk)
-        tl.store(row + 2 * _HIDDEN, sum_dv)
+        tl.store(row + HIDDEN, sum_dk)
+        tl.store(row + 2 * HIDDEN, sum_dv)
         tl.debug_barrier()  # every thread's stores before the counts (release)
         tl.atomic_add(done, 1, sem="release")
         tl.atomic_add(kv_done, 1, sem="release")
     else:
         # dK, dV column sums come from the run that converts the head's sums; the others leave 0.
-        tl.store(row + _HIDDEN, tl.zeros((_HEAD_DIM,), dtype=tl.float32))
-        tl.store(row + 2 * _HIDDEN, tl.zeros((_HEAD_DIM,), dtype=tl.float32))
+        tl.store(row + HIDDEN, tl.zeros((HEAD_DIM,), dtype=tl.float32))
+        tl.store(row + 2 * HIDDEN, tl.zeros((HEAD_DIM,), dtype=tl.float32))
         # Publish this run's sums; the last run of the head to arrive converts them all.
         tl.debug_barrier()
         tl.atomic_add(done, 1, sem="release")
         if tl.atomic_add(arrival, 1, sem="acq_rel") == runs - 1:
             sum_dk, sum_dv, dk_largest, dv_largest = _finish_kv_grads(dkv32, dkv16, h, NT, TT, runs, FINISH,
-                                                                      DETERMINISTIC)
-            tl.store(row + _HIDDEN, sum_dk)
-            tl.store(row + 2 * _HIDDEN, sum_dv)
+                                                                      DETERMINISTIC, HIDDEN, HEAD_DIM)
+            tl.store(row + HIDDEN, sum_dk)
+            tl.store(row + 2 * HIDDEN, sum_dv)
             tl.store(ranges + slot_dk, dk_largest)
             tl.store(ranges + slot_dv, dv_largest)
             tl.debug_barrier()
@@ -309,11 +309,12 @@ def attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, arriv
 def attention_kernel(
     q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, counters, ranges,
     NV, NT, TT, per_program, r_dq, r_dk, r_dv, c_done, c_kv, scale,
+    HIDDEN: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr, ONE_TILE: tl.constexpr, FINISH: tl.constexpr,
     ALONE: tl.constexpr, DETERMINISTIC: tl.constexpr, PDL: tl.constexpr,
 ):
     """attention_item for program (batch, head, run of `per_program` blocks of BM video tokens),
-    batch-major then head then run; the head's arrival counter is counters[batch * 16 + head], the
+    batch-major then head then run; the head's arrival counter is counters[batch * HEADS + head], the
     launch's `done` and `kv_done` counters[c_done] and counters[c_kv] (`config.AttentionCounters`),
     its range slots ranges[r + pid] past the first slots r_dq, r_dk, r_dv of the dQ, dK, dV regions."""
     after_previous_launch(PDL)
@@ -324,6 +325,7 @@ def attention_kernel(
     run = pid % runs
     first = run * per_program
     attention_item(q16, kv16, dc16, ctx16, dq16, dkv32, dkv16, bias_parts, counters + bh, counters + c_done,
-                   counters + c_kv, ranges, bh // _HEADS,
-                   bh % _HEADS, run, first, tl.minimum(first + per_program, m_blocks), pid + r_dq, pid + r_dk,
-                   pid + r_dv, NV, NT, TT, runs, scale, BM, BN, BN_TAIL, ONE_TILE, FINISH, ALONE, DETERMINISTIC)
+                   counters + c_kv, ranges, bh // HEADS,
+                   bh % HEADS, run, first, tl.minimum(first + per_program, m_blocks), pid + r_dq, pid + r_dk,
+                   pid + r_dv, NV, NT, TT, runs, scale, BM, BN, BN_TAIL, ONE_TILE, FINISH, ALONE, DETERMINISTIC, HIDDEN,
+                   HEAD_DIM)

@@ -7,6 +7,8 @@ and the gradient products. `backward.py` launches them as `config.plan` says:
    q/k/v bias gradients' partial sums;
 4. gradient products: grad_Wq, grad_Wo, grad_Wk, grad_Wv, grad_video, grad_text, and the q/k/v bias
    gradients. On the cuBLAS path cuBLAS does these products and launch 4 only sums the biases.
+The operator's sizes are constexpr parameters, given by the plan (`config.size_constexprs`): the
+model width HIDDEN (the stacked [K | V] rows are 2 HIDDEN wide), HEADS heads of HEAD_DIM features.
 """
 
 from __future__ import annotations
@@ -18,25 +20,21 @@ from ...kernels.triton.elementwise import cast_chunk, column_sums, max_abs, tran
 from ...kernels.triton.gemm import gemm_tile, tma_tile
 from ...kernels.triton.pdl import after_previous_launch
 from ...kernels.triton.queue import wait_at_least
-from .spec import HIDDEN
-
-_HIDDEN = tl.constexpr(HIDDEN)
-_KV = tl.constexpr(2 * HIDDEN)  # width of the stacked [K | V] rows
 
 
 @triton.jit
-def _grad_output_tile(go, go16, colsum_parts, tile, TV, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _grad_output_tile(go, go16, colsum_parts, tile, TV, ROWS: tl.constexpr, COLS: tl.constexpr, HIDDEN: tl.constexpr):
     """go16 = fp16(grad_output) on ROWS tokens; colsum_parts[tile] = their fp32 column sums (for grad_bo).
     Returns their largest |value|."""
     r = tile * ROWS + tl.arange(0, ROWS)
     ok = r[:, None] < TV
     largest = 0.0
-    for c0 in tl.static_range(0, _HIDDEN, COLS):
+    for c0 in tl.static_range(0, HIDDEN, COLS):
         c = c0 + tl.arange(0, COLS)
-        offs = r[:, None].to(tl.int64) * _HIDDEN + c[None, :]
+        offs = r[:, None].to(tl.int64) * HIDDEN + c[None, :]
         x = tl.load(go + offs, mask=ok, other=0.0)
         tl.store(go16 + offs, x.to(tl.float16), mask=ok)
-        tl.store(colsum_parts + tile * _HIDDEN + c, tl.sum(x, 0))
+        tl.store(colsum_parts + tile * HIDDEN + c, tl.sum(x, 0))
         largest = tl.maximum(largest, max_abs(x))
     return largest
 
@@ -48,6 +46,7 @@ def pack_kernel(
     go16, video16, text16, wq16, wkv16, wo_t16, colsum_parts, ranges,
     dkv32, counters, grad_wq, grad_wo, grad_wk, grad_wv, grad_video, grad_text,
     TV, TT, n_counters, e_go, e_video, e_text, e_wq, e_wk, e_wv, e_wo, e_small, e_dkv, e_zwq, e_zwo, e_zwk, e_zwv, e_zgv,
+    HIDDEN: tl.constexpr,
     ROWS: tl.constexpr, COLS: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -59,13 +58,13 @@ def pack_kernel(
     converted in ranges[pid]."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
-    W: tl.constexpr = _HIDDEN * _HIDDEN
-    n_video = TV * _HIDDEN
-    n_text = TT * _HIDDEN
-    n_dkv = TT * _KV
+    W: tl.constexpr = HIDDEN * HIDDEN
+    n_video = TV * HIDDEN
+    n_text = TT * HIDDEN
+    n_dkv = TT * (2 * HIDDEN)  # the stacked [K | V] rows
     largest = 0.0
     if pid < e_go:
-        largest = _grad_output_tile(go, go16, colsum_parts, pid, TV, ROWS, COLS)
+        largest = _grad_output_tile(go, go16, colsum_parts, pid, TV, ROWS, COLS, HIDDEN)
     elif pid < e_video:
         largest = cast_chunk(video, video16, n_video, pid - e_go, BLOCK, ITERS)
     elif pid < e_text:
@@ -77,11 +76,11 @@ def pack_kernel(
     elif pid < e_wv:
         largest = cast_chunk(wv, wkv16 + W, W, pid - e_wk, BLOCK, ITERS)
     elif pid < e_wo:
-        largest = transpose_tile(wo, wo_t16, pid - e_wv, _HIDDEN, T)
+        largest = transpose_tile(wo, wo_t16, pid - e_wv, HIDDEN, T)
     elif pid < e_small:
-        c = tl.arange(0, _HIDDEN)
-        for c0 in range(0, n_counters, _HIDDEN):
-            tl.store(counters + c0 + c, tl.zeros((_HIDDEN,), dtype=tl.int32), mask=c0 + c < n_counters)
+        c = tl.arange(0, HIDDEN)
+        for c0 in range(0, n_counters, HIDDEN):
+            tl.store(counters + c0 + c, tl.zeros((HIDDEN,), dtype=tl.int32), mask=c0 + c < n_counters)
     elif pid < e_dkv:
         zero_chunk(dkv32, n_dkv, pid - e_small, BLOCK, ITERS)
     elif pid < e_zwq:
@@ -105,6 +104,7 @@ def forward_products_kernel(
     act16, w16, bq, bk, bv,
     q16, kv16, dc16, colsum_parts, grad_bo, ranges,
     TV, TT, n_parts, n_programs, end_q, end_kv, end_dc, r_q, r_k, r_dc,
+    HIDDEN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -122,22 +122,22 @@ def forward_products_kernel(
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     if pid < n_programs:
-        a_desc = tl.make_tensor_descriptor(act16, shape=[2 * TV + TT, _HIDDEN], strides=[_HIDDEN, 1],
+        a_desc = tl.make_tensor_descriptor(act16, shape=[2 * TV + TT, HIDDEN], strides=[HIDDEN, 1],
                                            block_shape=[BM, BK])
-        b_desc = tl.make_tensor_descriptor(w16, shape=[4 * _HIDDEN, _HIDDEN], strides=[_HIDDEN, 1],
+        b_desc = tl.make_tensor_descriptor(w16, shape=[4 * HIDDEN, HIDDEN], strides=[HIDDEN, 1],
                                            block_shape=[BN, BK])
         for tile in tl.range(pid, end_dc, n_programs, flatten=True):
             on_q = tile < end_q
             on_kv = (tile >= end_q) & (tile < end_kv)
             local = tile - tl.where(on_q, 0, tl.where(on_kv, end_q, end_kv))
-            width = tl.where(on_kv, 2 * _HIDDEN, _HIDDEN)
+            width = tl.where(on_kv, 2 * HIDDEN, HIDDEN)
             rows = tl.where(on_kv, TT, TV)
             off_m = (local // (width // BN)) * BM
             off_n = (local % (width // BN)) * BN
             acc = tma_tile(a_desc, b_desc, tl.where(on_q, 0, tl.where(on_kv, TV, TV + TT)) + off_m,
-                           tl.where(on_q, 0, tl.where(on_kv, _HIDDEN, 3 * _HIDDEN)) + off_n, 0, _HIDDEN, BM, BN, BK)
+                           tl.where(on_q, 0, tl.where(on_kv, HIDDEN, 3 * HIDDEN)) + off_n, 0, HIDDEN, BM, BN, BK)
             rn = off_n + tl.arange(0, BN)
-            bias = tl.where(on_q, bq + rn, tl.where(rn < _HIDDEN, bk + rn, bv + rn - _HIDDEN))
+            bias = tl.where(on_q, bq + rn, tl.where(rn < HIDDEN, bk + rn, bv + rn - HIDDEN))
             acc += tl.load(bias, mask=on_q | on_kv, other=0.0)[None, :]
             rm = off_m + tl.arange(0, BM)
             out = tl.where(on_q, q16, tl.where(on_kv, kv16, dc16))
@@ -148,7 +148,7 @@ def forward_products_kernel(
             tl.store(ranges + slot, max_abs(tl.where(rm[:, None] < rows, acc, 0.0)))
     else:
         cols = (pid - n_programs) * SUM_COLS + tl.arange(0, SUM_COLS)
-        tl.store(grad_bo + cols, column_sums(colsum_parts, n_parts, _HIDDEN, cols, SUM_ROWS, SUM_COLS))
+        tl.store(grad_bo + cols, column_sums(colsum_parts, n_parts, HIDDEN, cols, SUM_ROWS, SUM_COLS))
 
 
 @triton.jit(do_not_specialize=["TV", "TT", "split_wv", "split_wt", "split_gv", "split_gt", "start_gv", "end_gv",
@@ -159,6 +159,7 @@ def gradient_products_kernel(
     grad_video, grad_text, grad_wq, grad_wo, grad_wk, grad_wv, grad_bq, grad_bk, grad_bv,
     TV, TT, split_wv, split_wt, split_gv, split_gt, start_gv, end_gv, start_gt, end_gt, start_wv, end_wv,
     start_wt, end_wt, sums_start, n_parts, c_done, n_done, c_kv, n_kv,
+    HIDDEN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_ROWS: tl.constexpr, SUM_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -191,14 +192,14 @@ def gradient_products_kernel(
         if in_gt | in_wt | sums:
             wait_at_least(counters + c_kv, n_kv)
     if in_gv | in_gt:
-        depth = tl.multiple_of(tl.where(in_gv, _HIDDEN, 2 * _HIDDEN), 1024)
+        depth = tl.multiple_of(tl.where(in_gv, HIDDEN, 2 * HIDDEN), 1024)
         gemm_tile(
             pid - tl.where(in_gv, start_gv, start_gt),
             tl.where(in_gv, dq16, dkv16),
             tl.where(in_gv, wq16, wkv16),
             tl.where(in_gv, grad_video, grad_text),
-            tl.where(in_gv, TV, TT), _HIDDEN, depth,
-            depth, 1, _HIDDEN, 1, _HIDDEN,
+            tl.where(in_gv, TV, TT), HIDDEN, depth,
+            depth, 1, HIDDEN, 1, HIDDEN,
             tl.where(in_gv, split_gv, split_gt), BM, BN, BK,
         )
     elif in_wv | in_wt:
@@ -207,16 +208,16 @@ def gradient_products_kernel(
         i = local // tiles  # of the pair
         gemm_tile(
             local - i * tiles,
-            tl.where(in_wv, tl.where(i == 0, dq16, go16), dkv16 + i * _HIDDEN),
+            tl.where(in_wv, tl.where(i == 0, dq16, go16), dkv16 + i * HIDDEN),
             tl.where(in_wv, tl.where(i == 0, video16, ctx16), text16),
             tl.where(in_wv, tl.where(i == 0, grad_wq, grad_wo), tl.where(i == 0, grad_wk, grad_wv)),
-            _HIDDEN, _HIDDEN, tl.where(in_wv, TV, TT),
-            1, tl.multiple_of(tl.where(in_wv, _HIDDEN, 2 * _HIDDEN), 1024), _HIDDEN, 1, _HIDDEN,
+            HIDDEN, HIDDEN, tl.where(in_wv, TV, TT),
+            1, tl.multiple_of(tl.where(in_wv, HIDDEN, 2 * HIDDEN), 1024), HIDDEN, 1, HIDDEN,
             tl.where(in_wv, split_wv, split_wt), BM, BN, BK,
         )
     else:
         strip = pid - sums_start
         cols = strip * SUM_COLS + tl.arange(0, SUM_COLS)
-        which = (strip * SUM_COLS) // _HIDDEN  # 0: q, 1: k, 2: v
-        out = tl.where(which == 0, grad_bq, tl.where(which == 1, grad_bk, grad_bv)) + cols - which * _HIDDEN
-        tl.store(out, column_sums(bias_parts, n_parts, 3 * _HIDDEN, cols, SUM_ROWS, SUM_COLS))
+        which = (strip * SUM_COLS) // HIDDEN  # 0: q, 1: k, 2: v
+        out = tl.where(which == 0, grad_bq, tl.where(which == 1, grad_bk, grad_bv)) + cols - which * HIDDEN
+        tl.store(out, column_sums(bias_parts, n_parts, 3 * HIDDEN, cols, SUM_ROWS, SUM_COLS))
