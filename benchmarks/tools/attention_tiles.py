@@ -33,7 +33,6 @@ SHAPES = {
     "wan-14b": (Attention(1, 4680, 512, 40, 1, 128), 128 ** -0.5),
 }
 
-DEVICE = "cuda"
 T = AttentionTiles
 VARIANTS = {
     256: {
@@ -68,8 +67,8 @@ class Run:
     """One variant at one shape: its buffers and its launches."""
 
     def __init__(self, a: Attention, scale: float, tiles: AttentionTiles, atomic: bool, seed: int = 0):
-        g = torch.Generator(device=DEVICE).manual_seed(seed)
-        dev, bf = DEVICE, torch.bfloat16
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        dev, bf = "cuda", torch.bfloat16
         kv = a.heads // a.group
         tq, tk = a.batch * a.s_q, a.batch * a.s_k
 
@@ -81,7 +80,7 @@ class Run:
         self.o = torch.empty_like(self.q)
         self.lse = torch.empty(a.batch * a.heads, a.s_q, device=dev)
         self.delta = torch.empty_like(self.lse)
-        self.split = a.split(tiles, torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 0, False)
+        self.split = a.split(tiles, torch.cuda.get_device_properties(0).multi_processor_count, False)
         wide = torch.float32 if self.split > 1 else bf
         self.dq = torch.empty(tq, a.heads * a.head_dim, device=dev, dtype=torch.float32 if atomic else bf)
         self.dk = torch.empty(tk, kv * a.head_dim, device=dev, dtype=wide)
@@ -112,7 +111,7 @@ def sdpa(a: Attention, scale: float, backend, seed: int = 0):
 
     if a.softcap or a.window:
         return None
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     kv = a.heads // a.group
 
     def rnd(s, h):
