@@ -105,6 +105,13 @@ class Outputs:
         return SimpleNamespace(**{s.name: p if len(s.shape) == 1 else p.view(s.shape) for s, p in zip(self.specs, parts)})
 
 
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor. An `Arena`'s views in them are scratch that lives
+    in an output the call writes only after the scratch's last reader: the output's memory, allocated
+    anyway, instead of more at the call's peak."""
+    return t.view(-1).view(torch.uint8)
+
+
 def execute(key, device: torch.device, addresses: tuple, build) -> None:
     """Run the call's launches (build() returns them, prepared): as a graph kept for these addresses on
     a GPU, one by one on the CPU."""

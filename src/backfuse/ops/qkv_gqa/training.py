@@ -25,7 +25,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import steps
-from ...train.program import COMPUTE, Arena, Buffer, Outputs, Phases, accumulate, addresses, execute, mm
+from ...train.program import COMPUTE, SIZES, Arena, Buffer, Outputs, Phases, accumulate, addresses, bytes_of, execute, mm
 from .spec import QkvGqaConfig
 
 NEEDS = 5  # grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv
@@ -97,16 +97,28 @@ class Plan:
         return Arena([Buffer("kv", (self.te, self.config.kv_out), self.io)])
 
     @functools.cached_property
+    def keys(self):
+        """The encoder side's head-group sums GK, GV (float32 inputs: their fp16 copies in one buffer)."""
+        c, cfg, n = self.compute, self.config, self.needs
+        if not (n[1] or n[3] or n[4]):
+            return Arena([])
+        if self.casts:
+            return Arena([Buffer("gkv", (self.te, 2 * cfg.kv_out), c)])
+        return Arena([Buffer("gk", (self.te, cfg.kv_out), c), Buffer("gv", (self.te, cfg.kv_out), c)])
+
+    @property
+    def keys_in_grad_dec(self) -> bool:
+        """GK, GV live in grad_dec's bytes where grad_dec is needed and holds them: the encoder side then
+        runs first, and grad_dec's product, which reads neither, last."""
+        return (self.needs[0] and len(self.keys.specs) > 0
+                and self.keys.nbytes <= self.td * self.config.hidden * SIZES[self.io])
+
+    @functools.cached_property
     def backward_scratch(self):
         c, cfg, n = self.compute, self.config, self.needs
-        enc_side = n[1] or n[3] or n[4]
         # The query side's products finish with GQ before the encoder side's sums are written.
         queries = [Buffer("gq", (self.td, cfg.q_out), c) if (n[0] or n[2]) and not self.gq_in_place else None]
-        if self.casts:
-            keys = [Buffer("gkv", (self.te, 2 * cfg.kv_out), c) if enc_side else None]
-        else:
-            keys = [Buffer("gk", (self.te, cfg.kv_out), c) if enc_side else None,
-                    Buffer("gv", (self.te, cfg.kv_out), c) if enc_side else None]
+        keys = () if self.keys_in_grad_dec else self.keys.specs
         return Arena([*(self.activations.specs if not self.save else ()), Phases(queries, keys)])
 
     @functools.cached_property
@@ -199,34 +211,36 @@ def backward(inputs, grads, plan: Plan, a_flat):
                          if used]
         else:
             dec_c, enc_c, wq_c = dec.view(p.td, cfg.hidden), enc.view(p.te, cfg.cross_hidden), wq
+        queries, keys = [], []  # the two sides' launches
         if n[0] or n[2]:
             if p.gq_in_place:
                 gq_t = gq.transpose(1, 2).reshape(p.td, cfg.q_out)
             else:
                 gq_t = s.gq
-                launches.append(steps.heads_to_tokens(gq, s.gq, 1, g, "grad_query_states", upstream=True))
+                queries.append(steps.heads_to_tokens(gq, s.gq, 1, g, "grad_query_states", upstream=True))
             if n[0]:
-                launches.append(mm(gq_t, wq_c, grad_dec.view(p.td, cfg.hidden)))
+                queries.append(mm(gq_t, wq_c, grad_dec.view(p.td, cfg.hidden)))
             if n[2]:
-                launches.append(mm(gq_t.T, dec_c, w.grad_wq))
+                queries.append(mm(gq_t.T, dec_c, w.grad_wq))
         if n[1] or n[3] or n[4]:
-            gk_c, gv_c = (s.gkv[:, :kv_out], s.gkv[:, kv_out:]) if p.casts else (s.gk, s.gv)
-            launches += [steps.heads_to_tokens(gk, gk_c, cfg.group, g, "grad_key_states (head-group sums)", upstream=True),
-                         steps.heads_to_tokens(gv, gv_c, cfg.group, g, "grad_value_states (head-group sums)",
-                                               upstream=True)]
+            k = p.keys.views(bytes_of(grad_dec)) if p.keys_in_grad_dec else s
+            gk_c, gv_c = (k.gkv[:, :kv_out], k.gkv[:, kv_out:]) if p.casts else (k.gk, k.gv)
+            keys += [steps.heads_to_tokens(gk, gk_c, cfg.group, g, "grad_key_states (head-group sums)", upstream=True),
+                     steps.heads_to_tokens(gv, gv_c, cfg.group, g, "grad_value_states (head-group sums)", upstream=True)]
             ge = grad_enc.view(p.te, cfg.cross_hidden) if n[1] else None
             if p.casts:
                 if n[1]:
-                    launches.append(mm(s.gkv, a.wkv_c, ge))
+                    keys.append(mm(k.gkv, a.wkv_c, ge))
                 if n[3] or n[4]:
-                    launches.append(mm(s.gkv.T, enc_c, w.grad_wkv))
+                    keys.append(mm(k.gkv.T, enc_c, w.grad_wkv))
             else:
                 if n[1]:
-                    launches += [mm(s.gk, wk, ge), accumulate(ge, s.gv, wv)]
+                    keys += [mm(k.gk, wk, ge), accumulate(ge, k.gv, wv)]
                 if n[3]:
-                    launches.append(mm(s.gk.T, enc_c, w.grad_wk))
+                    keys.append(mm(k.gk.T, enc_c, w.grad_wk))
                 if n[4]:
-                    launches.append(mm(s.gv.T, enc_c, w.grad_wv))
+                    keys.append(mm(k.gv.T, enc_c, w.grad_wv))
+        launches += keys + queries if p.keys_in_grad_dec else queries + keys
         if g is not None and g.scaled:
             products = [grad_dec, grad_enc] + [getattr(w, name, None) for name in ("grad_wq", "grad_wkv")]
             launches += [steps.unscale(t, g) for t in products if t is not None]

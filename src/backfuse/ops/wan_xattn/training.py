@@ -30,7 +30,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import steps
-from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addmm, addresses, execute, mm
+from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addmm, addresses, bytes_of, execute, mm
 from .spec import WanXattnConfig
 
 NEEDS = 10  # grad_video, grad_text, grad_Wq, grad_bq, grad_Wk, grad_bk, grad_Wv, grad_bv, grad_Wo, grad_bo
@@ -120,12 +120,16 @@ class Plan:
         return Arena([Buffer("bq_c", (d,), c), Buffer("bkv_c", (2 * d,), c)] if self.casts else [])
 
     @functools.cached_property
+    def upstream_of_attention(self):
+        """dC, the attention output's gradient: in grad_video's bytes where grad_video is needed (its
+        product is the call's last, dC's last reader the attention backward), else in the scratch."""
+        return Arena([Buffer("dc", (self.tv, self.config.hidden), self.compute)])
+
+    @functools.cached_property
     def backward_scratch(self):
         tv, tt, d, c, fp32 = self.tv, self.tt, self.config.hidden, self.compute, torch.float32
         split = self.split > 1
-        # dC: in grad_video's bytes where grad_video is needed (its product is the call's last, dC's last
-        # reader the attention backward), else here
-        specs = [Buffer("dc", (tv, d), c) if not self.needs[0] else None,
+        specs = [*(() if self.needs[0] else self.upstream_of_attention.specs),
                  Buffer("delta", (self.batch * self.config.heads, self.nv), fp32),
                  Buffer("dq", (tv, d), c)]
         if self.casts:
@@ -260,7 +264,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             go_c, wq_c, wo_c, video_c, text_c = go, wq, wo, video.view(tv, d), text.view(tt, d)
             k_raw, v, dk, dv = (a.k_raw if p.norm else a.k), a.v, s.dk, s.dv
         k = a.k if p.norm else k_raw
-        dc = grad_video.view(-1).view(p.compute)[:tv * d].view(tv, d) if n[0] else s.dc
+        dc = (p.upstream_of_attention.views(bytes_of(grad_video)) if n[0] else s).dc
         if n[9]:
             launches += steps.column_sums(go_c, w.grad_bo, s.parts_bo, g, unscale=True)
         if n[8]:
