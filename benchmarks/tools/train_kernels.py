@@ -30,6 +30,16 @@ def layer_of(what: str, case: str, impl: str):
     return f"{prob.id} case {case}", Layer(prob, prob.workloads[int(case)].axes, impl, "cuda")
 
 
+def idle(spans) -> float:
+    """The time (us) between the first kernel's start and the last one's end with no kernel running."""
+    spans, gaps = sorted(spans), 0.0
+    reach = spans[0][1] if spans else 0.0
+    for start, end in spans[1:]:
+        gaps += max(0.0, start - reach)
+        reach = max(reach, end)
+    return gaps
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("what", help="an operator id, or a `bench --models` key (preset/tokens[/local])")
@@ -48,12 +58,15 @@ def main():
             torch.cuda.synchronize()
         times = defaultdict(float)
         counts = defaultdict(int)
+        spans = []
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 times[e.name[:70]] += e.device_time_total / 3
                 counts[e.name[:70]] += 1
+                spans.append((e.time_range.start, e.time_range.end))
         total = sum(times.values())
-        print(f"{title} {impl}: {total / 1e3:.3f} ms of kernels per step, {sum(counts.values()) // 3} kernels")
+        print(f"{title} {impl}: {total / 1e3:.3f} ms of kernels per step, {sum(counts.values()) // 3} kernels, "
+              f"GPU idle between them {idle(spans) / 3e3:.3f} ms per step")
         for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"  {t / 1e3:8.3f} ms  x{counts[name] // 3:<3d} {name}")
         del layer
