@@ -74,6 +74,9 @@ CASES = [  # pid, config, activations' sizes, softcap
     ("037", Gemma3CoreConfig(64, 4, 2, 16), (2, 13), 50.0),
     ("037", Gemma3CoreConfig(64, 2, 1, 32, window=5), (1, 19), None),
     ("037", Gemma3CoreConfig(64, 4, 2, 16, window=6, qk_norm=False), (2, 11), 30.0),
+    # Gemma 3's global layers (causal, no cap; a window the sequence fits in): cuDNN's attention on a GPU in bf16
+    ("037", Gemma3CoreConfig(128, 4, 2, 64), (2, 37), None),
+    ("037", Gemma3CoreConfig(96, 2, 1, 128, window=64), (1, 61), None),
 ]
 
 
@@ -87,6 +90,28 @@ def test_training_paths_at_other_sizes(pid, config, sizes, softcap, dtype, save)
     torch.manual_seed(1)
     m = training_module(pid, config, dtype, softcap)
     check_training_step(pid, m, training_inputs(pid, config, sizes, dtype), TOL[dtype], save)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuDNN's attention runs on a GPU")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cudnn_attention_serves_only_what_it_computes(head_dim):
+    """In bf16 on a GPU, Gemma 3's global layers take cuDNN's attention, soft-capped, windowed and fp16-product
+    calls ours; with `cudnn_attention(False)`, ours everywhere. Both right against float64."""
+    from backfuse import cudnn_attention, functional
+
+    torch.manual_seed(4)
+    for softcap, window, dtype, enabled, expected in ((None, 0, torch.bfloat16, True, True),
+                                                      (None, 0, torch.bfloat16, False, False),
+                                                      (50.0, 0, torch.bfloat16, True, False),
+                                                      (None, 16, torch.bfloat16, True, False),
+                                                      (None, 0, torch.float32, True, False)):
+        cfg = Gemma3CoreConfig(2 * head_dim, 2, 1, head_dim, window=window)
+        m = training_module("037", cfg, dtype, softcap)
+        functional._plans.clear()
+        with cudnn_attention(enabled):
+            check_training_step("037", m, training_inputs("037", cfg, (2, 45), dtype), TOL[dtype])
+        used = {p.cudnn for p in functional._plans.values() if hasattr(p, "cudnn")}
+        assert used == {expected}, (softcap, window, dtype, enabled)
 
 
 @pytest.mark.parametrize("frozen", ["weights", "activations"])
@@ -150,15 +175,21 @@ def test_split_key_blocks_only_where_the_gpu_would_idle():
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs and synchronization exist on a GPU")
+@pytest.mark.parametrize("pid", ["021", "037"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype):
-    """After its first steps, every call of a steady loop is one graph replay; no step makes the host wait
-    (set_sync_debug_mode("error") would raise)."""
+def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype, pid):
+    """After its first steps, every call of a steady loop is graph replays (a call with cuDNN's attention,
+    037 in bf16: two graphs around it) and launches of lone kernels, nothing recorded; no step makes the
+    host wait (set_sync_debug_mode("error") would raise)."""
     guard.reset()
-    config = WanXattnConfig()
-    m = training_module("021", config, dtype)
-    acts = training_inputs("021", config, (2, 256, 77), dtype)
-    grad = torch.randn(2, 256, config.hidden, device=DEVICE, dtype=dtype)
+    if pid == "021":
+        config, sizes = WanXattnConfig(), (2, 256, 77)
+        m = training_module(pid, config, dtype)
+    else:
+        config, sizes = Gemma3CoreConfig(512, 4, 2, 128), (2, 256)
+        m = training_module(pid, config, dtype, None)
+    acts = training_inputs(pid, config, sizes, dtype)
+    grad = torch.randn(*sizes[:2], config.hidden, device=DEVICE, dtype=dtype)
 
     def step():
         m.zero_grad(set_to_none=True)
@@ -166,10 +197,14 @@ def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype):
             a.grad = None
         m(*acts).backward(grad)
 
+    def totals():  # (hits, misses, direct launches); the stats are lists updated in place
+        return (sum(v[0] for v in graphs._replay_stats.values()), sum(v[1] for v in graphs._replay_stats.values()),
+                graphs.counts["direct"])
+
     for _ in range(4):
         step()
     torch.cuda.synchronize()
-    replayed = sum(v[0] for v in graphs._replay_stats.values())  # (the counts are lists updated in place)
+    before = totals()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
@@ -177,8 +212,10 @@ def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    hits = sum(v[0] for v in graphs._replay_stats.values()) - replayed
-    assert hits == 6  # a forward and a backward per step
+    hits, misses, direct = (a - b for a, b in zip(totals(), before))
+    assert hits >= 6 and misses == direct, (hits, misses, direct)  # each miss a lone launch, nothing recorded
+    if pid == "037" and dtype == torch.bfloat16:
+        assert hits == 9  # forward: 2 graphs; backward: the product into dA and cuDNN's launched as they are, 1 graph
 
 
 COMPILE = r"""

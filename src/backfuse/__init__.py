@@ -5,10 +5,11 @@ from .fp16_guard import Fp16RangeWarning, fp16_range_check
 from .kernels.graphs import GraphWarning, cuda_graphs
 from .ops import PROBLEMS
 from .problem import Problem
+from .train.cudnn import cudnn_attention
 
 __version__ = "0.1.0"
 __all__ = ["PROBLEM_IDS", "BackfuseWarning", "Fp16RangeWarning", "GraphWarning", "Problem", "check_ranges", "cuda_graphs",
-           "fallbacks", "fp16_range_check", "patch", "problem", "unpatch"]
+           "cudnn_attention", "fallbacks", "fp16_range_check", "patch", "problem", "unpatch"]
 
 PROBLEM_IDS = tuple(PROBLEMS)
 

@@ -36,6 +36,7 @@ from .ops.gemma3_core.spec import Gemma3CoreConfig
 from .ops.qkv_gqa.spec import QkvGqaConfig
 from .ops.wan_xattn.spec import WanXattnConfig
 from .problem import TRAINING_DTYPES, Tensor, check_real
+from .train import cudnn as _cudnn
 
 
 class _Lazy:
@@ -273,7 +274,8 @@ def _softcap(softcap) -> float:
 
 
 def _gemma_plan(tensors, softcap, window, save, head_dim=None):
-    key = ("037", _signature(tensors), softcap, window, save, head_dim, torch.are_deterministic_algorithms_enabled())
+    key = ("037", _signature(tensors), softcap, window, save, head_dim, _cudnn.enabled(),
+           torch.are_deterministic_algorithms_enabled())
     plan = _plans.get(key)
     if plan is None:
         hidden, cos, sin, wq, wk, wv, wo, qnw, knw = tensors
@@ -310,6 +312,8 @@ def _gemma_plan(tensors, softcap, window, save, head_dim=None):
         plan = _plans[key] = _gemma.Plan(axes[b], axes[s], config, hidden.dtype, softcap=softcap,
                                          cos_batched=tables != 1 or axes[b] == 1, save=save,
                                          sms=_sm_count(hidden.device), deterministic=key[-1])
+        if _cudnn.serves(plan.attention, plan.compute, hidden.device, plan.deterministic):
+            plan = _plans[key] = dataclasses.replace(plan, cudnn=True)
     return plan
 
 

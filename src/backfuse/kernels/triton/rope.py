@@ -60,7 +60,8 @@ def norm_rope_backward_kernel(dout, x, w, cos, sin, dx, parts, ranges, T, cos_ro
                               LD_DOUT: tl.constexpr, LD_X: tl.constexpr, LD_DX: tl.constexpr, BT: tl.constexpr,
                               RANGES: tl.constexpr, NORM: tl.constexpr):
     """dx of one head (program_id(1)) over BT tokens, and (NORM) this block's share of grad_w in
-    parts[head * token blocks + block] (summed in order afterwards: the same bits every call)."""
+    parts[head * token blocks + block] (summed in order afterwards: the same bits every call). dx may be
+    dout (in place): a program reads the rows it writes, and only those, before it writes them."""
     h = tl.program_id(1)
     block = tl.program_id(0)
     tok = block * BT + tl.arange(0, BT)

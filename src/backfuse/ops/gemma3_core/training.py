@@ -9,7 +9,10 @@ Forward (cuBLAS products in the inputs' dtype, or on fp16 copies of float32 inpu
     A, lse = attention(qr, kr, v)          (kernels/triton/attention.py: causal, window, soft cap, scaling)
     out = A Wo^T
 It saves raw q, k, qr, kr, v, A, lse (and its fp16 copies of float32 inputs); save=False: nothing but
-the inputs (the backward runs the forward's launches again first).
+the inputs (the backward runs the forward's launches again first). Where cuDNN's attention serves the
+call (`train/cudnn.py`: bfloat16, no soft cap, no window shorter than the sequence), the attention
+forward and backward are cuDNN's, between two CUDA graphs of our launches, and A, lse are copied into
+the saved activations (A: 2 bytes per element of q, a few µs against the 0.4 ms its backward saves).
 
 Backward from dOut:
     dA = dOut Wo, grad_Wo = dOut^T A, delta = rowsum(dA * A)
@@ -27,8 +30,8 @@ import torch
 from ...kernels import buffers
 from ...kernels.schedule import Holds, cdiv
 from ...kernels.triton import rope
+from ...train import cudnn, steps
 from ...train import guard as guards
-from ...train import steps
 from ...train.program import COMPUTE, Arena, Buffer, Kernel, Outputs, accumulate, addresses, execute, mm
 from .spec import Gemma3CoreConfig
 
@@ -59,6 +62,7 @@ class Plan:
     save: bool = True
     sms: int = 0
     deterministic: bool = False
+    cudnn: bool = False  # the attention is cuDNN's (`train/cudnn.py: serves`)
     needs: tuple = (True,) * NEEDS
 
     @property
@@ -123,9 +127,11 @@ class Plan:
     def backward_scratch(self):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         blocks = cdiv(t, self.norm_rows)
-        specs = [Buffer("da", (t, cfg.q_out), c), Buffer("delta", (self.batch * cfg.heads, self.seq), fp32),
-                 Buffer("d_rot_q", (t, cfg.q_out), fp32), Buffer("d_rot_k", (t, cfg.kv_out), fp32),
-                 Buffer("dv32", (t, cfg.kv_out), fp32) if self.split > 1 else None,
+        ours = not self.cudnn  # cuDNN's backward allocates dQ, dK, dV itself
+        specs = [Buffer("da", (t, cfg.q_out), c), Buffer("delta", (self.batch * cfg.heads, self.seq), fp32) if ours else None,
+                 Buffer("d_rot_q", (t, cfg.q_out), fp32) if ours else None,
+                 Buffer("d_rot_k", (t, cfg.kv_out), fp32) if ours else None,
+                 Buffer("dv32", (t, cfg.kv_out), fp32) if ours and self.split > 1 else None,
                  Buffer("parts_q", (cfg.heads * blocks, cfg.head_dim), fp32),
                  Buffer("parts_k", (cfg.kv_heads * blocks, cfg.head_dim), fp32),
                  Buffer("sums_q", (steps.column_sum_parts(cfg.heads * blocks), cfg.head_dim), fp32),
@@ -134,6 +140,8 @@ class Plan:
             specs += [Buffer("go_c", (t, cfg.hidden), c), Buffer("g", (t, cfg.q_out + 2 * cfg.kv_out), c)]
         else:
             specs += [Buffer("gq", (t, cfg.q_out), c), Buffer("gk", (t, cfg.kv_out), c), Buffer("gv", (t, cfg.kv_out), c)]
+            if not ours:  # in cuDNN's dQ, dK, dV (the RoPE and norm backward in place)
+                specs = specs[:-3]
         if not self.save:
             specs += self.activations.specs
         return Arena(specs)
@@ -170,7 +178,7 @@ def _norm_rope(p: Plan, x, w, cos, sin, out, heads: int, eps: float):
 
 def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float) -> list:
     """The forward up to A and lse from the inputs x (hidden, cos, sin, wq, wk, wv, wo, q_norm_w,
-    k_norm_w) into the activations a."""
+    k_norm_w) into the activations a (with cuDNN's attention: up to qr, kr, v)."""
     hidden, cos, sin, wq, wk, wv, wo, qnw, knw = x
     cfg, t = p.config, p.tokens
     qo, ko = cfg.q_out, cfg.kv_out
@@ -187,10 +195,16 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float) -> list:
         q_raw, k_raw = a.q_raw, a.k_raw
     cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
     launches += [_norm_rope(p, q_raw, qnw, cos2, sin2, a.rot_q, cfg.heads, eps),
-                 _norm_rope(p, k_raw, knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps),
-                 steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v, a.o, a.lse, scaling, g,
-                                         ATTENTION_FORWARD_REGIONS)]
+                 _norm_rope(p, k_raw, knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps)]
+    if not p.cudnn:
+        launches.append(steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v, a.o, a.lse, scaling, g,
+                                                ATTENTION_FORWARD_REGIONS))
     return launches
+
+
+def _cudnn_forward(p: Plan, arena: Arena, flat, scaling: float) -> tuple:
+    """(A, lse) by cuDNN from the normed, rotated q, k and v in `flat` (an `arena` of the activations)."""
+    return cudnn.forward(p.attention, arena.view(flat, "rot_q"), arena.view(flat, "rot_k"), arena.view(flat, "v"), scaling)
 
 
 def forward(inputs, scaling: float, eps: float, plan: Plan):
@@ -204,24 +218,89 @@ def forward(inputs, scaling: float, eps: float, plan: Plan):
     acts = p.activations
     a_flat = acts.allocate(device)
     out = buffers.empty(hidden.shape, p.io, device)
+    out2 = out.view(p.tokens, cfg.hidden)
 
     def build():
         a = acts.views(a_flat)
         launches = _forward_launches(p, g, inputs, a, scaling, eps)
-        launches.append(mm(a.o, (a.wo_c if p.casts else wo).T, out.view(p.tokens, cfg.hidden)))
+        if not p.cudnn:
+            launches.append(mm(a.o, (a.wo_c if p.casts else wo).T, out2))
         if g is not None:
             launches.append(steps.check(g))
         return launches
 
-    execute(("gemma3_core forward", p, scaling, eps), device, addresses(*inputs, out, a_flat), build)
+    key = ("gemma3_core forward", p, scaling, eps)
+    execute(key, device, addresses(*inputs, out, a_flat), build)
+    if p.cudnn:  # A and lse into the saved activations, and the output projection, as a second graph
+        o, lse = _cudnn_forward(p, acts, a_flat, scaling)
+
+        def output():
+            a = acts.views(a_flat)
+            return [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), mm(o, wo.T, out2)]
+
+        execute(key + ("output",), device, addresses(wo, out, a_flat, o, lse), output)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
 
 
+def _gradients_from_attention(p: Plan, g, inputs, a, s, w, grad_hidden, d_rot_q, d_rot_k, gv, eps: float,
+                              in_place: bool = False) -> list:
+    """The launches from the attention's gradients d_rot_q, d_rot_k and gv (the v projection's) on: the RoPE
+    and norm backward into s.gq, s.gk (or s.g; in_place: into d_rot_q, d_rot_k, each program reading its
+    rows before it writes them), the norm weights' gradients and the products with the inputs."""
+    hidden, cos, sin, wq, wk, wv, wo, qnw, knw = inputs
+    cfg, t, n = p.config, p.tokens, p.needs
+    qo, ko = cfg.q_out, cfg.kv_out
+    if p.casts:
+        q_raw, k_raw, x_c = a.qkv[:, :qo], a.qkv[:, qo:qo + ko], a.x_c
+        gq, gk = s.g[:, :qo], s.g[:, qo:qo + ko]
+    else:
+        q_raw, k_raw, x_c = a.q_raw, a.k_raw, hidden.view(t, cfg.hidden)
+        gq, gk = (d_rot_q, d_rot_k) if in_place else (s.gq, s.gk)
+    launches = []
+    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
+    ranges, _, checked = steps._guarded(g, hidden.device)
+    for d_rot, raw, weight, dst, parts, heads, region in (
+            (d_rot_q, q_raw, qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
+            (d_rot_k, k_raw, knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection")):
+        launches.append(NORM_ROPE_BACKWARD(
+            (cdiv(t, p.norm_rows), heads),
+            dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst,
+                 parts=parts, ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps),
+                 r_dx=steps._slot(g, region)),
+            D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=p.norm_rows,
+            RANGES=checked, NORM=cfg.qk_norm, num_warps=4))
+    if n[5]:
+        launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
+    if n[6]:
+        launches += steps.column_sums(s.parts_k, w.grad_knw, s.sums_k, g, unscale=True)
+    gh = grad_hidden.view(t, cfg.hidden) if n[0] else None
+    if p.casts:
+        if n[0]:
+            launches.append(mm(s.g, a.wqkv_c, gh))
+        if any(n[1:4]):
+            launches.append(mm(s.g.T, x_c, w.grad_wqkv))
+    else:
+        if n[0]:
+            launches += [mm(gq, wq, gh), accumulate(gh, gk, wk), accumulate(gh, gv, wv)]
+        for need, grad, name in ((n[1], gq, "grad_wq"), (n[2], gk, "grad_wk"), (n[3], gv, "grad_wv")):
+            if need:
+                launches.append(mm(grad.T, x_c, getattr(w, name)))
+    return launches
+
+
+def _finish(g, w, grad_hidden) -> list:
+    """The scale's undoing on the products that carry it, and the guard's check (none unguarded)."""
+    if g is None:
+        return []
+    products = [grad_hidden] + [getattr(w, name, None) for name in ("grad_wqkv", "grad_wo")] if g.scaled else []
+    return [steps.unscale(x, g) for x in products if x is not None] + [steps.check(g)]
+
+
 def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
     """(grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w); None where not needed."""
-    hidden, cos, sin, wq, wk, wv, wo, qnw, knw = inputs
+    hidden, wo = inputs[0], inputs[6]
     p, cfg, device, n = plan, plan.config, hidden.device, plan.needs
     g = _guard(p, "backward", device, inputs[3].data_ptr())
     fg = _guard(p, "forward", device, inputs[3].data_ptr()) if a_flat is None else None
@@ -233,8 +312,11 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
     s_flat, w = scratch.allocate(device), wgrads.allocate(device)
     grad_hidden = buffers.empty(hidden.shape, p.io, device) if n[0] else None
     go = grad_out.contiguous().view(t, cfg.hidden)
+    through_attention = any(n[:4]) or n[5] or n[6]  # (without the QK norm, n[5] and n[6] are False)
+    made = [grad_hidden] if grad_hidden is not None else []
+    arena, flat = (scratch, s_flat) if a_flat is None else (acts, a_flat)
 
-    def build():
+    def first():
         s = scratch.views(s_flat)
         a = s if a_flat is None else acts.views(a_flat)
         launches = []
@@ -242,17 +324,16 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
             launches += _forward_launches(p, fg, inputs, a, scaling, eps) + ([steps.check(fg)] if fg is not None else [])
         if p.casts:
             launches += [steps.amax(go, g), steps.cast(go, s.go_c, g, "grad_output", upstream=True)]
-            go_c, wo_c, x_c = s.go_c, a.wo_c, a.x_c
-            q_raw, k_raw = a.qkv[:, :qo], a.qkv[:, qo:qo + ko]
-            gq, gk, gv = s.g[:, :qo], s.g[:, qo:qo + ko], s.g[:, qo + ko:]
+            go_c, wo_c = s.go_c, a.wo_c
         else:
-            go_c, wo_c, x_c = go, wo, hidden.view(t, cfg.hidden)
-            q_raw, k_raw = a.q_raw, a.k_raw
-            gq, gk, gv = s.gq, s.gk, s.gv
+            go_c, wo_c = go, wo
+        if p.cudnn:
+            return launches + ([mm(go_c, wo_c, s.da)] if through_attention else [])
         if n[4]:
             launches.append(mm(go_c.T, a.o, w.grad_wo))
-        if any(n[:4]) or n[5] or n[6]:  # (without the QK norm, n[5] and n[6] are False)
+        if through_attention:
             att = p.attention
+            gv = s.g[:, qo + ko:] if p.casts else s.gv
             launches += [mm(go_c, wo_c, s.da), steps.attention_delta(att, a.o, s.da, s.delta, g)]
             if p.dq_atomic:
                 launches.append(steps.zero(s.d_rot_q))
@@ -267,44 +348,37 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
                 launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, s.da, a.lse, s.delta,
                                                          s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS,
                                                          p.dq_atomic))
-            cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
-            ranges, _, checked = steps._guarded(g, device)
-            for d_rot, raw, weight, dst, parts, heads, region in (
-                    (s.d_rot_q, q_raw, qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
-                    (s.d_rot_k, k_raw, knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection")):
-                launches.append(NORM_ROPE_BACKWARD(
-                    (cdiv(t, p.norm_rows), heads),
-                    dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst,
-                         parts=parts, ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps),
-                         r_dx=steps._slot(g, region)),
-                    D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=p.norm_rows,
-                    RANGES=checked, NORM=cfg.qk_norm, num_warps=4))
-            if n[5]:
-                launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
-            if n[6]:
-                launches += steps.column_sums(s.parts_k, w.grad_knw, s.sums_k, g, unscale=True)
-            gh = grad_hidden.view(t, cfg.hidden) if n[0] else None
-            if p.casts:
-                if n[0]:
-                    launches.append(mm(s.g, a.wqkv_c, gh))
-                if any(n[1:4]):
-                    launches.append(mm(s.g.T, x_c, w.grad_wqkv))
-            else:
-                if n[0]:
-                    launches += [mm(gq, wq, gh), accumulate(gh, gk, wk), accumulate(gh, gv, wv)]
-                for need, grad, name in ((n[1], gq, "grad_wq"), (n[2], gk, "grad_wk"), (n[3], gv, "grad_wv")):
-                    if need:
-                        launches.append(mm(grad.T, x_c, getattr(w, name)))
-        if g is not None and g.scaled:
-            products = [grad_hidden] + [getattr(w, name, None) for name in ("grad_wqkv", "grad_wo")]
-            launches += [steps.unscale(x, g) for x in products if x is not None]
-        if g is not None:
-            launches.append(steps.check(g))
-        return launches
+            launches += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, s.d_rot_q, s.d_rot_k, gv, eps)
+        return launches + _finish(g, w, grad_hidden)
 
-    made = [grad_hidden] if grad_hidden is not None else []
-    execute(("gemma3_core backward", p, scaling, eps), device,
-            addresses(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
+    key = ("gemma3_core backward", p, scaling, eps)
+    if p.cudnn and a_flat is not None:  # the first part is the product into dA alone: launched as it is
+        if through_attention:
+            mm(go, wo, scratch.view(s_flat, "da"))()
+    else:
+        execute(key, device, addresses(*inputs, go, *made, *vars(w).values(), s_flat,
+                                       *([] if a_flat is None else [a_flat])), first)
+    if p.cudnn:  # cuDNN's attention backward, then the rest as a second graph
+        if a_flat is None:
+            o, lse = _cudnn_forward(p, scratch, s_flat, scaling)
+        else:
+            o, lse = acts.view(a_flat, "o"), acts.view(a_flat, "lse")
+        grads = ()
+        if through_attention:
+            grads = cudnn.backward(p.attention, arena.view(flat, "rot_q"), arena.view(flat, "rot_k"),
+                                   arena.view(flat, "v"), o, lse, scratch.view(s_flat, "da"), scaling)
+
+        def rest():
+            s = scratch.views(s_flat)
+            a = s if a_flat is None else acts.views(a_flat)
+            launches = [mm(go.T, o, w.grad_wo)] if n[4] else []
+            if through_attention:
+                launches += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, *grads, eps, in_place=True)
+            return launches + _finish(g, w, grad_hidden)
+
+        execute(key + ("after attention",), device,
+                addresses(*inputs, go, *made, *vars(w).values(), s_flat, o, lse, *grads,
+                          *([] if a_flat is None else [a_flat])), rest)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()
