@@ -144,3 +144,38 @@ def test_two_threads_on_their_own_streams():
     assert not errors, errors
     for x, outs in results.values():
         assert_official_pass(prob, outs, prob.reference(*x))
+
+
+def test_an_allocating_step_runs_its_op_then_what_reads_its_outputs():
+    """Run directly, an Allocating step makes its outputs as any op, runs the launches prepared for them,
+    and is graphable (recorded with its memory from the recording's pool) only from its second run on."""
+    key = ("test allocating", DEVICE, object())
+    seen = []
+    x = torch.arange(6.0, device=DEVICE)
+    made = lambda: graphs.Allocating(key, lambda: (x * 2, x + 1),  # noqa: E731
+                                     lambda a, b: [lambda: seen.append((a + b).tolist())], "an op")
+    first = made()
+    assert not first.graphable
+    first()
+    assert seen == [[3.0 * i + 1 for i in range(6)]]
+    assert made().graphable
+
+
+@GPU
+def test_an_allocating_step_recorded_into_a_graph_replays_its_op():
+    """An op that allocates (here torch's own arithmetic) recorded with the launches that read its output:
+    replays compute on each call's data, and no memory outside the pool is taken or corrupted."""
+    x = torch.randn(1 << 16, device=DEVICE)
+    out = torch.empty_like(x)
+    key = ("test allocating replay", object())
+
+    def build():
+        return [lambda: out.zero_(), graphs.Allocating(key, lambda: (x * 3,), lambda y: [lambda: out.add_(y)], "x * 3")]
+
+    for i in range(4):
+        x.copy_(torch.full_like(x, float(i)))
+        graphs.replay(key, (x.data_ptr(), out.data_ptr()), x.device, build)
+        other = torch.full_like(x, -1.0)  # memory taken after the call: never the graph's
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full_like(x, 3.0 * i)) and torch.equal(other, torch.full_like(x, -1.0))
+    assert graphs._replay_stats[key] == [2, 2]  # direct, recorded, then replays

@@ -176,7 +176,8 @@ def run(key, device: torch.device, launches: Sequence[Callable[[], None]]) -> No
         recorder = _capture_streams[where] = torch.cuda.Stream(index)
     torch.cuda.set_stream(recorder)  # what torch launches (cuBLAS) goes to the recording stream too
     try:
-        graph = drv.capture(recorder.cuda_stream, lambda: _direct(launches))
+        with _pooled(where):
+            graph = drv.capture(recorder.cuda_stream, lambda: _direct(launches))
     except Exception as e:  # noqa: BLE001 - any failure to record leaves the direct launches, which raise real errors
         if exec_ is not None:
             drv.destroy_exec(exec_)
@@ -303,14 +304,15 @@ def _record(drv, index: int, stream, launches):
         for launch in launches:
             before = _allocated(index)
             launch()
-            if _allocated(index) != before:
+            if _allocated(index) != before and not isinstance(launch, Allocating):
                 culprits.append(getattr(launch, "what", getattr(launch, "__qualname__", "a launch")))
 
     collecting = gc.isenabled()
     gc.disable()
     torch.cuda.set_stream(recorder)
     try:
-        graph = drv.capture(recorder.cuda_stream, record)
+        with _pooled((index, threading.get_ident(), stream.cuda_stream)):
+            graph = drv.capture(recorder.cuda_stream, record)
     except Exception as e:  # noqa: BLE001 - any failure to record leaves the direct launches, which raise real errors
         torch.cuda.set_stream(stream)
         callsite.warn(f"backfuse: this call's launches could not be recorded as a CUDA graph ({e}); "
@@ -339,6 +341,56 @@ def _keep(slot, exec_) -> None:
         old = _execs.popitem(last=False)[1]
         if old != FAILED:
             driver().destroy_exec(old)
+
+
+_pools: dict = {}  # (device index, thread, caller's stream) -> torch.cuda.MemPool of the allocating launches
+_pool = None  # the pool of the recording under way (None: no recording)
+_ran: set = set()  # keys of allocating launches run once outside a recording
+
+
+@contextlib.contextmanager
+def _pooled(where):
+    """While recording for (device, thread, caller's stream): the allocating launches take their memory
+    from that recording's pool."""
+    global _pool
+    pool = _pools.get(where)
+    if pool is None:
+        pool = _pools[where] = torch.cuda.MemPool()
+    saved, _pool = _pool, pool
+    try:
+        yield
+    finally:
+        _pool = saved
+
+
+class Allocating:
+    """A launch step that allocates what it makes (a library's op returning new tensors, as cuDNN's
+    attention through PyTorch), then runs the launches that `then(*outputs)` prepares for them.
+
+    Recorded into a graph, the op's allocations come from a memory pool of the recording's own (per
+    device, thread and caller's stream: `_pooled`) and go back to it once `then`'s launches are recorded.
+    The graph keeps their addresses; nothing but the allocating launches recorded for that stream ever
+    takes that memory, and graphs launched on one stream run one after the other, so no two graphs
+    using a block run at once, and no tensor outside them gets one. Run directly (not recorded), it
+    allocates as any torch op. Its first run for a `key` is direct: a library's first call may build
+    plans and synchronize, and `then`'s kernels compile at their first launch."""
+
+    def __init__(self, key, op: Callable[[], tuple], then: Callable[..., Sequence[Callable[[], None]]], what: str):
+        self.key, self.op, self.then, self.what = key, op, then, what
+        self.graphable = key in _ran
+
+    def __call__(self) -> None:
+        recording = _pool is not None
+        if recording:
+            with torch.cuda.use_mem_pool(_pool):
+                outputs = self.op()
+        else:
+            outputs = self.op()
+        for launch in self.then(*outputs):
+            launch()
+        del outputs
+        if not recording:
+            _ran.add(self.key)
 
 
 def _direct(launches) -> None:

@@ -3,10 +3,11 @@ models run) for the training paths' attentions that it serves and ours does slow
 or unmasked, no soft cap, no sliding window (notes/training.md, session 33: 563 against our 990 µs
 backward at Gemma 3 4B's head size 256).
 
-Its outputs are tensors it allocates, so a call's launches run as two CUDA graphs (`program.execute`)
-with cuDNN's launches between them, on the caller's stream. Operands are the training paths'
-token-major rows (row t holds head h at columns h * D ... h * D + D - 1), passed as [B, heads, S, D]
-views; cuDNN keeps that layout in what it returns. lse is in natural-log units, [B * heads, S] fp32.
+Its outputs are tensors it allocates: a call records it into its CUDA graph as a
+`kernels/graphs.py: Allocating` step (its memory from a pool of the recording's own), with the
+launches that read its outputs after it. Operands are the training paths' token-major rows (row t
+holds head h at columns h * D ... h * D + D - 1), passed as [B, heads, S, D] views; cuDNN keeps that
+layout in what it returns. lse is in natural-log units, [B * heads, S] fp32.
 """
 
 from __future__ import annotations

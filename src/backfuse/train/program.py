@@ -78,13 +78,6 @@ class Arena:
         return SimpleNamespace(**{s.name: flat[at:at + s.nbytes].view(s.dtype).view(s.shape)
                                   for s, at in zip(self.specs, self.offsets)})
 
-    def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        """The one named tensor in `flat` (what a call needs of its arena on a graph hit)."""
-        for s, at in zip(self.specs, self.offsets):
-            if s.name == name:
-                return flat[at:at + s.nbytes].view(s.dtype).view(s.shape)
-        raise KeyError(name)
-
 
 class Phases:
     """Groups of an arena's tensors over the same bytes: the launches finish with one group (on the

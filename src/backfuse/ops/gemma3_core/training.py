@@ -11,8 +11,9 @@ Forward (cuBLAS products in the inputs' dtype, or on fp16 copies of float32 inpu
 It saves raw q, k, qr, kr, v, A, lse (and its fp16 copies of float32 inputs); save=False: nothing but
 the inputs (the backward runs the forward's launches again first). Where cuDNN's attention serves the
 call (`train/cudnn.py`: bfloat16, no soft cap, no window shorter than the sequence), the attention
-forward and backward are cuDNN's, between two CUDA graphs of our launches, and A, lse are copied into
-the saved activations (A: 2 bytes per element of q, a few µs against the 0.4 ms its backward saves).
+forward and backward are cuDNN's, recorded in the call's graph, and A, lse are copied into the saved
+activations (A: 2 bytes per element of q, a few µs against the 0.4 ms its backward saves); the RoPE and
+norm backward then runs in place in cuDNN's dQ and dK.
 
 Backward from dOut:
     dA = dOut Wo, grad_Wo = dOut^T A, delta = rowsum(dA * A)
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import buffers
+from ...kernels.graphs import Allocating
 from ...kernels.schedule import Holds, cdiv
 from ...kernels.triton import rope
 from ...train import cudnn, steps
@@ -106,8 +108,16 @@ class Plan:
 
     @property
     def norm_rows(self) -> int:
-        """Tokens per program of the norm and RoPE launches."""
+        """Tokens per program of the norm and RoPE forward."""
         return 32 if steps.INTERPRETED else max(8, 4096 // self.config.head_dim)
+
+    @property
+    def norm_backward_tiles(self) -> tuple:
+        """(tokens per program, warps) of the norm and RoPE backward: 32 tokens, 8 warps at head size 256 (62
+        against 97 µs at 16 on 4 warps, Gemma 3 4B's q at 8 x 1024 tokens; notes/training.md, session 33)."""
+        if steps.INTERPRETED:
+            return 32, 4
+        return max(32, 4096 // self.config.head_dim), 8 if self.config.head_dim >= 256 else 4
 
     @functools.cached_property
     def activations(self):
@@ -126,7 +136,7 @@ class Plan:
     @functools.cached_property
     def backward_scratch(self):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
-        blocks = cdiv(t, self.norm_rows)
+        blocks = cdiv(t, self.norm_backward_tiles[0])
         ours = not self.cudnn  # cuDNN's backward allocates dQ, dK, dV itself
         specs = [Buffer("da", (t, cfg.q_out), c), Buffer("delta", (self.batch * cfg.heads, self.seq), fp32) if ours else None,
                  Buffer("d_rot_q", (t, cfg.q_out), fp32) if ours else None,
@@ -202,11 +212,6 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float) -> list:
     return launches
 
 
-def _cudnn_forward(p: Plan, arena: Arena, flat, scaling: float) -> tuple:
-    """(A, lse) by cuDNN from the normed, rotated q, k and v in `flat` (an `arena` of the activations)."""
-    return cudnn.forward(p.attention, arena.view(flat, "rot_q"), arena.view(flat, "rot_k"), arena.view(flat, "v"), scaling)
-
-
 def forward(inputs, scaling: float, eps: float, plan: Plan):
     """(out [B, S, hidden] in the inputs' dtype, activations). inputs: hidden, cos, sin, wq, wk, wv, wo,
     q_norm_w, k_norm_w."""
@@ -219,26 +224,23 @@ def forward(inputs, scaling: float, eps: float, plan: Plan):
     a_flat = acts.allocate(device)
     out = buffers.empty(hidden.shape, p.io, device)
     out2 = out.view(p.tokens, cfg.hidden)
+    key = ("gemma3_core forward", p, scaling, eps)
 
     def build():
         a = acts.views(a_flat)
         launches = _forward_launches(p, g, inputs, a, scaling, eps)
-        if not p.cudnn:
+        if p.cudnn:  # A and lse into the saved activations (cuDNN allocates its own), the output projection
+            launches.append(Allocating(
+                key, lambda: cudnn.forward(p.attention, a.rot_q, a.rot_k, a.v, scaling),
+                lambda o, lse: [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), mm(o, wo.T, out2)],
+                "cuDNN's attention forward"))
+        else:
             launches.append(mm(a.o, (a.wo_c if p.casts else wo).T, out2))
         if g is not None:
             launches.append(steps.check(g))
         return launches
 
-    key = ("gemma3_core forward", p, scaling, eps)
     execute(key, device, addresses(*inputs, out, a_flat), build)
-    if p.cudnn:  # A and lse into the saved activations, and the output projection, as a second graph
-        o, lse = _cudnn_forward(p, acts, a_flat, scaling)
-
-        def output():
-            a = acts.views(a_flat)
-            return [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), mm(o, wo.T, out2)]
-
-        execute(key + ("output",), device, addresses(wo, out, a_flat, o, lse), output)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -261,16 +263,17 @@ def _gradients_from_attention(p: Plan, g, inputs, a, s, w, grad_hidden, d_rot_q,
     launches = []
     cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
     ranges, _, checked = steps._guarded(g, hidden.device)
+    rows, warps = p.norm_backward_tiles
     for d_rot, raw, weight, dst, parts, heads, region in (
             (d_rot_q, q_raw, qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
             (d_rot_k, k_raw, knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection")):
         launches.append(NORM_ROPE_BACKWARD(
-            (cdiv(t, p.norm_rows), heads),
+            (cdiv(t, rows), heads),
             dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst,
                  parts=parts, ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps),
                  r_dx=steps._slot(g, region)),
-            D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=p.norm_rows,
-            RANGES=checked, NORM=cfg.qk_norm, num_warps=4))
+            D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=rows,
+            RANGES=checked, NORM=cfg.qk_norm, num_warps=warps))
     if n[5]:
         launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
     if n[6]:
@@ -314,9 +317,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
     go = grad_out.contiguous().view(t, cfg.hidden)
     through_attention = any(n[:4]) or n[5] or n[6]  # (without the QK norm, n[5] and n[6] are False)
     made = [grad_hidden] if grad_hidden is not None else []
-    arena, flat = (scratch, s_flat) if a_flat is None else (acts, a_flat)
 
-    def first():
+    def build():
         s = scratch.views(s_flat)
         a = s if a_flat is None else acts.views(a_flat)
         launches = []
@@ -327,8 +329,22 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
             go_c, wo_c = s.go_c, a.wo_c
         else:
             go_c, wo_c = go, wo
-        if p.cudnn:
-            return launches + ([mm(go_c, wo_c, s.da)] if through_attention else [])
+        if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest
+            def attention():
+                o, lse = cudnn.forward(p.attention, a.rot_q, a.rot_k, a.v, scaling) if a_flat is None else (a.o, a.lse)
+                grads = cudnn.backward(p.attention, a.rot_q, a.rot_k, a.v, o, lse, s.da, scaling) \
+                    if through_attention else ()
+                return o, grads
+
+            def rest(o, grads):
+                after = [mm(go.T, o, w.grad_wo)] if n[4] else []
+                if through_attention:
+                    after += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, *grads, eps, in_place=True)
+                return after
+
+            launches += [mm(go_c, wo_c, s.da)] if through_attention else []
+            launches.append(Allocating(key, attention, rest, "cuDNN's attention backward"))
+            return launches + _finish(g, w, grad_hidden)
         if n[4]:
             launches.append(mm(go_c.T, a.o, w.grad_wo))
         if through_attention:
@@ -352,33 +368,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
         return launches + _finish(g, w, grad_hidden)
 
     key = ("gemma3_core backward", p, scaling, eps)
-    if p.cudnn and a_flat is not None:  # the first part is the product into dA alone: launched as it is
-        if through_attention:
-            mm(go, wo, scratch.view(s_flat, "da"))()
-    else:
-        execute(key, device, addresses(*inputs, go, *made, *vars(w).values(), s_flat,
-                                       *([] if a_flat is None else [a_flat])), first)
-    if p.cudnn:  # cuDNN's attention backward, then the rest as a second graph
-        if a_flat is None:
-            o, lse = _cudnn_forward(p, scratch, s_flat, scaling)
-        else:
-            o, lse = acts.view(a_flat, "o"), acts.view(a_flat, "lse")
-        grads = ()
-        if through_attention:
-            grads = cudnn.backward(p.attention, arena.view(flat, "rot_q"), arena.view(flat, "rot_k"),
-                                   arena.view(flat, "v"), o, lse, scratch.view(s_flat, "da"), scaling)
-
-        def rest():
-            s = scratch.views(s_flat)
-            a = s if a_flat is None else acts.views(a_flat)
-            launches = [mm(go.T, o, w.grad_wo)] if n[4] else []
-            if through_attention:
-                launches += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, *grads, eps, in_place=True)
-            return launches + _finish(g, w, grad_hidden)
-
-        execute(key + ("after attention",), device,
-                addresses(*inputs, go, *made, *vars(w).values(), s_flat, o, lse, *grads,
-                          *([] if a_flat is None else [a_flat])), rest)
+    execute(key, device, addresses(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])),
+            build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()
