@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as tf
 
 from .. import presets
+from ..kernels import graphs
 from .runner import log
 from .train import Steps, _gemma_norm, _rotate_half, peak_mib, plain_072, time_steps
 
@@ -163,6 +164,7 @@ def run_entry(preset, local: bool, tokens, device, *, warmup: int, steps: int) -
     """The "models" entry of one preset layer and token count (benchmarks/results schema)."""
     entry = {}
     for impl in IMPLEMENTATIONS:
+        graphs.release()  # no pool memory of an earlier layer's graphs counted in this one's peak
         layer = ModelLayer(preset, local, tokens, impl, device)
         ms, host = time_steps(layer, warmup=warmup, steps=steps)
         entry[f"{impl}_ms"] = round(ms, 4)

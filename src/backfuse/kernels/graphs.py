@@ -363,6 +363,27 @@ def _pooled(where):
         _pool = saved
 
 
+def pool_bytes() -> int:
+    """The bytes the allocating steps' pools hold: memory the recorded graphs keep using, which torch's
+    allocated-memory statistics do not show once it is free in the pool."""
+    return sum(segment["total_size"] for pool in _pools.values() for segment in pool.snapshot())
+
+
+def release() -> None:
+    """Destroy every kept executable graph and drop the allocating steps' pools (their memory back to torch's
+    allocator, to give back with torch.cuda.empty_cache()); later calls record their graphs afresh."""
+    drv = driver()
+    for cache in (_execs, _replays):
+        while cache:
+            exec_ = cache.popitem()[1]
+            if exec_ != FAILED and drv is not None:
+                drv.destroy_exec(exec_)
+    _replay_stats.clear()
+    if _pools:
+        torch.cuda.synchronize()  # the graphs' last launches may still use the pools' memory
+        _pools.clear()
+
+
 class Allocating:
     """A launch step that allocates what it makes (a library's op returning new tensors, as cuDNN's
     attention through PyTorch), then runs the launches that `then(*outputs)` prepares for them.
