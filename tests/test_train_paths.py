@@ -167,6 +167,19 @@ def test_buffer_layouts():
     assert outs.w.shape == (4, 2) and outs.bias.data_ptr() - outs.w.data_ptr() == 32
 
 
+def test_gemma_upstream_of_attention_in_grad_hidden_where_it_fits():
+    """dA lives in grad_hidden's bytes where grad_hidden is needed and holds it (the CASES above run both
+    placements on poisoned buffers), else in the scratch."""
+    from backfuse.ops.gemma3_core.training import Plan
+
+    fits = Plan(2, 13, Gemma3CoreConfig(64, 4, 2, 16), torch.bfloat16)
+    wider = Plan(2, 37, Gemma3CoreConfig(128, 4, 2, 64), torch.bfloat16)  # q_out 256 > hidden 128
+    assert fits.da_in_grad_hidden and "da" not in {b.name for b in fits.backward_scratch.specs}
+    assert not wider.da_in_grad_hidden and "da" in {b.name for b in wider.backward_scratch.specs}
+    assert Plan(2, 37, Gemma3CoreConfig(128, 4, 2, 64), torch.float32).da_in_grad_hidden  # fp16 dA in fp32 bytes
+    assert not Plan(2, 13, Gemma3CoreConfig(64, 4, 2, 16), torch.bfloat16, needs=(False,) + (True,) * 6).da_in_grad_hidden
+
+
 def test_split_key_blocks_only_where_the_gpu_would_idle():
     a = steps.Attention(1, 4096, 77, 16, 1, 64)
     tiles = steps.attention_tiles(64, True)

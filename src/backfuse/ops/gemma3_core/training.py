@@ -34,7 +34,7 @@ from ...kernels.schedule import Holds, cdiv
 from ...kernels.triton import rope
 from ...train import cudnn, steps
 from ...train import guard as guards
-from ...train.program import COMPUTE, Arena, Buffer, Kernel, Outputs, accumulate, addresses, execute, mm
+from ...train.program import COMPUTE, SIZES, Arena, Buffer, Kernel, Outputs, accumulate, addresses, bytes_of, execute, mm
 from .spec import Gemma3CoreConfig
 
 NEEDS = 7  # grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w
@@ -134,11 +134,23 @@ class Plan:
         return Arena(specs)
 
     @functools.cached_property
+    def upstream_of_attention(self):
+        """dA, the attention output's gradient: in grad_hidden's bytes where `da_in_grad_hidden`."""
+        return Arena([Buffer("da", (self.tokens, self.config.q_out), self.compute)])
+
+    @property
+    def da_in_grad_hidden(self) -> bool:
+        """Whether dA lives in grad_hidden's bytes: grad_hidden is needed and holds it (its products are the
+        call's last launches, dA's last reader the attention backward)."""
+        return self.needs[0] and self.config.q_out * SIZES[self.compute] <= self.config.hidden * SIZES[self.io]
+
+    @functools.cached_property
     def backward_scratch(self):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         blocks = cdiv(t, self.norm_backward_tiles[0])
         ours = not self.cudnn  # cuDNN's backward allocates dQ, dK, dV itself
-        specs = [Buffer("da", (t, cfg.q_out), c), Buffer("delta", (self.batch * cfg.heads, self.seq), fp32) if ours else None,
+        specs = [*(() if self.da_in_grad_hidden else self.upstream_of_attention.specs),
+                 Buffer("delta", (self.batch * cfg.heads, self.seq), fp32) if ours else None,
                  Buffer("d_rot_q", (t, cfg.q_out), fp32) if ours else None,
                  Buffer("d_rot_k", (t, cfg.kv_out), fp32) if ours else None,
                  Buffer("dv32", (t, cfg.kv_out), fp32) if ours and self.split > 1 else None,
@@ -329,10 +341,11 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
             go_c, wo_c = s.go_c, a.wo_c
         else:
             go_c, wo_c = go, wo
+        da = (p.upstream_of_attention.views(bytes_of(grad_hidden)) if p.da_in_grad_hidden else s).da
         if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest
             def attention():
                 o, lse = cudnn.forward(p.attention, a.rot_q, a.rot_k, a.v, scaling) if a_flat is None else (a.o, a.lse)
-                grads = cudnn.backward(p.attention, a.rot_q, a.rot_k, a.v, o, lse, s.da, scaling) \
+                grads = cudnn.backward(p.attention, a.rot_q, a.rot_k, a.v, o, lse, da, scaling) \
                     if through_attention else ()
                 return o, grads
 
@@ -342,7 +355,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
                     after += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, *grads, eps, in_place=True)
                 return after
 
-            launches += [mm(go_c, wo_c, s.da)] if through_attention else []
+            launches += [mm(go_c, wo_c, da)] if through_attention else []
             launches.append(Allocating(key, attention, rest, "cuDNN's attention backward"))
             return launches + _finish(g, w, grad_hidden)
         if n[4]:
@@ -350,18 +363,18 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
         if through_attention:
             att = p.attention
             gv = s.g[:, qo + ko:] if p.casts else s.gv
-            launches += [mm(go_c, wo_c, s.da), steps.attention_delta(att, a.o, s.da, s.delta, g)]
+            launches += [mm(go_c, wo_c, da), steps.attention_delta(att, a.o, da, s.delta, g)]
             if p.dq_atomic:
                 launches.append(steps.zero(s.d_rot_q))
             if p.split > 1:
                 launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
-                             steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, a.v, s.da, a.lse, s.delta,
+                             steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
                                                       s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, ATTENTION_BACKWARD_REGIONS,
                                                       p.dq_atomic),
                              steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv,
                                                    1, g, "gradient of v projection")]
             else:
-                launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, s.da, a.lse, s.delta,
+                launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
                                                          s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS,
                                                          p.dq_atomic))
             launches += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, s.d_rot_q, s.d_rot_k, gv, eps)
