@@ -253,11 +253,13 @@ def build(fn, pointers, constexprs, warps, stages):
 
 out = []
 dt = sys.argv[1]
-for d, heads, group, causal, cap in ((64, 16, 1, False, False), (128, 24, 3, True, True)):
+for d, heads, group, causal, cap, q_norm in ((64, 16, 1, False, False, False), (128, 40, 1, False, False, True),
+                                             (128, 24, 3, True, True, False)):
     t = GPU_TILES[d]
-    ptr = {n: f"*{dt}" for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv")} | {n: "*fp32" for n in ("lse", "delta", "ranges")}
+    ptr = ({n: f"*{dt}" for n in ("q", "k", "v", "o", "do", "dq", "dk", "dv", "q_w")} |
+           {n: "*fp32" for n in ("lse", "delta", "ranges", "q_rstd")})
     common = dict(HEADS=heads, GROUP=group, D=d, CAUSAL=causal, WINDOW=causal, HAS_CAP=cap, RANGES=dt == "fp16",
-                  APPROX_TANH=True)
+                  APPROX_TANH=True, Q_NORM=q_norm)
     lds = dict(LD_Q=heads * d, LD_K=heads // group * d, LD_V=heads // group * d)
     out.append(build(attention.attention_forward_kernel, ptr, dict(**common, **lds, LD_O=heads * d, BM=t.bm, BN=t.bn),
                      t.warps, t.stages))

@@ -103,12 +103,16 @@ def _row_block(width: int) -> tuple:
     return bw, max(1, min(16, 8192 // bw))
 
 
-def row_norm(x, w, out, eps: float):
-    """out = RMSNorm(x) * w over each row (all of its columns)."""
+def row_norm(x, w, out, eps: float, rstd=None):
+    """out = RMSNorm(x) * w over each row (all of its columns); given rstd [T] fp32, only each row's
+    1 / sqrt(mean(x^2) + eps) into it (w and out unused: None)."""
     tokens, width = x.shape
     bw, bt = _row_block(width)
-    return ROW_NORM((cdiv(tokens, bt),), dict(x=x, w=w, out=out, T=tokens, eps=float(eps)), W=width, BW=bw,
-                    LD_X=x.stride(0), LD_OUT=out.stride(0), BT=bt, num_warps=8 if bw >= 4096 else 4)
+    only = rstd is not None  # (x stands for the pointers the kernel does not use)
+    return ROW_NORM((cdiv(tokens, bt),), dict(x=x, w=x if only else w, out=x if only else out, rstd=rstd if only else x,
+                                              T=tokens, eps=float(eps)),
+                    W=width, BW=bw, LD_X=x.stride(0), LD_OUT=(x if only else out).stride(0), BT=bt, RSTD=only,
+                    num_warps=8 if bw >= 4096 else 4)
 
 
 def row_norm_parts(tokens: int) -> int:
@@ -239,17 +243,25 @@ class Attention:
         return max(1, min(sms // max(1, kv_programs), steps // 4))
 
 
+def _query_norm(q_norm, q) -> tuple:
+    """The attention kernels' (q_rstd, q_w) from q_norm (rstd [T] fp32, weight [H * D]); None: q for both
+    (not read)."""
+    return q_norm if q_norm is not None else (q, q)
+
+
 def attention_forward(a: Attention, tiles: AttentionTiles, q, k, v, o, lse, scale: float, guard,
-                      regions=("queries", "keys", "values")):
-    """o, lse of attention a; q, k, v, o token-major views (rows ld apart, head h at column h * D)."""
+                      regions=("queries", "keys", "values"), q_norm=None):
+    """o, lse of attention a; q, k, v, o token-major views (rows ld apart, head h at column h * D).
+    q_norm: (rstd, weight) of an RMSNorm across q's heads, applied as q is loaded (q: the rows before it)."""
     ranges, _, _ = _guarded(guard, q.device)
     r_q, r_k, r_v = (_slot(guard, r) for r in regions)
+    q_rstd, q_w = _query_norm(q_norm, q)
     return FORWARD(
         (a.batch * a.heads, cdiv(a.s_q, tiles.bm)),
-        dict(q=q, k=k, v=v, o=o, lse=lse, ranges=ranges, S_q=a.s_q, S_k=a.s_k, scale=float(scale),
-             cap=float(a.softcap) or 1.0, window=a.window, r_q=r_q, r_k=r_k, r_v=r_v),
+        dict(q=q, k=k, v=v, o=o, lse=lse, ranges=ranges, q_rstd=q_rstd, q_w=q_w, S_q=a.s_q, S_k=a.s_k,
+             scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, r_q=r_q, r_k=r_k, r_v=r_v),
         LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_O=o.stride(0), BM=tiles.bm, BN=tiles.bn,
-        num_warps=tiles.warps, num_stages=tiles.stages, **a.meta(guard))
+        num_warps=tiles.warps, num_stages=tiles.stages, Q_NORM=q_norm is not None, **a.meta(guard))
 
 
 def attention_delta(a: Attention, o, do, delta, guard, region="gradient of attention output"):
@@ -264,23 +276,26 @@ def attention_delta(a: Attention, o, do, delta, guard, region="gradient of atten
 
 def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v, do, lse, delta, dq, dk, dv,
                        scale: float, guard, regions=("gradient of queries", "gradient of keys", "gradient of values"),
-                       dq_atomic: bool = False):
+                       dq_atomic: bool = False, q_norm=None):
     """dq, dk, dv of attention a. split > 1: dk, dv are fp32 and zeroed before (atomic sums).
     dq_atomic: dq is fp32, zeroed before, and receives dQ as atomic sums from the key blocks' programs
-    (no dQ programs: no recomputation of P and dP for dQ)."""
+    (no dQ programs: no recomputation of P and dP for dQ). q_norm: as `attention_forward`'s (dq: the
+    gradient of the normed q)."""
     ranges, _, _ = _guarded(guard, q.device)
+    q_rstd, q_w = _query_norm(q_norm, q)
     r_dq, r_dk, r_dv = (_slot(guard, r) for r in regions)
     kv_programs = a.batch * (a.heads // a.group) * cdiv(a.s_k, tiles.kv_bn) * split
     q_programs = 0 if dq_atomic else a.batch * a.heads * cdiv(a.s_q, tiles.q_bm)
     return BACKWARD(
         (kv_programs + q_programs,),
-        dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ranges=ranges, S_q=a.s_q, S_k=a.s_k,
+        dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ranges=ranges, q_rstd=q_rstd,
+             q_w=q_w, S_q=a.s_q, S_k=a.s_k,
              scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, kv_programs=kv_programs, r_dq=r_dq,
              r_dk=r_dk, r_dv=r_dv),
         LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_DO=do.stride(0), LD_DQ=dq.stride(0),
         LD_DK=dk.stride(0), LD_DV=dv.stride(0), KV_BN=tiles.kv_bn, KV_BM=tiles.kv_bm, Q_BM=tiles.q_bm,
         Q_BN=tiles.q_bn, SPLIT=split, DQ_ATOMIC=dq_atomic, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
-        **a.meta(guard))
+        Q_NORM=q_norm is not None, **a.meta(guard))
 
 
 def zero(t):

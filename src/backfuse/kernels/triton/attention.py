@@ -17,6 +17,11 @@ Backward, from dO:
     dS = dC * scale  (* (1 - t^2) with the cap)      -- the gradient of the logits' q.k
     dQ = dS K,  dK = dS^T Q,  dV = P^T dO            (dK, dV summed over each group's query heads)
 
+Q_NORM: q holds the rows before an RMSNorm across all heads (Wan's norm_q), q_rstd [B * S_q] fp32 each
+row's 1 / sqrt(mean(q^2) + eps) and q_w its weight; every Q tile is normed as it is loaded,
+q r w in fp32 rounded to q's dtype (the values a separate norm would have stored), so the normed
+rows are never written.
+
 fp16 range guard: with RANGES each program folds the largest |value| of what it reads (q, k, v; dO)
 or writes (dq, dk, dv) into a per-region maximum, `ranges[r_*]` (an atomic max; NaN counts as Inf; a
 negative r_*: not checked), which the training paths' guard checks on the device
@@ -110,6 +115,17 @@ def _head_tile(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(q, q_rstd, q_w, tok, ok, LD: tl.constexpr, h, D: tl.constexpr, Q_NORM: tl.constexpr):
+    """The [R, D] tile of query head h for tokens tok; Q_NORM: normed as it is loaded (module docstring)."""
+    qt = _head_tile(q, tok, ok, LD, h * D, D)
+    if Q_NORM:
+        r = tl.load(q_rstd + tok, mask=ok, other=0.0)
+        w = tl.load(q_w + h * D + tl.arange(0, D)).to(tl.float32)
+        qt = narrow(qt.to(tl.float32) * r[:, None] * w[None, :], qt.dtype)
+    return qt
+
+
+@triton.jit
 def _store_head_tile(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr, x):
     d = tl.arange(0, D)
     tl.store(base + tok.to(tl.int64)[:, None] * LD + column + d[None, :], narrow(x, base.dtype.element_ty), mask=ok[:, None])
@@ -117,12 +133,12 @@ def _store_head_tile(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr, x
 
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "r_q", "r_k", "r_v"])
 def attention_forward_kernel(
-    q, k, v, o, lse, ranges,
+    q, k, v, o, lse, ranges, q_rstd, q_w,
     S_q, S_k, scale, cap, window, r_q, r_k, r_v,
     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_O: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-    RANGES: tl.constexpr, APPROX_TANH: tl.constexpr,
+    RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, Q_NORM: tl.constexpr,
 ):
     """O and lse of BM queries of one (batch entry, head): grid (B * HEADS, query blocks), the last
     blocks (the most keys when causal) first. Online softmax over BN keys at a time, only over the
@@ -134,7 +150,7 @@ def attention_forward_kernel(
     kv = h // GROUP
     rows = block * BM + tl.arange(0, BM)
     row_ok = rows < S_q
-    qt = _head_tile(q, b * S_q + rows, row_ok, LD_Q, h * D, D)
+    qt = _query_tile(q, q_rstd, q_w, b * S_q + rows, row_ok, LD_Q, h, D, Q_NORM)
     m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)  # finite: a row with no visible key yet adds exp2(-inf) = 0
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, D), dtype=tl.float32)
@@ -190,12 +206,12 @@ def attention_delta_kernel(
 
 
 @triton.jit
-def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, S_q, S_k, scale, cap, window, r_dk,
-               r_dv, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr,
+def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, S_q, S_k, scale, cap,
+               window, r_dk, r_dv, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr,
                LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr, LD_DK: tl.constexpr,
                LD_DV: tl.constexpr, KV_BN: tl.constexpr, KV_BM: tl.constexpr, SPLIT: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
-               APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+               APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr):
     """dK, dV of KV_BN keys of one (batch entry, KV head), summed over the group's query heads and the
     visible queries (KV_BM at a time); key blocks in order (the first have the most queries when
     causal). SPLIT > 1: that many programs share a key block, each over a run of its queries, and add
@@ -230,7 +246,7 @@ def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, S_
         for m0 in range(lo, hi, KV_BM):
             rows = m0 + tl.arange(0, KV_BM)
             row_ok = rows < S_q
-            qt = _head_tile(q, b * S_q + rows, row_ok, LD_Q, h * D, D)
+            qt = _query_tile(q, q_rstd, q_w, b * S_q + rows, row_ok, LD_Q, h, D, Q_NORM)
             dot_ = _head_tile(do, b * S_q + rows, row_ok, LD_DO, h * D, D)
             row_lse = tl.load(lse + bh * S_q + rows, mask=row_ok, other=float("inf"))  # P = 0 past S_q
             row_delta = tl.load(delta + bh * S_q + rows, mask=row_ok, other=0.0)
@@ -264,11 +280,11 @@ def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, S_
 
 
 @triton.jit
-def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, S_q, S_k, scale, cap, window, r_dq,
-                 HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr,
+def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd, q_w, S_q, S_k, scale, cap, window,
+                 r_dq, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr,
                  LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr, Q_BM: tl.constexpr,
                  Q_BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-                 RANGES: tl.constexpr, APPROX_TANH: tl.constexpr):
+                 RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, Q_NORM: tl.constexpr):
     """dQ of Q_BM queries of one (batch entry, head) over their visible keys (Q_BN at a time), the
     last query blocks (the most keys when causal) first."""
     per_block = q_programs // ((S_q + Q_BM - 1) // Q_BM)
@@ -280,7 +296,7 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, S_q, S_
     rows = block * Q_BM + tl.arange(0, Q_BM)
     row_ok = rows < S_q
     tok = b * S_q + rows
-    qt = _head_tile(q, tok, row_ok, LD_Q, h * D, D)
+    qt = _query_tile(q, q_rstd, q_w, tok, row_ok, LD_Q, h, D, Q_NORM)
     dot_ = _head_tile(do, tok, row_ok, LD_DO, h * D, D)
     row_lse = tl.load(lse + bh * S_q + rows, mask=row_ok, other=float("inf"))
     row_delta = tl.load(delta + bh * S_q + rows, mask=row_ok, other=0.0)
@@ -311,24 +327,25 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, S_q, S_
 
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "kv_programs", "r_dq", "r_dk", "r_dv"])
 def attention_backward_kernel(
-    q, k, v, do, lse, delta, dq, dk, dv, ranges,
+    q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w,
     S_q, S_k, scale, cap, window, kv_programs, r_dq, r_dk, r_dv,
     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr,
     LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
-    APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr,
 ):
     """Programs [0, kv_programs): dK, dV of a key block (`_key_block`); the rest: dQ of a query block
     (`_query_block`). P is recomputed from lse; one launch of both kinds, each independent of the other.
-    DQ_ATOMIC: no dQ programs; the key blocks' programs add dQ into fp32 dq instead."""
+    DQ_ATOMIC: no dQ programs; the key blocks' programs add dQ into fp32 dq instead. With Q_NORM, dq is
+    the gradient of the normed queries."""
     pid = tl.program_id(0)
     if pid < kv_programs:
-        _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, S_q, S_k, scale, cap, window, r_dk,
-                   r_dv, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, LD_DK, LD_DV, KV_BN, KV_BM, SPLIT, CAUSAL,
-                   WINDOW, HAS_CAP, RANGES, APPROX_TANH, DQ_ATOMIC)
+        _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, S_q, S_k, scale, cap,
+                   window, r_dk, r_dv, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, LD_DK, LD_DV, KV_BN, KV_BM,
+                   SPLIT, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, DQ_ATOMIC, Q_NORM)
     else:
-        _query_block(pid - kv_programs, tl.num_programs(0) - kv_programs, q, k, v, do, lse, delta, dq, ranges, S_q,
-                     S_k, scale, cap, window, r_dq, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, Q_BM, Q_BN,
-                     CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH)
+        _query_block(pid - kv_programs, tl.num_programs(0) - kv_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
+                     q_w, S_q, S_k, scale, cap, window, r_dq, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, Q_BM,
+                     Q_BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, Q_NORM)

@@ -209,18 +209,22 @@ def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SC
 
 
 @triton.jit(do_not_specialize=["T"])
-def row_norm_kernel(x, w, out, T, eps, W: tl.constexpr, BW: tl.constexpr, LD_X: tl.constexpr, LD_OUT: tl.constexpr,
-                    BT: tl.constexpr):
-    """out = x / sqrt(mean(x^2) + eps) * w over each row's W features (an RMSNorm across all heads, as
-    Wan's cross-attention applies to q and k), BT rows per program, in fp32."""
+def row_norm_kernel(x, w, out, rstd, T, eps, W: tl.constexpr, BW: tl.constexpr, LD_X: tl.constexpr,
+                    LD_OUT: tl.constexpr, BT: tl.constexpr, RSTD: tl.constexpr):
+    """out = x r w over each row's W features, r = 1 / sqrt(mean(x^2) + eps) (an RMSNorm across all heads,
+    as Wan's cross-attention applies to q and k), BT rows per program, in fp32. RSTD: r into rstd [T]
+    instead (the attention applies the norm as it loads the rows: `attention.py: _query_tile`)."""
     rows = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     c = tl.arange(0, BW)
     ok = (rows < T)[:, None] & (c < W)[None, :]
     v = tl.load(x + rows[:, None] * LD_X + c[None, :], mask=ok, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(v * v, 1) / W + eps)
-    scale = tl.load(w + c, mask=c < W, other=0.0).to(tl.float32)
-    tl.store(out + rows[:, None] * LD_OUT + c[None, :], narrow(v * r[:, None] * scale[None, :], out.dtype.element_ty),
-             mask=ok)
+    if RSTD:
+        tl.store(rstd + rows, r, mask=rows < T)
+    else:
+        scale = tl.load(w + c, mask=c < W, other=0.0).to(tl.float32)
+        tl.store(out + rows[:, None] * LD_OUT + c[None, :],
+                 narrow(v * r[:, None] * scale[None, :], out.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["T", "rows_per_program", "r_dx"])

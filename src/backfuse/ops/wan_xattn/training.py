@@ -7,7 +7,9 @@ Forward (products in the inputs' dtype for bfloat16 and float16; on fp16 copies 
     O, lse = attention(Q, K, V) at `scale`, no mask                   (kernels/triton/attention.py)
     out = O Wo^T + bo                                                 (cuBLAS)
 It saves Q, K, V, O, lse (and its fp16 copies of float32 inputs) for the backward, or, with
-save=False, nothing but the inputs: the backward then runs the forward's launches again first.
+save=False, nothing but the inputs: the backward then runs the forward's launches again first. With
+qk_norm it saves, for Q, the projection before the norm and each row's 1 / rms: the attention
+kernels norm Q as they load it (one activation of the video's size less than a normed copy).
 
 Backward from dOut:
     dC = dOut Wo, grad_Wo = dOut^T O, grad_bo = sum dOut
@@ -103,14 +105,15 @@ class Plan:
     def activations(self):
         """What the forward leaves for the backward (saved, or the backward's own recomputation)."""
         tv, tt, d, c = self.tv, self.tt, self.config.hidden, self.compute
-        specs = [Buffer("q", (tv, d), c), Buffer("o", (tv, d), c),
+        specs = [Buffer("q_rstd", (tv,), torch.float32) if self.norm else Buffer("q", (tv, d), c), Buffer("o", (tv, d), c),
                  Buffer("lse", (self.batch * self.config.heads, self.nv), torch.float32)]
         if self.casts:
             specs += [Buffer("kv", (tt, 2 * d), c), Buffer("video_c", (tv, d), c), Buffer("text_c", (tt, d), c),
                       Buffer("wq_c", (d, d), c), Buffer("wkv_c", (2 * d, d), c), Buffer("wo_c", (d, d), c)]
         else:
             specs += [Buffer("k_raw" if self.norm else "k", (tt, d), c), Buffer("v", (tt, d), c)]
-        if self.norm:  # the projections before their norms (the norms' backward reads them), and normed K
+        if self.norm:  # the projections before their norms (the norms' backward reads them, and the attention
+            # norms Q as it loads it: q_rstd), and normed K
             specs += [Buffer("q_raw", (tv, d), c), Buffer("k", (tt, d), c)]
         return Arena(specs)
 
@@ -194,10 +197,17 @@ def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
                     addmm(bv, text.view(p.tt, d), wv.T, a.v)]
         v = a.v
     if p.norm:
-        launches += [steps.row_norm(a.q_raw, x[9], a.q, p.eps), steps.row_norm(k_raw, x[10], a.k, p.eps)]
+        launches += [steps.row_norm(a.q_raw, None, None, p.eps, rstd=a.q_rstd), steps.row_norm(k_raw, x[10], a.k, p.eps)]
     k = a.k if p.norm else k_raw
-    launches.append(steps.attention_forward(p.attention, p.tiles, a.q, k, v, a.o, a.lse, scale, g))
+    q, q_norm = _queries(p, a, x[9] if p.norm else None)
+    launches.append(steps.attention_forward(p.attention, p.tiles, q, k, v, a.o, a.lse, scale, g, q_norm=q_norm))
     return launches
+
+
+def _queries(p: Plan, a, norm_weight) -> tuple:
+    """(q, q_norm) of the attention launches: with the q norm, the rows before it and the norm to apply as
+    they are loaded (no normed copy of Q is kept), else Q."""
+    return (a.q_raw, (a.q_rstd, norm_weight)) if p.norm else (a.q, None)
 
 
 def forward(inputs, scale: float, plan: Plan):
@@ -264,6 +274,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             go_c, wq_c, wo_c, video_c, text_c = go, wq, wo, video.view(tv, d), text.view(tt, d)
             k_raw, v, dk, dv = (a.k_raw if p.norm else a.k), a.v, s.dk, s.dv
         k = a.k if p.norm else k_raw
+        q, q_norm = _queries(p, a, inputs[10] if p.norm else None)
         dc = (p.upstream_of_attention.views(bytes_of(grad_video)) if n[0] else s).dc
         if n[9]:
             launches += steps.column_sums(go_c, w.grad_bo, s.parts_bo, g, unscale=True)
@@ -275,18 +286,18 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             if p.split > 1:  # fp32 atomic sums, then their fp16 copies
                 if p.casts:
                     launches += [steps.zero(s.dkv32),
-                                 steps.attention_backward(att, p.tiles, p.split, a.q, k, v, dc, a.lse, s.delta, s.dq,
-                                                          s.dkv32[:, :d], s.dkv32[:, d:], scale, g),
+                                 steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
+                                                          s.dkv32[:, :d], s.dkv32[:, d:], scale, g, q_norm=q_norm),
                                  steps.cast(s.dkv32, s.dkv, g, "gradient of keys")]
                 else:
                     launches += [steps.zero(s.dk32), steps.zero(s.dv32),
-                                 steps.attention_backward(att, p.tiles, p.split, a.q, k, v, dc, a.lse, s.delta, s.dq,
-                                                          s.dk32, s.dv32, scale, g),
+                                 steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
+                                                          s.dk32, s.dv32, scale, g, q_norm=q_norm),
                                  steps.cast(s.dk32, s.dk, g, "gradient of keys"),
                                  steps.cast(s.dv32, s.dv, g, "gradient of values")]
             else:
-                launches.append(steps.attention_backward(att, p.tiles, 1, a.q, k, v, dc, a.lse, s.delta, s.dq, dk, dv,
-                                                         scale, g))
+                launches.append(steps.attention_backward(att, p.tiles, 1, q, k, v, dc, a.lse, s.delta, s.dq, dk, dv,
+                                                         scale, g, q_norm=q_norm))
             if p.norm:  # the norms' backward, in place: dQ, dK before the norms; the norms' weight gradients
                 launches += [steps.row_norm_backward(s.dq, a.q_raw, inputs[10], s.dq, s.parts_nq, p.eps, g,
                                                      "gradient of queries"),
