@@ -99,8 +99,10 @@ class Plan:
 
     @property
     def dq_atomic(self) -> bool:
-        """dQ (fp32 here) summed by atomics from the key blocks' programs (`AttentionTiles.dq_atomic`)."""
-        return self.tiles.dq_atomic and not self.deterministic
+        """dQ (fp32 here) summed by atomics from the key blocks' programs: the interpreter's tiles
+        (`AttentionTiles.dq_atomic`), and on a GPU with the soft cap, where the dQ programs' recomputed
+        tanh costs more than the atomics (gemma2-9b 1x4096: 2204 against 2385 µs; notes/training.md)."""
+        return (self.tiles.dq_atomic or (self.softcap != 0.0 and self.sms > 0)) and not self.deterministic
 
     @property
     def cos_rows(self) -> int:
