@@ -5,7 +5,6 @@ from .fp16_guard import Fp16RangeWarning, fp16_range_check
 from .kernels.graphs import GraphWarning, cuda_graphs
 from .ops import PROBLEMS
 from .problem import Problem
-from .train.cudnn import cudnn_attention
 
 __version__ = "0.1.0"
 __all__ = ["PROBLEM_IDS", "BackfuseWarning", "Fp16RangeWarning", "GraphWarning", "Problem", "check_ranges", "cuda_graphs",
@@ -35,6 +34,15 @@ def fallbacks(model) -> dict:
     from .integrations import fallbacks as counted
 
     return counted(model)
+
+
+def cudnn_attention(enabled: bool):
+    """A context manager: inside it, training calls planned for bfloat16 attentions on a GPU use cuDNN's
+    attention where it serves them (True, the default) or backfuse's Triton attention (False)
+    (`backfuse/train/cudnn.py`)."""
+    from .train.cudnn import cudnn_attention as switch
+
+    return switch(enabled)
 
 
 def check_ranges() -> None:
