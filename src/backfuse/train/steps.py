@@ -34,6 +34,7 @@ CHECK = Kernel(passes.guard_check_kernel)
 FORWARD = Kernel(attention.attention_forward_kernel)
 DELTA = Kernel(attention.attention_delta_kernel)
 BACKWARD = Kernel(attention.attention_backward_kernel)
+BOUNDS = Kernel(attention.attention_bounds_kernel)
 
 _dummies: dict = {}
 
@@ -215,9 +216,38 @@ def attention_tiles(head_dim: int, gpu: bool) -> AttentionTiles:
 
 
 @dataclass(frozen=True)
+class Masking:
+    """What masks an attention beyond its causality and window, as far as its plan knows: the kinds of
+    tensors each call passes (their values are the call's own).
+
+    mask: None; "keep", a 0/1 (bool or integer) mask, nonzero where a key is visible; "add", an additive
+      float mask (visible where above -1e38, its value added to the logits, as eager attention does).
+    dense: the mask is [B or 1, 1, S_q, S_k], every (query, key) pair's (what transformers builds and
+      passes its attention: causality, window, padding, packed documents, image blocks all in it; the
+      plan's causal and window then take no part), else [B, S_k], a key padding mask.
+    documents: packed documents: each call passes `starts` [B, S_q] int32, the first token of each
+      query's document (a query sees no key before it)."""
+
+    mask: str | None = None
+    dense: bool = False
+    documents: bool = False
+
+    def __post_init__(self):
+        if self.mask not in (None, "keep", "add") or (self.dense and self.mask is None) or (self.dense and self.documents):
+            raise ValueError(f"Masking: mask must be None, 'keep' or 'add', dense needs a mask and no documents, "
+                             f"got {self}")
+
+    @property
+    def mode(self) -> int:
+        """The attention kernels' MASK."""
+        return {None: 1, "keep": 2, "add": 3}[self.mask]
+
+
+@dataclass(frozen=True)
 class Attention:
     """One attention's shape and mask: batch, query and key lengths per batch entry, query heads,
-    query heads per KV head, head size, causal, window (0: none), soft cap (0: none)."""
+    query heads per KV head, head size, causal, window (0: none), soft cap (0: none), and a Masking
+    (None: causal and window alone)."""
 
     batch: int
     s_q: int
@@ -228,10 +258,13 @@ class Attention:
     causal: bool = False
     window: int = 0
     softcap: float = 0.0
+    masking: Masking | None = None
 
     def meta(self, guard) -> dict:
-        return dict(HEADS=self.heads, GROUP=self.group, D=self.head_dim, CAUSAL=self.causal, WINDOW=self.window > 0,
-                    HAS_CAP=self.softcap != 0.0, RANGES=guard is not None, APPROX_TANH=not INTERPRETED)
+        masked = self.masking is not None  # the bounds hold causality and the window
+        return dict(HEADS=self.heads, GROUP=self.group, D=self.head_dim, CAUSAL=self.causal and not masked,
+                    WINDOW=self.window > 0 and not masked, HAS_CAP=self.softcap != 0.0, RANGES=guard is not None,
+                    APPROX_TANH=not INTERPRETED, MASK=self.masking.mode if masked else 0)
 
     def split(self, tiles: AttentionTiles, sms: int, deterministic: bool) -> int:
         """dK/dV programs per key block: more than one (their sums added by atomics into fp32) where the
@@ -243,6 +276,34 @@ class Attention:
         return max(1, min(sms // max(1, kv_programs), steps // 4))
 
 
+def _mask_args(a: Attention, bounds, mask, q) -> dict:
+    """The attention kernels' mask arguments: bounds [2, B * S_q] int32 (lo, hi), the mask tensor and its
+    element strides (batch, query, key; 0 where broadcast). Unmasked: q stands for the tensors."""
+    if a.masking is None:
+        return dict(lo=q, hi=q, mask=q, m_sb=0, m_sq=0, m_sk=0)
+    if mask is None:
+        return dict(lo=bounds[0], hi=bounds[1], mask=q, m_sb=0, m_sq=0, m_sk=0)
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    if a.masking.dense:
+        sb = mask.stride(0) if mask.shape[0] > 1 else 0
+        return dict(lo=bounds[0], hi=bounds[1], mask=mask, m_sb=sb, m_sq=mask.stride(2), m_sk=mask.stride(3))
+    return dict(lo=bounds[0], hi=bounds[1], mask=mask, m_sb=mask.stride(0), m_sq=0, m_sk=mask.stride(1))
+
+
+def attention_bounds(a: Attention, bounds, mask=None, starts=None):
+    """Each query row's bounds into bounds [2, B * S_q] int32 (`attention_bounds_kernel`) from a's
+    causality and window, the documents' starts and the mask (`Masking`)."""
+    m = a.masking
+    args = _mask_args(a, bounds, mask, bounds)
+    rows = 32 if INTERPRETED else 64
+    return BOUNDS((a.batch, cdiv(a.s_q, rows)),
+                  dict(lo=bounds[0], hi=bounds[1], mask=args["mask"], starts=bounds if starts is None else starts,
+                       S_q=a.s_q, S_k=a.s_k, window=a.window, m_sb=args["m_sb"], m_sq=args["m_sq"], m_sk=args["m_sk"]),
+                  CAUSAL=a.causal and not m.dense, WINDOW=a.window > 0 and not m.dense, DOCS=m.documents, MASK=m.mode,
+                  BR=rows, BN=64, num_warps=4)
+
+
 def _query_norm(q_norm, q) -> tuple:
     """The attention kernels' (q_rstd, q_w) from q_norm (rstd [T] fp32, weight [H * D]); None: q for both
     (not read)."""
@@ -250,16 +311,18 @@ def _query_norm(q_norm, q) -> tuple:
 
 
 def attention_forward(a: Attention, tiles: AttentionTiles, q, k, v, o, lse, scale: float, guard,
-                      regions=("queries", "keys", "values"), q_norm=None):
+                      regions=("queries", "keys", "values"), q_norm=None, bounds=None, mask=None):
     """o, lse of attention a; q, k, v, o token-major views (rows ld apart, head h at column h * D).
-    q_norm: (rstd, weight) of an RMSNorm across q's heads, applied as q is loaded (q: the rows before it)."""
+    q_norm: (rstd, weight) of an RMSNorm across q's heads, applied as q is loaded (q: the rows before it).
+    With a.masking: bounds (`attention_bounds`') and the mask tensor it names (None: no tensor)."""
     ranges, _, _ = _guarded(guard, q.device)
     r_q, r_k, r_v = (_slot(guard, r) for r in regions)
     q_rstd, q_w = _query_norm(q_norm, q)
     return FORWARD(
         (a.batch * a.heads, cdiv(a.s_q, tiles.bm)),
         dict(q=q, k=k, v=v, o=o, lse=lse, ranges=ranges, q_rstd=q_rstd, q_w=q_w, S_q=a.s_q, S_k=a.s_k,
-             scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, r_q=r_q, r_k=r_k, r_v=r_v),
+             scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, r_q=r_q, r_k=r_k, r_v=r_v,
+             **_mask_args(a, bounds, mask, q)),
         LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_O=o.stride(0), BM=tiles.bm, BN=tiles.bn,
         num_warps=tiles.warps, num_stages=tiles.stages, Q_NORM=q_norm is not None, **a.meta(guard))
 
@@ -276,7 +339,7 @@ def attention_delta(a: Attention, o, do, delta, guard, region="gradient of atten
 
 def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v, do, lse, delta, dq, dk, dv,
                        scale: float, guard, regions=("gradient of queries", "gradient of keys", "gradient of values"),
-                       dq_atomic: bool = False, q_norm=None):
+                       dq_atomic: bool = False, q_norm=None, bounds=None, mask=None):
     """dq, dk, dv of attention a. split > 1: dk, dv are fp32 and zeroed before (atomic sums).
     dq_atomic: dq is fp32, zeroed before, and receives dQ as atomic sums from the key blocks' programs
     (no dQ programs: no recomputation of P and dP for dQ). q_norm: as `attention_forward`'s (dq: the
@@ -291,11 +354,11 @@ def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v,
         dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ranges=ranges, q_rstd=q_rstd,
              q_w=q_w, S_q=a.s_q, S_k=a.s_k,
              scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, kv_programs=kv_programs, r_dq=r_dq,
-             r_dk=r_dk, r_dv=r_dv),
+             r_dk=r_dk, r_dv=r_dv, **_mask_args(a, bounds, mask, q)),
         LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_DO=do.stride(0), LD_DQ=dq.stride(0),
         LD_DK=dk.stride(0), LD_DV=dv.stride(0), KV_BN=tiles.kv_bn, KV_BM=tiles.kv_bm, Q_BM=tiles.q_bm,
         Q_BN=tiles.q_bn, SPLIT=split, DQ_ATOMIC=dq_atomic, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
-        Q_NORM=q_norm is not None, **a.meta(guard))
+        Q_NORM=q_norm is not None, PRE=256 if INTERPRETED else 1024, **a.meta(guard))
 
 
 def zero(t):

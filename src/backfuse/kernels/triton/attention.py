@@ -10,8 +10,17 @@ S_q] fp32; lse is in base-2 units of the logits.
 Math. With q.k the product of a query and a key row:
     c = scale * q.k                                  (no cap)
     c = cap * t,  t = tanh(scale * q.k / cap)        (HAS_CAP)
-    key j is visible to query i when j < S_k, and also j <= i (CAUSAL), i - j < window (WINDOW)
+    key j is visible to query i when j < S_k, and also j <= i (CAUSAL), i - j < window (WINDOW);
+    with MASK, instead when lo[b, i] <= j <= hi[b, i] (each query row's bounds) and the mask allows it:
+      MASK_KEEP:  mask[b, i, j] != 0 (a 0/1 mask; a key padding mask is one with a zero query stride)
+      MASK_ADD:   mask[b, i, j] > -1e38, added to the logits after the cap (an additive float mask, the
+                  model's 0 / finfo.min), as eager attention adds it
+    A query row that sees no key (lo > hi, or the mask allows none) gets O = 0 and its P is 0 in the
+    backward, as PyTorch's SDPA gives a fully masked row.
     P = softmax(c) over the visible keys, O = P V, lse = log2 sum_j 2^(c_ij log2 e)
+Only the key blocks inside a query block's bounds are visited (forward, dQ), and only the query blocks
+whose bounds reach a key block (dK, dV): a window's, a document's or padding's other blocks are skipped,
+not masked.
 Backward, from dO:
     delta = rowsum(dO * O),  dP = dO V^T,  dC = P * (dP - delta)
     dS = dC * scale  (* (1 - t^2) with the cap)      -- the gradient of the logits' q.k
@@ -107,6 +116,50 @@ def _visible(rows, cols, S_k, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr
     return ok
 
 
+MASK_NONE = tl.constexpr(0)
+MASK_BOUNDS = tl.constexpr(1)  # the bounds alone
+MASK_KEEP = tl.constexpr(2)
+MASK_ADD = tl.constexpr(3)
+_MASKED_OUT = tl.constexpr(-1.0e38)  # an additive mask value at or below it hides the key (finfo.min of any dtype)
+
+
+@triton.jit
+def _masked(s, r2, c2, lo2, hi2, b, mask, m_sb, m_sq, m_sk, MASK: tl.constexpr):
+    """(logits s with an additive mask added, which of them are visible) for the tile of query rows r2
+    and key columns c2 (broadcast against each other) with the rows' bounds lo2, hi2."""
+    ok = (c2 >= lo2) & (c2 <= hi2)
+    if MASK == MASK_KEEP:
+        at = b.to(tl.int64) * m_sb + r2.to(tl.int64) * m_sq + c2.to(tl.int64) * m_sk
+        ok = ok & (tl.load(mask + at, mask=ok, other=0) != 0)
+    if MASK == MASK_ADD:
+        at = b.to(tl.int64) * m_sb + r2.to(tl.int64) * m_sq + c2.to(tl.int64) * m_sk
+        add = tl.load(mask + at, mask=ok, other=0.0).to(tl.float32)
+        ok = ok & (add > _MASKED_OUT)
+        s = s + add * _LOG2E
+    return s, ok
+
+
+@triton.jit
+def _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k):
+    """Each query row's bounds [lo, hi] (rows past S_q: none)."""
+    at = b * S_q + rows
+    return tl.load(lo + at, mask=row_ok, other=S_k), tl.load(hi + at, mask=row_ok, other=-1)
+
+
+@triton.jit
+def _query_range(lo, hi, b, first_col, last_col, S_q, S_k, PRE: tl.constexpr):
+    """[first, last + 1) of the query rows whose bounds reach keys first_col..last_col (empty: first > last)."""
+    first = S_q
+    last = -1
+    for m0 in range(0, S_q, PRE):
+        rows = m0 + tl.arange(0, PRE)
+        lo_r, hi_r = _row_bounds(lo, hi, b, rows, rows < S_q, S_q, S_k)
+        reach = (lo_r <= last_col) & (hi_r >= first_col)
+        first = tl.minimum(first, tl.min(tl.where(reach, rows, S_q)))
+        last = tl.maximum(last, tl.max(tl.where(reach, rows, -1)))
+    return first, last + 1
+
+
 @triton.jit
 def _head_tile(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr):
     """The [R, D] tile of tokens tok ([R]) at `column` of a token-major buffer (zeros where not ok)."""
@@ -131,18 +184,19 @@ def _store_head_tile(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr, x
     tl.store(base + tok.to(tl.int64)[:, None] * LD + column + d[None, :], narrow(x, base.dtype.element_ty), mask=ok[:, None])
 
 
-@triton.jit(do_not_specialize=["S_q", "S_k", "window", "r_q", "r_k", "r_v"])
+@triton.jit(do_not_specialize=["S_q", "S_k", "window", "r_q", "r_k", "r_v", "m_sb", "m_sq", "m_sk"])
 def attention_forward_kernel(
-    q, k, v, o, lse, ranges, q_rstd, q_w,
-    S_q, S_k, scale, cap, window, r_q, r_k, r_v,
+    q, k, v, o, lse, ranges, q_rstd, q_w, lo, hi, mask,
+    S_q, S_k, scale, cap, window, r_q, r_k, r_v, m_sb, m_sq, m_sk,
     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_O: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-    RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, Q_NORM: tl.constexpr,
+    RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr,
 ):
     """O and lse of BM queries of one (batch entry, head): grid (B * HEADS, query blocks), the last
     blocks (the most keys when causal) first. Online softmax over BN keys at a time, only over the
-    key blocks the mask leaves visible (a window's earlier blocks are skipped, not masked)."""
+    key blocks the mask leaves visible (a window's earlier blocks are skipped, not masked); with MASK,
+    the key blocks between the block's rows' lowest and highest bounds."""
     bh = tl.program_id(0)
     block = tl.num_programs(1) - 1 - tl.program_id(1)
     b = bh // HEADS
@@ -154,21 +208,30 @@ def attention_forward_kernel(
     m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)  # finite: a row with no visible key yet adds exp2(-inf) = 0
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, D), dtype=tl.float32)
-    lo = 0
-    hi = S_k
+    n_lo = 0
+    n_hi = S_k
     if CAUSAL:
-        hi = tl.minimum(S_k, (block + 1) * BM)
+        n_hi = tl.minimum(S_k, (block + 1) * BM)
     if WINDOW:
-        lo = tl.maximum(0, block * BM - window + 1) // BN * BN
+        n_lo = tl.maximum(0, block * BM - window + 1) // BN * BN
+    if MASK != MASK_NONE:
+        lo_r, hi_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
+        n_lo = tl.maximum(0, tl.min(lo_r)) // BN * BN
+        n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
     k_max = 0.0
     v_max = 0.0
-    for n0 in range(lo, hi, BN):
+    for n0 in range(n_lo, n_hi, BN):
         cols = n0 + tl.arange(0, BN)
         col_ok = cols < S_k
         kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
         vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
         s, t = _logits(mma(qt, tl.trans(kt), None), scale, cap, HAS_CAP, APPROX_TANH)
-        s = tl.where(_visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW), s, float("-inf"))
+        visible = _visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW)
+        if MASK != MASK_NONE:
+            s, seen = _masked(s, rows[:, None], cols[None, :], lo_r[:, None], hi_r[:, None], b, mask, m_sb, m_sq, m_sk,
+                              MASK)
+            visible = visible & seen
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -206,12 +269,13 @@ def attention_delta_kernel(
 
 
 @triton.jit
-def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, S_q, S_k, scale, cap,
-               window, r_dk, r_dv, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr,
-               LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr, LD_DK: tl.constexpr,
-               LD_DV: tl.constexpr, KV_BN: tl.constexpr, KV_BM: tl.constexpr, SPLIT: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
-               APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr):
+def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask, S_q, S_k,
+               scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS: tl.constexpr, GROUP: tl.constexpr,
+               D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr,
+               LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr, KV_BN: tl.constexpr, KV_BM: tl.constexpr,
+               SPLIT: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+               RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr,
+               MASK: tl.constexpr, PRE: tl.constexpr):
     """dK, dV of KV_BN keys of one (batch entry, KV head), summed over the group's query heads and the
     visible queries (KV_BM at a time); key blocks in order (the first have the most queries when
     causal). SPLIT > 1: that many programs share a key block, each over a run of its queries, and add
@@ -228,22 +292,25 @@ def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_
     col_ok = cols < S_k
     kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
     vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
-    lo = 0
-    hi = S_q
+    m_lo = 0
+    m_hi = S_q
     if CAUSAL:
-        lo = block * KV_BN // KV_BM * KV_BM
+        m_lo = block * KV_BN // KV_BM * KV_BM
     if WINDOW:
-        hi = tl.minimum(S_q, block * KV_BN + KV_BN - 1 + window)
+        m_hi = tl.minimum(S_q, block * KV_BN + KV_BN - 1 + window)
+    if MASK != MASK_NONE:
+        m_lo, m_hi = _query_range(lo, hi, b, block * KV_BN, tl.minimum(S_k, block * KV_BN + KV_BN) - 1, S_q, S_k, PRE)
+        m_lo = m_lo // KV_BM * KV_BM
     if SPLIT > 1:
-        steps = (tl.cdiv(tl.maximum(hi - lo, 0), KV_BM) + SPLIT - 1) // SPLIT
-        lo = lo + part * steps * KV_BM
-        hi = tl.minimum(hi, lo + steps * KV_BM)
+        steps = (tl.cdiv(tl.maximum(m_hi - m_lo, 0), KV_BM) + SPLIT - 1) // SPLIT
+        m_lo = m_lo + part * steps * KV_BM
+        m_hi = tl.minimum(m_hi, m_lo + steps * KV_BM)
     dk_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
     dv_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
     for g in range(GROUP):
         h = kv * GROUP + g
         bh = b * HEADS + h
-        for m0 in range(lo, hi, KV_BM):
+        for m0 in range(m_lo, m_hi, KV_BM):
             rows = m0 + tl.arange(0, KV_BM)
             row_ok = rows < S_q
             qt = _query_tile(q, q_rstd, q_w, b * S_q + rows, row_ok, LD_Q, h, D, Q_NORM)
@@ -252,6 +319,11 @@ def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_
             row_delta = tl.load(delta + bh * S_q + rows, mask=row_ok, other=0.0)
             s, t = _logits(mma(kt, tl.trans(qt), None), scale, cap, HAS_CAP, APPROX_TANH)  # [keys, queries]
             visible = _visible(rows[None, :], cols[:, None], S_k, window, CAUSAL, WINDOW)
+            if MASK != MASK_NONE:
+                lo_r, hi_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
+                s, seen = _masked(s, rows[None, :], cols[:, None], lo_r[None, :], hi_r[None, :], b, mask, m_sb, m_sq,
+                                  m_sk, MASK)
+                visible = visible & seen
             p = tl.where(visible, tl.exp2(s - row_lse[None, :]), 0.0)
             dv_acc = mma(narrow(p, dot_.dtype), dot_, dv_acc)
             ds = p * (mma(vt, tl.trans(dot_), None) - row_delta[None, :])
@@ -280,11 +352,12 @@ def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_
 
 
 @triton.jit
-def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd, q_w, S_q, S_k, scale, cap, window,
-                 r_dq, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr,
-                 LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr, Q_BM: tl.constexpr,
-                 Q_BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-                 RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, Q_NORM: tl.constexpr):
+def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd, q_w, lo, hi, mask, S_q, S_k, scale,
+                 cap, window, r_dq, m_sb, m_sq, m_sk, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                 LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr,
+                 Q_BM: tl.constexpr, Q_BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                 HAS_CAP: tl.constexpr, RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, Q_NORM: tl.constexpr,
+                 MASK: tl.constexpr):
     """dQ of Q_BM queries of one (batch entry, head) over their visible keys (Q_BN at a time), the
     last query blocks (the most keys when causal) first."""
     per_block = q_programs // ((S_q + Q_BM - 1) // Q_BM)
@@ -300,20 +373,28 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
     dot_ = _head_tile(do, tok, row_ok, LD_DO, h * D, D)
     row_lse = tl.load(lse + bh * S_q + rows, mask=row_ok, other=float("inf"))
     row_delta = tl.load(delta + bh * S_q + rows, mask=row_ok, other=0.0)
-    lo = 0
-    hi = S_k
+    n_lo = 0
+    n_hi = S_k
     if CAUSAL:
-        hi = tl.minimum(S_k, (block + 1) * Q_BM)
+        n_hi = tl.minimum(S_k, (block + 1) * Q_BM)
     if WINDOW:
-        lo = tl.maximum(0, block * Q_BM - window + 1) // Q_BN * Q_BN
+        n_lo = tl.maximum(0, block * Q_BM - window + 1) // Q_BN * Q_BN
+    if MASK != MASK_NONE:
+        lo_r, hi_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
+        n_lo = tl.maximum(0, tl.min(lo_r)) // Q_BN * Q_BN
+        n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
     dq_acc = tl.zeros((Q_BM, D), dtype=tl.float32)
-    for n0 in range(lo, hi, Q_BN):
+    for n0 in range(n_lo, n_hi, Q_BN):
         cols = n0 + tl.arange(0, Q_BN)
         col_ok = cols < S_k
         kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
         vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
         s, t = _logits(mma(qt, tl.trans(kt), None), scale, cap, HAS_CAP, APPROX_TANH)
         visible = _visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW)
+        if MASK != MASK_NONE:
+            s, seen = _masked(s, rows[:, None], cols[None, :], lo_r[:, None], hi_r[:, None], b, mask, m_sb, m_sq, m_sk,
+                              MASK)
+            visible = visible & seen
         p = tl.where(visible, tl.exp2(s - row_lse[:, None]), 0.0)
         ds = p * (mma(dot_, tl.trans(vt), None) - row_delta[:, None])
         if HAS_CAP:
@@ -325,16 +406,17 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
         fold(ranges, r_dq, largest(dq_acc))
 
 
-@triton.jit(do_not_specialize=["S_q", "S_k", "window", "kv_programs", "r_dq", "r_dk", "r_dv"])
+@triton.jit(do_not_specialize=["S_q", "S_k", "window", "kv_programs", "r_dq", "r_dk", "r_dv", "m_sb", "m_sq", "m_sk"])
 def attention_backward_kernel(
-    q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w,
-    S_q, S_k, scale, cap, window, kv_programs, r_dq, r_dk, r_dv,
+    q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask,
+    S_q, S_k, scale, cap, window, kv_programs, r_dq, r_dk, r_dv, m_sb, m_sq, m_sk,
     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr,
     LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
-    APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr,
+    APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr,
+    PRE: tl.constexpr,
 ):
     """Programs [0, kv_programs): dK, dV of a key block (`_key_block`); the rest: dQ of a query block
     (`_query_block`). P is recomputed from lse; one launch of both kinds, each independent of the other.
@@ -342,10 +424,52 @@ def attention_backward_kernel(
     the gradient of the normed queries."""
     pid = tl.program_id(0)
     if pid < kv_programs:
-        _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, S_q, S_k, scale, cap,
-                   window, r_dk, r_dv, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, LD_DK, LD_DV, KV_BN, KV_BM,
-                   SPLIT, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, DQ_ATOMIC, Q_NORM)
+        _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask, S_q, S_k,
+                   scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ,
+                   LD_DK, LD_DV, KV_BN, KV_BM, SPLIT, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, DQ_ATOMIC, Q_NORM,
+                   MASK, PRE)
     else:
         _query_block(pid - kv_programs, tl.num_programs(0) - kv_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
-                     q_w, S_q, S_k, scale, cap, window, r_dq, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, Q_BM,
-                     Q_BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, Q_NORM)
+                     q_w, lo, hi, mask, S_q, S_k, scale, cap, window, r_dq, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q,
+                     LD_K, LD_V, LD_DO, LD_DQ, Q_BM, Q_BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, Q_NORM, MASK)
+
+
+@triton.jit(do_not_specialize=["S_q", "S_k", "window", "m_sb", "m_sq", "m_sk"])
+def attention_bounds_kernel(
+    lo, hi, mask, starts,
+    S_q, S_k, window, m_sb, m_sq, m_sk,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, MASK: tl.constexpr,
+    BR: tl.constexpr, BN: tl.constexpr,
+):
+    """Each query row's bounds [lo, hi] for the attention kernels' MASK: grid (B, row blocks of BR).
+    Start from every key, keep j <= i (CAUSAL), i - j < window (WINDOW), j >= the row's document start
+    (DOCS: starts[b, i], packed documents); then with a mask (MASK_KEEP, MASK_ADD) narrow them to the
+    first and last key it allows inside them. A row that sees no key gets lo = S_k, hi = -1."""
+    b = tl.program_id(0)
+    rows = tl.program_id(1) * BR + tl.arange(0, BR)
+    row_ok = rows < S_q
+    r_lo = tl.zeros((BR,), dtype=tl.int32)
+    r_hi = tl.full((BR,), S_k - 1, dtype=tl.int32)
+    if CAUSAL:
+        r_hi = tl.minimum(r_hi, rows)
+    if WINDOW:
+        r_lo = tl.maximum(r_lo, rows - window + 1)
+    if DOCS:
+        r_lo = tl.maximum(r_lo, tl.load(starts + b * S_q + rows, mask=row_ok, other=0))
+    if MASK == MASK_KEEP or MASK == MASK_ADD:
+        first = tl.full((BR,), S_k, dtype=tl.int32)
+        last = tl.full((BR,), -1, dtype=tl.int32)
+        n_lo = tl.maximum(0, tl.min(tl.where(row_ok, r_lo, S_k))) // BN * BN
+        n_hi = tl.minimum(S_k, tl.max(tl.where(row_ok, r_hi, -1)) + 1)
+        for n0 in range(n_lo, n_hi, BN):
+            cols = n0 + tl.arange(0, BN)
+            s, seen = _masked(tl.zeros((BR, BN), dtype=tl.float32), rows[:, None], cols[None, :], r_lo[:, None],
+                              r_hi[:, None], b, mask, m_sb, m_sq, m_sk, MASK)
+            seen = seen & row_ok[:, None] & (cols[None, :] < S_k)
+            first = tl.minimum(first, tl.min(tl.where(seen, cols[None, :], S_k), 1))
+            last = tl.maximum(last, tl.max(tl.where(seen, cols[None, :], -1), 1))
+        r_lo = first
+        r_hi = last
+    empty = r_lo > r_hi
+    tl.store(lo + b * S_q + rows, tl.where(empty, S_k, r_lo), mask=row_ok)
+    tl.store(hi + b * S_q + rows, tl.where(empty, -1, r_hi), mask=row_ok)
