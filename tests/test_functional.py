@@ -122,11 +122,52 @@ def test_torch_compile_takes_the_model_features(pid, config, softcap):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_op_registration_is_consistent():
-    _, _, fwd = _forward_inputs("037")
-    tensors, scalars = fwd[:9], fwd[9:]
-    torch.library.opcheck(torch.ops.backfuse.gemma3_core_forward.default, (*tensors, *scalars, 0, 0),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+def _op_args(case):
+    """(op, args) of a custom op at a small config: the official operators' inputs, 037 with each kind of mask."""
+    pid, _, mask = case.partition("-")
+    _, _, fwd = _forward_inputs(pid)
+    if pid == "021":
+        return torch.ops.backfuse.wan_xattn_forward.default, (*fwd[:10], None, None, fwd[10], 16, 1e-6)
+    if pid == "072":
+        return torch.ops.backfuse.qkv_gqa_forward.default, (*fwd, 256)
+    b, s = fwd[0].shape[:2]
+    masks = {"": (None, None),
+             "padding": (torch.tensor([[0] * 2 + [1] * (s - 2)], device=DEVICE).expand(b, s).contiguous(), None),
+             "documents": (None, torch.tensor([[0, 0, 2, 2, 2]], dtype=torch.int32, device=DEVICE)),
+             "additive": (torch.zeros(1, 1, s, s, device=DEVICE).masked_fill(
+                 torch.ones(s, s, dtype=torch.bool, device=DEVICE).triu(1), torch.finfo(torch.float32).min), None)}
+    return torch.ops.backfuse.gemma3_core_forward.default, (*fwd[:9], *masks[mask], *fwd[9:], 0, 0)
+
+
+@pytest.mark.parametrize("case", ["021", "072", "037", "037-padding", "037-documents", "037-additive"])
+def test_custom_ops_keep_torch_librarys_contract(case):
+    """torch.library.opcheck: the schema (no output aliases an input or another output: the parameter
+    gradients each in memory of their own), the fake kernels' shapes and the autograd registration. (Its
+    AOT test compares every output bit for bit, the saved-activations blob's alignment gaps too, which hold
+    whatever the allocation held: `test_compiled_with_dynamic_shapes_equals_eager` covers that dispatch.)"""
+    op, args = _op_args(case)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("pid", ["021", "037"])
+def test_compiled_with_dynamic_shapes_equals_eager(pid):
+    """torch.compile(dynamic=True): one graph for two lengths (the fakes trace symbolic sizes), and the eager
+    op's outputs and gradients at each."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fn = FUNCTIONS[pid]
+    compiled = torch.compile(fn, dynamic=True, backend="aot_eager")
+    for tokens in (5, 9):
+        shapes = dict(SHAPES[pid], **({"num_video_tokens": tokens} if pid == "021" else {"seq_len": tokens}))
+        prob = backfuse.problem(pid)
+        named = dict(zip(prob.input_names, prob.make_inputs(shapes, seed=tokens, device=DEVICE)))
+        fwd = [v.requires_grad_(n in prob.differentiates) if isinstance(v, torch.Tensor) else v for n, v in named.items()
+               if n not in prob.upstream_grads]
+        leaves = [x for x in fwd if isinstance(x, torch.Tensor) and x.requires_grad]
+        grads = [named[n] for n in prob.upstream_grads]
+        for a, b in zip(_backward(compiled(*fwd), grads, leaves), _backward(fn(*fwd), grads, leaves)):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 def test_saving_activations_or_not_gives_the_same_gradients():

@@ -24,17 +24,33 @@ class BackfuseWarning(UserWarning):
 
 
 _INTERNAL = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__))
+# The model libraries backfuse patches: a warning from a patched model points past their frames too, at the
+# line that called the model (or the training loop's backward).
+_LIBRARIES = ("transformers", "diffusers", "peft", "accelerate", "trl")
 _SITE = contextvars.ContextVar("backfuse_warning_site", default=None)
 
 
+def _internal() -> tuple:
+    """Directories whose frames are not the user's: backfuse's, torch's, and the model libraries' imported."""
+    found = []
+    for name in _LIBRARIES:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            found.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return _INTERNAL + tuple(found)
+
+
 def user_site():
-    """(filename, line, module globals) of the innermost frame outside backfuse and torch, or None.
+    """(filename, line, module globals) of the innermost frame outside backfuse, torch and the model
+    libraries, or None.
 
     The filename may name no file (`<stdin>`, `<string>`, a notebook cell); warnings prints the
     line's text where `linecache` has it (files, and the cells IPython registers there)."""
+    internal = _internal()
     frame = sys._getframe(1)
     while frame is not None:
-        if not frame.f_code.co_filename.startswith(_INTERNAL):
+        if not frame.f_code.co_filename.startswith(internal):
             return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
         frame = frame.f_back
     return None

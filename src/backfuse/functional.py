@@ -37,6 +37,7 @@ from .ops.qkv_gqa.spec import QkvGqaConfig
 from .ops.wan_xattn.spec import WanXattnConfig
 from .problem import TRAINING_DTYPES, Tensor, check_real
 from .train import cudnn as _cudnn
+from .train import masks as _masks
 
 
 class _Lazy:
@@ -99,11 +100,13 @@ def _contiguous(tensors):
     return [t if t is None else t.contiguous() for t in tensors]
 
 
-def _needs_plan(plan, needs: tuple):
-    key = (id(plan), needs)
+def _needs_plan(plan, needs: tuple, own: bool = False):
+    """plan computing only the gradients flagged in needs; own: each in memory of its own (the custom ops:
+    torch.library's contract forbids outputs that alias each other)."""
+    key = (id(plan), needs, own)
     p = _plans.get(key)
     if p is None:
-        p = _plans[key] = dataclasses.replace(plan, needs=needs)
+        p = _plans[key] = dataclasses.replace(plan, needs=needs, own_grads=own)
     return p
 
 
@@ -273,9 +276,51 @@ def _softcap(softcap) -> float:
     return abs(check_real(softcap, f"{_GEMMA_LABEL}: input 'attn_logit_softcapping'"))  # tanh(z / c) c is even in c
 
 
-def _gemma_plan(tensors, softcap, window, save, head_dim=None):
+def _gemma_masks(attention_mask, cu_seqlens, hidden) -> tuple:
+    """(mask, starts) for the kernels from gemma3_core's attention_mask and cu_seqlens (shapes checked
+    here, values never read on the host)."""
+    if cu_seqlens is None:
+        return attention_mask, None
+    if attention_mask is not None and attention_mask.dim() == 4:
+        raise ValueError(f"{_GEMMA_LABEL}: pass cu_seqlens or a 4-dim attention_mask (which holds the documents "
+                         "itself), not both")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
+            or cu_seqlens.numel() < 2:
+        what = f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) else \
+            type(cu_seqlens).__name__
+        raise ValueError(f"{_GEMMA_LABEL}: input 'cu_seqlens' must be an integer tensor [documents + 1] (FlashAttention's "
+                         f"cumulative document lengths, from 0), got {what}")
+    if hidden.dim() != 3 or hidden.shape[0] != 1:
+        raise ValueError(f"{_GEMMA_LABEL}: with cu_seqlens, input 'hidden_states' must be one row of packed documents "
+                         f"[1, tokens, hidden], got {tuple(hidden.shape)}")
+    if cu_seqlens.device != hidden.device:
+        raise ValueError(f"{_GEMMA_LABEL}: input 'cu_seqlens' is on {cu_seqlens.device}, hidden_states on {hidden.device}")
+    return attention_mask, _masks.starts_from_cu_seqlens(cu_seqlens, hidden.shape[1])
+
+
+def _check_mask(mask, starts, batch: int, seq: int, device):
+    """Shape and device of the mask and starts the kernels take (errors name the input)."""
+    if mask is not None:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else None
+        ok = shape is not None and (shape == (batch, seq) or (len(shape) == 4 and shape[0] in (1, batch) and shape[1] == 1
+                                                               and shape[2:] == (seq, seq)))
+        if not ok:
+            raise ValueError(f"{_GEMMA_LABEL}: input 'attention_mask' must be [batch_size={batch}, seq_len={seq}] (nonzero: "
+                             f"a real token) or [{batch} or 1, 1, {seq}, {seq}] (bool: visible; float: added to the "
+                             f"logits), got {shape if shape is not None else type(mask).__name__}")
+        if mask.device != device:
+            raise ValueError(f"{_GEMMA_LABEL}: input 'attention_mask' is on {mask.device}, hidden_states on {device}")
+        if mask.dim() == 2 and mask.is_complex():
+            raise ValueError(f"{_GEMMA_LABEL}: input 'attention_mask' must be bool, integer or float, got {mask.dtype}")
+    if starts is not None and (tuple(starts.shape) != (batch, seq) or starts.dtype != torch.int32):
+        raise ValueError(f"{_GEMMA_LABEL}: document starts must be [{batch}, {seq}] int32, got {starts.dtype} "
+                         f"{tuple(starts.shape)}")
+
+
+def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts=None):
+    masking = _masks.masking_of(mask, starts)
     key = ("037", _signature(tensors), softcap, window, save, head_dim, _cudnn.enabled(),
-           torch.are_deterministic_algorithms_enabled())
+           torch.are_deterministic_algorithms_enabled(), masking, _signature((mask, starts)))
     plan = _plans.get(key)
     if plan is None:
         hidden, cos, sin, wq, wk, wv, wo, qnw, knw = tensors
@@ -309,9 +354,10 @@ def _gemma_plan(tensors, softcap, window, save, head_dim=None):
         if norm:
             specs += [Tensor("q_norm_weight", (head_dim,)), Tensor("k_norm_weight", (head_dim,))]
         axes = _validate(_GEMMA_LABEL, "037", specs, tensors[:len(specs)])
+        _check_mask(mask, starts, axes[b], axes[s], hidden.device)
         plan = _plans[key] = _gemma.Plan(axes[b], axes[s], config, hidden.dtype, softcap=softcap,
                                          cos_batched=tables != 1 or axes[b] == 1, save=save,
-                                         sms=_sm_count(hidden.device), deterministic=key[-1])
+                                         sms=_sm_count(hidden.device), deterministic=key[7], masking=masking)
         if _cudnn.serves(plan.attention, plan.compute, hidden.device, plan.deterministic):
             plan = _plans[key] = dataclasses.replace(plan, cudnn=True)
     return plan
@@ -319,43 +365,58 @@ def _gemma_plan(tensors, softcap, window, save, head_dim=None):
 
 class _Gemma3Core(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scaling, softcap, eps, window, save, head_dim, *tensors):
-        plan = _gemma_plan(tensors, softcap, window, save, head_dim)
+    def forward(ctx, scaling, softcap, eps, window, save, head_dim, mask, starts, *tensors):
+        plan = _gemma_plan(tensors, softcap, window, save, head_dim, mask, starts)
         tensors = _contiguous(tensors)
-        out, acts = _gemma.forward(tensors, scaling, eps, plan)
-        ctx.save_for_backward(*tensors, *([] if acts is None else [acts]))
+        out, acts = _gemma.forward(tensors, scaling, eps, plan, (mask, starts))
+        ctx.save_for_backward(*tensors, mask, starts, acts)
         ctx.plan, ctx.scalars, ctx.site = plan, (scaling, eps), _site(plan)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        n = ctx.needs_input_grad[6:]
+        n = ctx.needs_input_grad[8:]
         needs = (n[0], *n[3:9])  # cos and sin get none
         if not any(needs):
-            return (None,) * 15
+            return (None,) * 17
         saved = ctx.saved_tensors
         with _attributed(ctx.site):
-            g = _gemma.backward(saved[:9], grad_out, *ctx.scalars, _needs_plan(ctx.plan, needs),
-                                saved[9] if len(saved) > 9 else None)
-        return (None,) * 6 + (g[0], None, None, *g[1:])
+            g = _gemma.backward(saved[:9], grad_out, *ctx.scalars, _needs_plan(ctx.plan, needs), saved[11], saved[9:11])
+        return (None,) * 8 + (g[0], None, None, *g[1:])
 
 
 def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight, scaling,
-                softcap, eps, *, window: int = 0, head_dim: int | None = None, save_activations: bool = True):
+                softcap, eps, *, window: int = 0, head_dim: int | None = None, attention_mask=None, cu_seqlens=None,
+                save_activations: bool = True):
     """Gemma's attention core (`ops/gemma3_core/training.py`): hidden [B, S, hidden], RoPE tables cos,
     sin [B, S, D]; per-head QK RMSNorm (weight 1 + w; q_norm_weight and k_norm_weight None: no norm,
     as Gemma 2), RoPE, causal GQA attention at `scaling` with the logits soft-capped at `softcap`
     (None or 0: no cap), each query seeing its `window` latest tokens (0: all earlier ones), output
     projection -> [B, S, hidden]. D = head_dim, by default q_norm_weight's size; heads = q_weight rows
-    / D, KV heads = k_weight rows / D. cos and sin get no gradient."""
+    / D, KV heads = k_weight rows / D. cos and sin get no gradient.
+
+    attention_mask: [B, S], nonzero where a token is real (padding: a query sees only real keys, as
+    transformers' 2-dim mask; a query that sees none gets 0); or [B or 1, 1, S, S] as transformers builds
+    it for its attention (bool or integer: nonzero where the key is visible; float: added to the logits
+    after the cap, -inf or finfo.min hiding the key): it then alone decides what each query sees, the
+    causality and window included. cu_seqlens: packed documents in one row (B = 1), FlashAttention's
+    [documents + 1] cumulative lengths from 0: a query sees only its own document's keys. Both are read on
+    the device only (the host never waits), and the kernels skip the key blocks no query of a block sees."""
     scaling = check_real(scaling, f"{_GEMMA_LABEL}: input 'scaling'")
     eps = check_real(eps, f"{_GEMMA_LABEL}: input 'rms_norm_eps'")
     softcap = _softcap(softcap)
     tensors = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight])
+    mask, starts = _gemma_masks(attention_mask, cu_seqlens, tensors[0])
+    return _gemma_call(tensors, mask, starts, scaling, softcap, eps, window, head_dim, save_activations)
+
+
+def _gemma_call(tensors, mask, starts, scaling, softcap, eps, window, head_dim, save_activations):
+    """gemma3_core on autocast inputs and the kernels' (mask, starts)."""
     if torch.compiler.is_compiling():
-        return torch.ops.backfuse.gemma3_core_forward(*tensors, scaling, softcap, eps, window, head_dim or 0)[0]
+        return torch.ops.backfuse.gemma3_core_forward(*tensors, mask, starts, scaling, softcap, eps, window,
+                                                      head_dim or 0)[0]
     with _autocast_off(tensors):
-        return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, head_dim, *tensors)
+        return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, starts, *tensors)
 
 
 # ------------------------------------------- Problem.backward: the official inputs ---------------------------------
@@ -432,7 +493,7 @@ def _wan_forward_op(*args):
 def _wan_backward_op(grads, *args):
     *tensors, acts, scale, heads, eps, needs = args
     tensors = _wan_tensors(tensors)
-    plan = _needs_plan(_wan_plan(tensors, scale, heads, True, eps), tuple(needs))
+    plan = _needs_plan(_wan_plan(tensors, scale, heads, True, eps), tuple(needs), own=True)
     out = _wan.backward(_contiguous(tensors), grads[0], scale, plan, acts)
     return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out]
 
@@ -465,7 +526,7 @@ def _qkv_forward_op(*args):
 
 def _qkv_backward_op(grads, *args):
     *tensors, acts, head_dim, needs = args
-    plan = _needs_plan(_qkv_plan(tensors, head_dim, True), tuple(needs))
+    plan = _needs_plan(_qkv_plan(tensors, head_dim, True), tuple(needs), own=True)
     out = _qkv.backward(_contiguous(tensors), list(grads), plan, acts if acts.numel() else None)
     return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out]
 
@@ -491,23 +552,23 @@ _register("qkv_gqa", ["decoder_hidden_states", "encoder_hidden_states", "q_weigh
 
 
 def _gemma_forward_op(*args):
-    *tensors, scaling, softcap, eps, window, head_dim = args
-    plan = _gemma_plan(tensors, softcap, window, True, head_dim or None)
-    return _gemma.forward(_contiguous(tensors), scaling, eps, plan)
+    *tensors, mask, starts, scaling, softcap, eps, window, head_dim = args
+    plan = _gemma_plan(tensors, softcap, window, True, head_dim or None, mask, starts)
+    return _gemma.forward(_contiguous(tensors), scaling, eps, plan, (mask, starts))
 
 
 def _gemma_backward_op(grads, *args):
-    *tensors, acts, scaling, softcap, eps, window, head_dim, needs = args
-    plan = _needs_plan(_gemma_plan(tensors, softcap, window, True, head_dim or None), tuple(needs))
-    g = _gemma.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts)
+    *tensors, mask, starts, acts, scaling, softcap, eps, window, head_dim, needs = args
+    plan = _needs_plan(_gemma_plan(tensors, softcap, window, True, head_dim or None, mask, starts), tuple(needs), own=True)
+    g = _gemma.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, starts))
     return [torch.empty(0, device=tensors[0].device) if x is None else x for x in g]
 
 
 def _gemma_fake_forward(*args):
-    hidden, cos, sin, wq, wk, wv, wo, qnw, knw, scaling, softcap, eps, window, head_dim = args
+    hidden, cos, sin, wq, wk, wv, wo, qnw, knw, mask, starts, scaling, softcap, eps, window, head_dim = args
     d = head_dim or qnw.shape[0]
     config = Gemma3CoreConfig(wq.shape[1], wq.shape[0] // d, wk.shape[0] // d, d, window, qk_norm=qnw is not None)
-    plan = _gemma.Plan(hidden.shape[0], hidden.shape[1], config, hidden.dtype)
+    plan = _gemma.Plan(hidden.shape[0], hidden.shape[1], config, hidden.dtype, masking=_masks.masking_of(mask, starts))
     return torch.empty_like(hidden), hidden.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
@@ -518,7 +579,7 @@ def _gemma_fake_backward(grads, *args):
 
 
 _register("gemma3_core", ["hidden_states", "cos", "sin", "q_weight", "k_weight", "v_weight", "o_weight",
-                          "q_norm_weight?", "k_norm_weight?"],
+                          "q_norm_weight?", "k_norm_weight?", "attention_mask?", "starts?"],
           "float scaling, float softcap, float eps, int window, int head_dim", 1, _gemma_forward_op, _gemma_backward_op,
           _gemma_fake_forward, _gemma_fake_backward, [0, 3, 4, 5, 6, 7, 8])
 

@@ -90,8 +90,16 @@ def dtypes_text(dtypes) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
+def is_int(value) -> bool:
+    """Whether value is an int (not a bool), or a size torch.compile traces symbolically (dynamic shapes)."""
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
 def check_real(value, where: str) -> float:
-    """value as a float, when it is a finite real number (not a bool); else the error `where` starts."""
+    """value as a float, when it is a finite real number (not a bool); else the error `where` starts. A
+    number torch.compile traces (a dynamic float) is left as it is: the op gets its value at run time."""
+    if torch.compiler.is_compiling():
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where} must be a real number, got {type(value).__name__}")
     if not math.isfinite(value):

@@ -1,6 +1,8 @@
 """backfuse inside other libraries' models: `patch(model)` finds the attention modules backfuse covers and
-binds backfuse's training ops to them; whatever a patched module meets that the op does not cover (a KV
-cache, dropout, a mask it cannot take, image context) it hands to the module's own code.
+binds backfuse's training ops to them. A patched module serves a call only where it can show the op computes
+what the module's own code would (the mask the model built, plain `nn.Linear` projections, the call's own
+state); anything else (a KV cache, dropout, LoRA or quantized projections, image context in Wan) runs the
+module's own code, with a warning naming the reason.
 
     report = backfuse.patch(model)      # e.g. {"Gemma3Attention": 26} (printed unless quiet=True)
     backfuse.unpatch(model)             # the modules' own code again
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+
+import torch
 
 from .. import callsite
 
@@ -95,6 +99,22 @@ def fallbacks(model) -> dict:
         if state is not None:
             total.update(state["fallbacks"])
     return dict(total)
+
+
+def plain_linear(name: str, linear, *, bias: bool) -> str | None:
+    """Why `linear` is not a plain nn.Linear (without a bias unless `bias`) whose weight an op may read in
+    place of calling it, or None: no subclass or wrapper (LoRA, quantized layers), hook or parametrization."""
+    if type(linear) is not torch.nn.Linear:
+        return (f"{name} is a {type(linear).__module__.split('.')[0]} {type(linear).__name__}, not a plain nn.Linear "
+                "(LoRA, quantized or wrapped projections run the module's own code)")
+    if linear.bias is not None and not bias:
+        return f"{name} has a bias"
+    if linear._forward_hooks or linear._forward_pre_hooks or getattr(linear, "parametrizations", None):
+        return f"{name} has hooks or parametrizations"
+    weight = linear.weight
+    if type(weight) not in (torch.nn.Parameter, torch.Tensor) or not weight.is_floating_point():
+        return f"{name}'s weight is a {type(weight).__name__} of {weight.dtype}, not a plain floating tensor"
+    return None
 
 
 _warned: set = set()

@@ -4,8 +4,9 @@ A Wan transformer block's `attn2` (a `WanAttention` with `is_cross_attention`) g
 computes the whole attention (q, k, v projections with biases, RMSNorm of q and k across the heads,
 softmax(Q K^T / sqrt(head size)) V, the output projection) as one `F.wan_xattn` call, when: the text
 context is all there is (no image context: `add_k_proj` is None), there is no attention mask and no
-rotary embedding, the projections are not fused (`fuse_projections`), q, k and v have the model width,
-and the output dropout is off (or the module is in eval mode). Otherwise the processor it replaced
+rotary embedding, the projections are plain `nn.Linear` (not fused by `fuse_projections`, no LoRA, no
+quantization, hooks or parametrizations), q, k and v have the model width, and the output dropout is off
+(or the module is in eval mode). Otherwise the processor it replaced
 runs, counted by reason (`backfuse.fallbacks(model)`).
 """
 
@@ -17,7 +18,7 @@ from collections import Counter
 import torch
 
 from .. import functional as F
-from . import PATCHED, fall_back
+from . import PATCHED, fall_back, plain_linear
 
 
 def _is_wan_cross_attention(module, patched: bool = False) -> bool:
@@ -71,6 +72,10 @@ def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_
         return "q, k norms other than RMSNorm with weights"
     if attn.training and attn.to_out[1].p:
         return "output dropout"
+    for name, linear in (("to_q", attn.to_q), ("to_k", attn.to_k), ("to_v", attn.to_v), ("to_out.0", attn.to_out[0])):
+        reason = plain_linear(name, linear, bias=True)
+        if reason:
+            return reason
     return None
 
 

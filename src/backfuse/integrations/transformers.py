@@ -1,39 +1,41 @@
 """Hugging Face transformers' Gemma 2 and Gemma 3 attention on backfuse's `gemma3_core`.
 
 A patched `Gemma2Attention` / `Gemma3Attention` computes its whole forward (q, k, v projections, the QK
-norm where Gemma 3 has one, RoPE from the model's position embeddings, causal attention with the
-layer's sliding window, soft cap and scaling, the output projection) as one `F.gemma3_core` call, when:
+norm where Gemma 3 has one, RoPE from the model's position embeddings, GQA attention with the layer's
+soft cap and scaling, the output projection) as one `F.gemma3_core` call, with exactly the mask the
+module's own code would apply. Everything it decides from is the call's own arguments and the module's
+state, so a recomputation (gradient checkpointing, reentrant or not) decides the same:
 
-- the model's caller passed no attention mask (the mask transformers builds is then exactly the causal
-  or sliding-window one, which the op applies itself) — `wrap_model` records this per call;
-- there is no KV cache (in training the wrapped model passes `use_cache=False` unless told otherwise);
-- attention dropout is off (or the module is in eval mode), the projections have no biases, and the
-  attention is causal.
+- `eager` and `sdpa` attention (the model's `config._attn_implementation`): the mask is the one
+  transformers built and passed the layer. A 4-dim mask ([B or 1, 1, S, S]: bool for SDPA, 0 / finfo.min
+  for eager) goes to the kernels as it is, so causality, the sliding window, padding, packed documents
+  (position ids that restart) and Gemma 3's bidirectional image blocks are whatever transformers made of
+  them; the kernels skip the key blocks it hides from every query of a block. None under SDPA is its
+  `is_causal` attention (causal, no window: transformers passes None only where nothing else is masked,
+  so the op runs without a window there too); None under eager attends to every key, which the op does
+  not take.
+- the module's projections are plain `nn.Linear` without biases, hooks or parametrizations, and its QK
+  norms the model's own RMSNorm (anything else, LoRA adapters and quantized weights among them, would be
+  read around: the module's own code runs);
+- no KV cache (in training the patched model passes use_cache=False unless told otherwise: `wrap_model`),
+  attention dropout off (or eval mode), causal attention, no attention weights asked for.
 
-Otherwise the module runs its own forward, counted by reason (`backfuse.fallbacks(model)`).
+Otherwise the module runs its own forward, with a warning naming the reason (once per reason), counted
+by `backfuse.fallbacks(model)`.
 """
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 from collections import Counter
 
 import torch
 
 from .. import functional as F
-from . import PATCHED, fall_back
+from . import PATCHED, fall_back, plain_linear
 
-# Whether the innermost wrapped model call had no attention mask from its caller: per thread and task in
-# eager code (a ContextVar), and in a dict that torch.compile can trace (it cannot trace a ContextVar) for
-# the calls compiled code makes.
-_plain_causal = contextvars.ContextVar("backfuse_plain_causal", default=False)
-_COMPILED = {"plain_causal": False}
-
-
-def _no_caller_mask() -> bool:
-    return _COMPILED["plain_causal"] if torch.compiler.is_compiling() else _plain_causal.get()
 MODEL_PATCHED = "_backfuse_model_forward"
+SERVED = ("eager", "sdpa")  # attention implementations whose masks the kernels take as the module's code applies them
 
 
 def _is_gemma_attention(module, patched: bool = False) -> bool:
@@ -41,6 +43,49 @@ def _is_gemma_attention(module, patched: bool = False) -> bool:
     if name not in ("Gemma2Attention", "Gemma3Attention") or not type(module).__module__.startswith("transformers."):
         return False
     return patched == (getattr(module, PATCHED, None) is not None)
+
+
+def _own_norm(module, name: str) -> str | None:
+    norm = getattr(module, name)
+    if type(norm).__module__ != type(module).__module__ or norm._forward_hooks or norm._forward_pre_hooks:
+        return f"{name} is a {type(norm).__name__}, not the model's own RMSNorm"
+    return None
+
+
+def _why_not(module, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> str | None:
+    """Why the call must run the module's own code, or None when `F.gemma3_core` computes what it computes."""
+    impl = getattr(module.config, "_attn_implementation", None)
+    if cache is not None:
+        return "a KV cache (pass use_cache=False in training)"
+    if impl not in SERVED:
+        return f"attention implementation {impl!r} (backfuse serves {' and '.join(map(repr, SERVED))})"
+    if module.training and module.attention_dropout:
+        return "attention dropout"
+    if not getattr(module, "is_causal", True):
+        return "bidirectional attention"
+    if kwargs.get("output_attentions"):
+        return "attention weights asked for (output_attentions)"
+    if position_embeddings is None:
+        return "no position embeddings"
+    if attention_mask is None:
+        if impl == "eager":
+            return "eager attention without a mask (every key visible)"
+    elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return f"an attention mask of type {type(attention_mask).__name__} (backfuse takes the 4-dim one transformers builds)"
+    else:
+        b, s = hidden_states.shape[:2]
+        if attention_mask.shape[0] not in (1, b) or tuple(attention_mask.shape[1:]) != (1, s, s):
+            return f"an attention mask of shape {tuple(attention_mask.shape)} (backfuse takes [{b} or 1, 1, {s}, {s}])"
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        reason = plain_linear(name, getattr(module, name), bias=False)
+        if reason:
+            return reason
+    for name in ("q_norm", "k_norm"):
+        if hasattr(module, name):
+            reason = _own_norm(module, name)
+            if reason:
+                return reason
+    return None
 
 
 def bind(module) -> None:
@@ -54,19 +99,7 @@ def bind(module) -> None:
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values", args[0] if args else None))
-        reason = None
-        if cache is not None:
-            reason = "a KV cache (pass use_cache=False in training)"
-        elif not _no_caller_mask():
-            reason = "an attention mask from the caller (padding or packing), or a call outside the patched model"
-        elif module.training and module.attention_dropout:
-            reason = "attention dropout"
-        elif module.q_proj.bias is not None:
-            reason = "biases on the projections"
-        elif not getattr(module, "is_causal", True):
-            reason = "bidirectional attention"
-        elif position_embeddings is None:
-            reason = "no position embeddings"
+        reason = _why_not(module, hidden_states, position_embeddings, attention_mask, cache, kwargs)
         if reason:
             fall_back(module, reason)
             return own(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
@@ -75,7 +108,8 @@ def bind(module) -> None:
         out = F.gemma3_core(hidden_states, cos, sin, module.q_proj.weight, module.k_proj.weight, module.v_proj.weight,
                             module.o_proj.weight, None if q_norm is None else q_norm.weight,
                             None if k_norm is None else k_norm.weight, module.scaling, softcap,
-                            getattr(q_norm, "eps", eps), window=module.sliding_window or 0, head_dim=module.head_dim)
+                            getattr(q_norm, "eps", eps), window=0, head_dim=module.head_dim,
+                            attention_mask=attention_mask)
         return out, None
 
     module.forward = forward
@@ -87,45 +121,47 @@ def unbind(module) -> None:
     delattr(module, PATCHED)
 
 
-def wrap_model(model) -> None:
-    """The patched model's own forward records whether its caller passed an attention mask, and in
-    training mode passes use_cache=False unless the caller said otherwise."""
-    if getattr(model, MODEL_PATCHED, None) is not None or not type(model).__module__.startswith("transformers."):
-        return
-    own = model.forward
+def _outermost_model(model):
+    """The outermost transformers model in `model` whose forward takes use_cache (`model` itself, or the one a
+    wrapper such as PEFT's holds)."""
+    for m in model.modules():
+        if getattr(m, MODEL_PATCHED, None) is not None:
+            return m
+        if type(m).__module__.startswith("transformers.") and "use_cache" in _parameters(type(m).forward):
+            return m
+    return None
+
+
+def _parameters(fn) -> tuple:
     try:
-        signature = inspect.signature(own)
+        return tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        signature = None
+        return ()
+
+
+def wrap_model(model) -> None:
+    """In training mode the patched model passes use_cache=False unless its caller said otherwise (a KV
+    cache is what generation needs, not training, and the module's own code would fill it)."""
+    target = _outermost_model(model)
+    if target is None or getattr(target, MODEL_PATCHED, None) is not None:
+        return
+    own = target.forward
 
     def forward(*args, **kwargs):
-        mask = kwargs.get("attention_mask")
-        if mask is None and signature is not None and args:
-            try:
-                mask = signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
-            except TypeError:
-                mask = None
-        if model.training and "use_cache" not in kwargs and signature is not None and "use_cache" in signature.parameters:
+        if target.training and "use_cache" not in kwargs:
             kwargs["use_cache"] = False
-        before = _COMPILED["plain_causal"]
-        _COMPILED["plain_causal"] = mask is None
-        token = None if torch.compiler.is_compiling() else _plain_causal.set(mask is None)
-        try:
-            return own(*args, **kwargs)
-        finally:
-            _COMPILED["plain_causal"] = before
-            if token is not None:
-                _plain_causal.reset(token)
+        return own(*args, **kwargs)
 
-    setattr(model, MODEL_PATCHED, own)
-    model.forward = forward
+    setattr(target, MODEL_PATCHED, own)
+    target.forward = forward
 
 
 def unwrap_model(model) -> None:
-    own = getattr(model, MODEL_PATCHED, None)
-    if own is not None:
-        model.forward = own
-        delattr(model, MODEL_PATCHED)
+    for m in model.modules():
+        own = getattr(m, MODEL_PATCHED, None)
+        if own is not None:
+            m.forward = own
+            delattr(m, MODEL_PATCHED)
 
 
 KINDS = [("transformers Gemma2Attention / Gemma3Attention", _is_gemma_attention, bind, unbind)]

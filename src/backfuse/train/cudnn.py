@@ -42,10 +42,10 @@ def enabled() -> bool:
 
 def serves(a: Attention, compute: torch.dtype, device: torch.device, deterministic: bool) -> bool:
     """Whether a call's attention `a` with products in `compute` runs on cuDNN's kernels: on a GPU with
-    cuDNN 9, bfloat16, no soft cap, no window shorter than the sequence (causal or unmasked), head size
+    cuDNN 9, bfloat16, no mask, no soft cap, no window shorter than the sequence (causal or unmasked), head size
     64, 128 or 256, and not in deterministic mode (cuDNN's backward sums dQ by atomics)."""
     return (_enabled and device.type == "cuda" and compute == torch.bfloat16 and not deterministic
-            and a.softcap == 0.0 and not (0 < a.window < a.s_k) and a.head_dim in (64, 128, 256)
+            and a.masking is None and a.softcap == 0.0 and not (0 < a.window < a.s_k) and a.head_dim in (64, 128, 256)
             and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000)
 
 

@@ -65,10 +65,10 @@ class Arena:
                     self.specs.append(s)
                     self.offsets.append(here)
                     here += -(-s.nbytes // ALIGN) * ALIGN
-                end = max(end, here)
+                end = torch.sym_max(end, here)
             at = end
         self.specs = tuple(self.specs)
-        self.nbytes = max(at, ALIGN)
+        self.nbytes = torch.sym_max(at, ALIGN)  # (sizes torch.compile traces symbolically stay symbolic)
 
     def allocate(self, device) -> torch.Tensor:
         return buffers.empty((self.nbytes,), torch.uint8, device)
@@ -90,17 +90,21 @@ class Phases:
 class Outputs:
     """A call's parameter gradients: one allocation split into them (they live as long as each other, until
     the optimizer has used them; autograd takes each as the parameter's .grad without a copy), all in
-    one dtype. `allocate` costs the host one allocation, one split and a view per tensor of 2 dims or more."""
+    one dtype. `allocate` costs the host one allocation, one split and a view per tensor of 2 dims or more.
+    separate: an allocation each (torch.library's ops may not return tensors that share memory)."""
 
-    def __init__(self, specs):
+    def __init__(self, specs, separate: bool = False):
         self.specs = tuple(s for s in specs if s is not None)
         self.sizes = [math.prod(s.shape) for s in self.specs]
         self.total = max(1, sum(self.sizes))
         self.dtype = self.specs[0].dtype if self.specs else torch.float32
+        self.separate = separate
 
     def allocate(self, device) -> SimpleNamespace:
         if not self.specs:
             return SimpleNamespace()
+        if self.separate:
+            return SimpleNamespace(**{s.name: buffers.empty(s.shape, s.dtype, device) for s in self.specs})
         parts = buffers.empty((self.total,), self.dtype, device).split_with_sizes(self.sizes)
         return SimpleNamespace(**{s.name: p if len(s.shape) == 1 else p.view(s.shape) for s, p in zip(self.specs, parts)})
 

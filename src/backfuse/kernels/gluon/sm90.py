@@ -1,8 +1,10 @@
-"""Compiling Gluon kernels for sm_90 on any machine (no GPU needed), and reading what they use.
+"""Compiling Gluon and Triton kernels for sm_90 on any machine (no GPU needed), and reading what they use.
 
 Gluon has no interpreter: a CPU-only machine (CI) checks these kernels by compiling them for the
 H100/H200 target, which catches API breaks, shared-memory overruns and register limits (ptxas
-refuses a wgmma accumulator that does not fit under `maxnreg`) before any GPU time is spent.
+refuses a wgmma accumulator that does not fit under `maxnreg`) before any GPU time is spent. The
+Triton interpreter runs a kernel's arithmetic but not its compilation: the shared memory a tile
+choice needs on the GPU shows only here (`compile_triton`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -52,6 +55,14 @@ def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, maxnr
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
     options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
     return triton.compile(GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=SM90, options=options)
+
+
+def compile_triton(fn, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int):
+    """A Triton kernel compiled for sm_90, as `compile_sm90` (its launch options: warps and pipeline stages)."""
+    sig = {name: "constexpr" if name in constexprs else signature[name] for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name].startswith("*")}
+    return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=SM90,
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def usage(kernel) -> Usage:

@@ -135,7 +135,7 @@ def _masked(s, r2, c2, lo2, hi2, b, mask, m_sb, m_sq, m_sk, MASK: tl.constexpr):
         at = b.to(tl.int64) * m_sb + r2.to(tl.int64) * m_sq + c2.to(tl.int64) * m_sk
         add = tl.load(mask + at, mask=ok, other=0.0).to(tl.float32)
         ok = ok & (add > _MASKED_OUT)
-        s = s + add * _LOG2E
+        s = s + tl.maximum(add, _MASKED_OUT) * _LOG2E  # (finite: a hidden key's logit is set apart by ok)
     return s, ok
 
 
@@ -241,9 +241,10 @@ def attention_forward_kernel(
         if RANGES:
             k_max = tl.maximum(k_max, largest(kt))
             v_max = tl.maximum(v_max, largest(vt))
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows past S_q (nothing stored) see no key: no 0 / 0
+    seen = l_i > 0.0  # a row seeing no key (masked, or past S_q): O = 0, lse = inf (its P is 0 in the backward)
+    l_i = tl.where(seen, l_i, 1.0)
     _store_head_tile(o, b * S_q + rows, row_ok, LD_O, h * D, D, acc / l_i[:, None])
-    tl.store(lse + bh * S_q + rows, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(lse + bh * S_q + rows, tl.where(seen, m_i + tl.log2(l_i), float("inf")), mask=row_ok)
     if RANGES:
         fold(ranges, r_q, largest(qt))
         fold(ranges, r_k, k_max)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...problem import Problem, Scalar, Tensor
+from ...problem import Problem, Scalar, Tensor, is_int
 
 ROPE_THETA = 10000.0  # the base of the RoPE tables the suite draws
 
@@ -45,7 +45,7 @@ class Gemma3CoreConfig:
             raise ValueError(f"Gemma3CoreConfig.qk_norm must be True or False, got {self.qk_norm!r}")
         for name in ("hidden", "heads", "kv_heads", "head_dim", "window"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "window" else 1):
+            if not is_int(value) or value < (0 if name == "window" else 1):
                 raise ValueError(f"Gemma3CoreConfig.{name} must be a {'non-negative' if name == 'window' else 'positive'} "
                                  f"int, got {value!r}")
         if self.heads % self.kv_heads:

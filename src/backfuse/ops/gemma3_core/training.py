@@ -6,7 +6,8 @@ sizes (`Gemma3CoreConfig`), on float32, bfloat16 or float16 tensors.
 Forward (cuBLAS products in the inputs' dtype, or on fp16 copies of float32 inputs; fp32 sums):
     [q | k | v] = X [Wq; Wk; Wv]^T        (raw q, k kept in fp32 for float32 inputs, as the official path)
     qr, kr = RoPE(RMSNorm(q, k) (1 + w))   (kernels/triton/rope.py)
-    A, lse = attention(qr, kr, v)          (kernels/triton/attention.py: causal, window, soft cap, scaling)
+    A, lse = attention(qr, kr, v)          (kernels/triton/attention.py: causal, window, soft cap, scaling;
+                                            a mask, packed documents: `steps.Masking`)
     out = A Wo^T
 It saves raw q, k, qr, kr, v, A, lse (and its fp16 copies of float32 inputs); save=False: nothing but
 the inputs (the backward runs the forward's launches again first). Where cuDNN's attention serves the
@@ -65,7 +66,9 @@ class Plan:
     sms: int = 0
     deterministic: bool = False
     cudnn: bool = False  # the attention is cuDNN's (`train/cudnn.py: serves`)
+    masking: steps.Masking | None = None  # a mask or packed documents each call passes (`masks`)
     needs: tuple = (True,) * NEEDS
+    own_grads: bool = False  # each parameter gradient in memory of its own (`Outputs.separate`)
 
     @property
     def compute(self) -> torch.dtype:
@@ -87,11 +90,11 @@ class Plan:
     def attention(self) -> steps.Attention:
         c = self.config
         return steps.Attention(self.batch, self.seq, self.seq, c.heads, c.group, c.head_dim, causal=True,
-                               window=c.window, softcap=self.softcap)
+                               window=c.window, softcap=self.softcap, masking=self.masking)
 
     @property
     def tiles(self) -> steps.AttentionTiles:
-        return steps.attention_tiles(self.config.head_dim, self.sms > 0)
+        return steps.attention_tiles(self.config.head_dim, self.sms > 0, softcap=self.softcap != 0.0)
 
     @property
     def split(self) -> int:
@@ -99,10 +102,10 @@ class Plan:
 
     @property
     def dq_atomic(self) -> bool:
-        """dQ (fp32 here) summed by atomics from the key blocks' programs: the interpreter's tiles
-        (`AttentionTiles.dq_atomic`), and on a GPU with the soft cap, where the dQ programs' recomputed
-        tanh costs more than the atomics (gemma2-9b 1x4096: 2204 against 2385 µs; notes/training.md)."""
-        return (self.tiles.dq_atomic or (self.softcap != 0.0 and self.sms > 0)) and not self.deterministic
+        """dQ (fp32 here) summed by atomics from the key blocks' programs where the tiles say so: the
+        interpreter's, and on a GPU the soft cap's, where the dQ programs' recomputed tanh costs more than
+        the atomics (`steps.GPU_SOFTCAP_TILES`); never in deterministic mode."""
+        return self.tiles.dq_atomic and not self.deterministic
 
     @property
     def cos_rows(self) -> int:
@@ -125,7 +128,8 @@ class Plan:
     def activations(self):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         specs = [Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c), Buffer("o", (t, cfg.q_out), c),
-                 Buffer("lse", (self.batch * cfg.heads, self.seq), fp32)]
+                 Buffer("lse", (self.batch * cfg.heads, self.seq), fp32),
+                 Buffer("bounds", (2, t), torch.int32) if self.masking is not None else None]
         if self.casts:  # raw [q | k | v] in fp32 (v's fp16 copy beside), and the fp16 copies of the inputs
             width = cfg.q_out + 2 * cfg.kv_out
             specs += [Buffer("qkv", (t, width), fp32), Buffer("v", (t, cfg.kv_out), c), Buffer("x_c", (t, cfg.hidden), c),
@@ -180,7 +184,7 @@ class Plan:
                       Buffer("grad_wv", (cfg.kv_out, cfg.hidden), io) if n[3] and not self.casts else None,
                       Buffer("grad_wo", (cfg.hidden, cfg.q_out), io) if n[4] else None,
                       Buffer("grad_qnw", (cfg.head_dim,), io) if n[5] else None,
-                      Buffer("grad_knw", (cfg.head_dim,), io) if n[6] else None])
+                      Buffer("grad_knw", (cfg.head_dim,), io) if n[6] else None], separate=self.own_grads)
 
 
 def _guard(plan: Plan, direction: str, device, owner: int = 0):
@@ -200,9 +204,10 @@ def _norm_rope(p: Plan, x, w, cos, sin, out, heads: int, eps: float):
                      NORM=p.config.qk_norm, num_warps=4)
 
 
-def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float) -> list:
+def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> list:
     """The forward up to A and lse from the inputs x (hidden, cos, sin, wq, wk, wv, wo, q_norm_w,
-    k_norm_w) into the activations a (with cuDNN's attention: up to qr, kr, v)."""
+    k_norm_w) and masks (mask, starts: `steps.Masking`'s tensors, None where the plan has none) into the
+    activations a (with cuDNN's attention: up to qr, kr, v)."""
     hidden, cos, sin, wq, wk, wv, wo, qnw, knw = x
     cfg, t = p.config, p.tokens
     qo, ko = cfg.q_out, cfg.kv_out
@@ -220,15 +225,18 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float) -> list:
     cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
     launches += [_norm_rope(p, q_raw, qnw, cos2, sin2, a.rot_q, cfg.heads, eps),
                  _norm_rope(p, k_raw, knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps)]
+    if p.masking is not None:
+        launches.append(steps.attention_bounds(p.attention, a.bounds, *masks))
     if not p.cudnn:
         launches.append(steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v, a.o, a.lse, scaling, g,
-                                                ATTENTION_FORWARD_REGIONS))
+                                                ATTENTION_FORWARD_REGIONS, bounds=getattr(a, "bounds", None),
+                                                mask=masks[0]))
     return launches
 
 
-def forward(inputs, scaling: float, eps: float, plan: Plan):
+def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
     """(out [B, S, hidden] in the inputs' dtype, activations). inputs: hidden, cos, sin, wq, wk, wv, wo,
-    q_norm_w, k_norm_w."""
+    q_norm_w, k_norm_w; masks: (mask, starts) as the plan's masking says (`steps.Masking`)."""
     hidden, wo = inputs[0], inputs[6]
     p, cfg, device = plan, plan.config, hidden.device
     g = _guard(p, "forward", device, inputs[3].data_ptr())
@@ -242,7 +250,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan):
 
     def build():
         a = acts.views(a_flat)
-        launches = _forward_launches(p, g, inputs, a, scaling, eps)
+        launches = _forward_launches(p, g, inputs, a, scaling, eps, masks)
         if p.cudnn:  # A and lse into the saved activations (cuDNN allocates its own), the output projection
             launches.append(Allocating(
                 key, lambda: cudnn.forward(p.attention, a.rot_q, a.rot_k, a.v, scaling),
@@ -254,7 +262,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan):
             launches.append(steps.check(g))
         return launches
 
-    execute(key, device, addresses(*inputs, out, a_flat), build)
+    execute(key, device, addresses(*inputs, *masks, out, a_flat), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -315,8 +323,9 @@ def _finish(g, w, grad_hidden) -> list:
     return [steps.unscale(x, g) for x in products if x is not None] + [steps.check(g)]
 
 
-def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
-    """(grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w); None where not needed."""
+def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, masks=(None, None)):
+    """(grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w); None where not needed.
+    masks: the forward's."""
     hidden, wo = inputs[0], inputs[6]
     p, cfg, device, n = plan, plan.config, hidden.device, plan.needs
     g = _guard(p, "backward", device, inputs[3].data_ptr())
@@ -337,7 +346,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
         a = s if a_flat is None else acts.views(a_flat)
         launches = []
         if a_flat is None:
-            launches += _forward_launches(p, fg, inputs, a, scaling, eps) + ([steps.check(fg)] if fg is not None else [])
+            launches += _forward_launches(p, fg, inputs, a, scaling, eps, masks) + (
+                [steps.check(fg)] if fg is not None else [])
         if p.casts:
             launches += [steps.amax(go, g), steps.cast(go, s.go_c, g, "grad_output", upstream=True)]
             go_c, wo_c = s.go_c, a.wo_c
@@ -372,24 +382,30 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat):
                 launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
                              steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
                                                       s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, ATTENTION_BACKWARD_REGIONS,
-                                                      p.dq_atomic),
+                                                      p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0]),
                              steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv,
                                                    1, g, "gradient of v projection")]
             else:
                 launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
                                                          s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS,
-                                                         p.dq_atomic))
+                                                         p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0]))
             launches += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, s.d_rot_q, s.d_rot_k, gv, eps)
         return launches + _finish(g, w, grad_hidden)
 
     key = ("gemma3_core backward", p, scaling, eps)
-    execute(key, device, addresses(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])),
-            build)
+    execute(key, device, addresses(*inputs, *masks, go, *made, *vars(w).values(), s_flat,
+                                   *([] if a_flat is None else [a_flat])), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()
     if hasattr(w, "grad_wqkv"):
-        w.grad_wq, w.grad_wk, w.grad_wv = w.grad_wqkv[:qo], w.grad_wqkv[qo:qo + ko], w.grad_wqkv[qo + ko:]
+        w.grad_wq, w.grad_wk, w.grad_wv = _rows(w.grad_wqkv, (qo, ko, ko), p.own_grads)
     return (grad_hidden, getattr(w, "grad_wq", None) if n[1] else None, getattr(w, "grad_wk", None) if n[2] else None,
             getattr(w, "grad_wv", None) if n[3] else None, getattr(w, "grad_wo", None), getattr(w, "grad_qnw", None),
             getattr(w, "grad_knw", None))
+
+
+def _rows(stacked, counts, own: bool) -> list:
+    """The row blocks of one product's result; own: each but the first copied (memory of its own)."""
+    parts = list(stacked.split(counts))
+    return parts[:1] + [x.clone() for x in parts[1:]] if own else parts

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...problem import Problem, Tensor
+from ...problem import Problem, Tensor, is_int
 
 B, SD, SE = "batch_size", "seq_len_dec", "seq_len_enc"
 
@@ -38,7 +38,7 @@ class QkvGqaConfig:
     def __post_init__(self):
         for name in ("hidden", "cross_hidden", "heads", "kv_heads", "head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"QkvGqaConfig.{name} must be a positive int, got {value!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"QkvGqaConfig: heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")

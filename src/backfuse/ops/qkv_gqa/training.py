@@ -49,6 +49,7 @@ class Plan:
     sms: int = 0
     deterministic: bool = False
     needs: tuple = (True,) * NEEDS
+    own_grads: bool = False  # each parameter gradient in memory of its own (`Outputs.separate`)
     gq_in_place: bool = False  # the products read the queries' upstream gradient where it is (`reads_in_place`)
 
     @property
@@ -127,7 +128,8 @@ class Plan:
         return Outputs([Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[2] else None,
                       Buffer("grad_wkv", (2 * cfg.kv_out, cfg.cross_hidden), io) if self.casts and (n[3] or n[4]) else None,
                       Buffer("grad_wk", (cfg.kv_out, cfg.cross_hidden), io) if n[3] and not self.casts else None,
-                      Buffer("grad_wv", (cfg.kv_out, cfg.cross_hidden), io) if n[4] and not self.casts else None])
+                      Buffer("grad_wv", (cfg.kv_out, cfg.cross_hidden), io) if n[4] and not self.casts else None],
+                       separate=self.own_grads)
 
 
 def _guard(plan: Plan, direction: str, device, owner: int = 0):
@@ -256,5 +258,7 @@ def backward(inputs, grads, plan: Plan, a_flat):
             each.poll()
     if hasattr(w, "grad_wkv"):
         w.grad_wk, w.grad_wv = w.grad_wkv[:kv_out], w.grad_wkv[kv_out:]
+        if p.own_grads:
+            w.grad_wv = w.grad_wv.clone()
     return (grad_dec, grad_enc, getattr(w, "grad_wq", None), getattr(w, "grad_wk", None) if n[3] else None,
             getattr(w, "grad_wv", None) if n[4] else None)

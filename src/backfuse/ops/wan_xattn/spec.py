@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...problem import Problem, Scalar, Tensor
+from ...problem import Problem, Scalar, Tensor, is_int
 
 HEAD_SIZES = (16, 32, 64, 128, 256)  # what the training path's attention kernels take
 
@@ -37,7 +37,7 @@ class WanXattnConfig:
             raise ValueError(f"WanXattnConfig.qk_norm must be True or False, got {self.qk_norm!r}")
         for name in ("hidden", "heads"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"WanXattnConfig.{name} must be a positive int, got {value!r}")
         if self.hidden % self.heads:
             raise ValueError(f"WanXattnConfig: hidden {self.hidden} is not a multiple of heads {self.heads}")

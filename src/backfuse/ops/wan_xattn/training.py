@@ -62,6 +62,7 @@ class Plan:
     sms: int = 0
     deterministic: bool = False
     needs: tuple = (True,) * (NEEDS + 2)
+    own_grads: bool = False  # each parameter gradient in memory of its own (`Outputs.separate`)
     eps: float = 1e-6  # the q, k norms'
 
     @property
@@ -165,7 +166,7 @@ class Plan:
                       Buffer("grad_bv", (d,), io) if n[7] else None,
                       Buffer("grad_wo", (d, d), io) if n[8] else None, Buffer("grad_bo", (d,), io) if n[9] else None,
                       Buffer("grad_nq", (d,), io) if self.norm and n[10] else None,
-                      Buffer("grad_nk", (d,), io) if self.norm and n[11] else None])
+                      Buffer("grad_nk", (d,), io) if self.norm and n[11] else None], separate=self.own_grads)
 
 
 def _guard(plan: Plan, direction: str, device, owner: int = 0):
@@ -338,6 +339,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             each.poll()
     if p.casts and hasattr(w, "grad_wkv"):
         w.grad_wk, w.grad_wv = w.grad_wkv[:d], w.grad_wkv[d:]
+        if p.own_grads:
+            w.grad_wv = w.grad_wv.clone()
     grads = (grad_video, grad_text, getattr(w, "grad_wq", None), getattr(w, "grad_bq", None),
              getattr(w, "grad_wk", None) if n[4] else None, getattr(w, "grad_bk", None),
              getattr(w, "grad_wv", None) if n[6] else None, getattr(w, "grad_bv", None), getattr(w, "grad_wo", None),

@@ -1,0 +1,61 @@
+"""The training kernels as a GPU launches them, compiled for sm_90 on any machine (`test_train_paths.py`'s
+test runs this file in a subprocess without TRITON_INTERPRET: the interpreter must not be on for a compile).
+
+    python tests/sm90_kernels.py bf16      # prints [{name, shared bytes}] as JSON
+"""
+
+import json
+import sys
+
+
+def _sm90_cases(dtype: str):
+    """(name, kernel, pointer types, constexprs, warps, stages) of the training kernels as the GPU launches them:
+    the attention at every tile choice `steps.attention_tiles` makes (each at its heaviest options: the range
+    guard's maxima, the additive mask, a cap where the tiles are the cap's, the query norm at head size 128,
+    Wan's), forward and backward with dQ by atomics or by programs; the norm/RoPE backward, a cast, the guard's
+    check."""
+    from backfuse.kernels.triton import attention, passes, rope
+    from backfuse.train import steps
+
+    ptr = ({n: f"*{dtype}" for n in ("q", "k", "v", "o", "do", "dk", "dv", "q_w", "mask")} | {"lo": "*i32", "hi": "*i32"}
+           | {n: "*fp32" for n in ("lse", "delta", "ranges", "q_rstd", "dq")})
+    for d in steps.GPU_TILES:
+        for softcap in (False, True) if d in steps.GPU_SOFTCAP_TILES else (False,):
+            t = steps.attention_tiles(d, True, softcap=softcap)
+            common = dict(HEADS=8, GROUP=2, D=d, CAUSAL=True, WINDOW=True, HAS_CAP=softcap, RANGES=True, APPROX_TANH=True,
+                          Q_NORM=d == 128, LD_Q=8 * d, LD_K=4 * d, LD_V=4 * d)
+            name = f"D={d}{' cap' if softcap else ''}"
+            for mask in (0, 3):
+                yield (f"{name} forward mask={mask}", attention.attention_forward_kernel, ptr,
+                       dict(common, LD_O=8 * d, BM=t.bm, BN=t.bn, MASK=mask), t.warps, t.stages)
+                for atomic in sorted({t.dq_atomic, False}):
+                    yield (f"{name} backward mask={mask} dq_atomic={atomic}", attention.attention_backward_kernel, ptr,
+                           dict(common, LD_DO=8 * d, LD_DQ=8 * d, LD_DK=4 * d, LD_DV=4 * d, KV_BN=t.kv_bn, KV_BM=t.kv_bm,
+                                Q_BM=t.q_bm, Q_BN=t.q_bn, SPLIT=2, DQ_ATOMIC=atomic, MASK=mask, PRE=1024),
+                           t.bwd_warps, t.bwd_stages)
+    yield ("bounds", attention.attention_bounds_kernel, ptr | {"starts": "*i32"},
+           dict(CAUSAL=True, WINDOW=True, DOCS=True, MASK=3, BR=64, BN=64), 4, 1)
+    yield ("norm/RoPE backward", rope.norm_rope_backward_kernel,
+           {n: "*fp32" for n in ("dout", "x", "w", "cos", "sin", "parts", "ranges")} | {"dx": f"*{dtype}"},
+           dict(D=128, LD_DOUT=3072, LD_X=5120, LD_DX=5120, BT=32, RANGES=True, NORM=True), 4, 1)
+    yield ("cast", passes.cast_kernel, {"src": "*fp32", "dst": f"*{dtype}", "ranges": "*fp32", "state": "*fp32"},
+           dict(BLOCK=8192, UPSTREAM=True, RANGES=True), 8, 1)
+    yield ("guard check", passes.guard_check_kernel, {"maxima": "*fp32", "flags": "*i32", "state": "*fp32", "log": "*fp32"},
+           dict(R=32, SCALED=True), 4, 1)
+
+
+def _sm90_shared(dtype: str) -> list:
+    """[{name, shared bytes}] of every `_sm90_cases` kernel compiled for sm_90 (run without TRITON_INTERPRET)."""
+    from backfuse.kernels.gluon.sm90 import compile_triton
+
+    out = []
+    for name, fn, pointers, constexprs, warps, stages in _sm90_cases(dtype):
+        sig = {p.name: pointers.get(p.name) or ("i32" if p.do_not_specialize else "fp32") for p in fn.params
+               if not p.is_constexpr}
+        kernel = compile_triton(fn, sig, constexprs, num_warps=warps, num_stages=stages)
+        out.append({"name": name, "shared": kernel.metadata.shared})
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(_sm90_shared(sys.argv[1])))
