@@ -20,3 +20,51 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(params=backfuse.PROBLEM_IDS)
 def prob(request):
     return backfuse.problem(request.param)
+
+
+# ---------------------------------------------------------- the GPU suite's record --------------------------------
+def pytest_addoption(parser):
+    parser.addoption("--gpu-report", metavar="PATH", default=None,
+                     help="on a CUDA GPU: write {commit, failed, tests: {nodeid: passed|failed|skipped}} to PATH "
+                          "(benchmarks/results/gpu-tests.json: what a kernel change must show before it lands)")
+
+
+_outcomes: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's outcome: failed if any phase failed, skipped if skipped, else passed once its call passed."""
+    now = _outcomes.get(report.nodeid)
+    if report.failed:
+        _outcomes[report.nodeid] = "failed"
+    elif report.skipped and now is None:
+        _outcomes[report.nodeid] = "skipped"
+    elif report.when == "call" and report.passed and now is None:
+        _outcomes[report.nodeid] = "passed"
+
+
+def _commit() -> str:
+    """The commit under test: BACKFUSE_COMMIT (a copy of the tree without .git, as the device machine gets), else git's HEAD."""
+    import subprocess
+
+    if os.environ.get("BACKFUSE_COMMIT"):
+        return os.environ["BACKFUSE_COMMIT"]
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--gpu-report")
+    if not path or hasattr(session.config, "workerinput"):  # xdist workers report to the controller
+        return
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("--gpu-report records a GPU run; there is no CUDA GPU here")
+    import json
+
+    doc = {"commit": _commit(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "failed": sum(v == "failed" for v in _outcomes.values()), "tests": dict(sorted(_outcomes.items()))}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")

@@ -36,14 +36,57 @@ def test_specs_configs_and_plans_import_no_triton():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
-def test_cpu_without_interpreter_falls_back_to_reference():
+def test_on_a_cpu_importing_backfuse_turns_the_interpreter_on():
+    """The README's snippets as written on a machine without a GPU: importing backfuse first turns the Triton
+    interpreter on, and the kernels run (not the reference)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     _fresh_python(
-        "import sys, torch, backfuse\n"
+        "import os, sys, torch, backfuse\n"
+        "assert os.environ['TRITON_INTERPRET'] == '1' and 'triton' not in sys.modules\n"
         "p = backfuse.problem('072')\n"
         "x = p.make_inputs(dict(batch_size=1, seq_len_dec=3, seq_len_enc=2), seed=0)\n"
-        "assert all(torch.equal(a, b) for a, b in zip(p.run(*x), p.reference(*x)))\n"
-        "assert 'triton' not in sys.modules\n", env)
+        "assert not all(torch.equal(a, b) for a, b in zip(p.run(*x), p.reference(*x)))  # the kernels' fp16 products\n",
+        env)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_on_a_cpu_without_the_interpreter_backfuse_says_what_to_set():
+    """TRITON_INTERPRET=0 (the user's choice, respected): `run` is the reference, with one warning; triton imported
+    before backfuse (transformers does it): the training ops refuse in one line, a patched model runs its own
+    code with a warning; never a raw Triton error."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    _fresh_python(
+        "import os, sys, warnings, torch\n"
+        "os.environ['TRITON_INTERPRET'] = '0'\n"
+        "import backfuse\n"
+        "p = backfuse.problem('072')\n"
+        "x = p.make_inputs(dict(batch_size=1, seq_len_dec=3, seq_len_enc=2), seed=0)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    assert all(torch.equal(a, b) for a, b in zip(p.run(*x), p.reference(*x)))\n"
+        "assert len(w) == 1 and 'TRITON_INTERPRET=1' in str(w[0].message) and 'fp32 reference' in str(w[0].message)\n",
+        env)
+    _fresh_python(
+        "import sys, warnings, torch, triton, transformers\n"
+        "import backfuse\n"
+        "from backfuse import nn as bnn\n"
+        "m = bnn.WanXattn()\n"
+        "try:\n"
+        "    m(torch.randn(1, 3, 1024), torch.randn(1, 2, 1024))\n"
+        "except RuntimeError as e:\n"
+        "    assert str(e).startswith('backfuse.functional.wan_xattn: on CPU tensors the fused kernels run only in the "
+        "Triton interpreter'), e\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+        "config = transformers.Gemma3TextConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,\n"
+        "    num_attention_heads=2, num_key_value_heads=1, head_dim=16, layer_types=['full_attention'])\n"
+        "model = transformers.Gemma3ForCausalLM(config)\n"
+        "backfuse.patch(model, quiet=True)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()\n"
+        "assert any(\"backfuse's kernels cannot run here\" in str(x.message) for x in w), [str(x.message) for x in w]\n",
+        env)
 
 
 @pytest.mark.parametrize("name", ["072", "037", "021"])

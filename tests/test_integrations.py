@@ -94,22 +94,49 @@ def test_patched_model_trains_as_the_model_does(kind, attention, dtype):
 
 
 def test_what_a_patch_does_not_cover_runs_the_models_own_code():
+    """A mask is served (the one transformers built); a KV cache, attention dropout, a projection that is not a
+    plain nn.Linear and eager attention without a mask run the module's own code, each with a warning that
+    names the reason and points at the caller's line; unpatch restores the module."""
     model = _gemma("gemma3", torch.float32)
     backfuse.patch(model, quiet=True)
     ids = torch.randint(1, 96, (1, 6), device=DEVICE)
-    mask = torch.ones_like(ids)
-    with pytest.warns(backfuse.BackfuseWarning, match="Gemma3Attention ran its own code: an attention mask"):
-        masked = model(input_ids=ids, attention_mask=mask).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", backfuse.BackfuseWarning)
+        masked = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert backfuse.fallbacks(model) == {}
     model.eval()
-    with torch.no_grad(), pytest.warns(backfuse.BackfuseWarning, match="a KV cache"):
+    with torch.no_grad(), pytest.warns(backfuse.BackfuseWarning, match="a KV cache") as caught:
         model(input_ids=ids, use_cache=True)
+    assert caught[0].filename == __file__  # the user's line, not transformers'
+    model.train()
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.warns(backfuse.BackfuseWarning, match="attention dropout"):
+        model(input_ids=ids)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *args: None)
+    with pytest.warns(backfuse.BackfuseWarning, match="q_proj has hooks or parametrizations"):
+        model(input_ids=ids)
     counts = backfuse.fallbacks(model)
-    assert counts == {"an attention mask from the caller (padding or packing), or a call outside the patched model": 2,
-                      "a KV cache (pass use_cache=False in training)": 2}
+    assert counts == {"a KV cache (pass use_cache=False in training)": 2, "attention dropout": 2,
+                      "q_proj has hooks or parametrizations": 1}
+    model.eval()
     with torch.no_grad():
-        plain = model(input_ids=ids, use_cache=False).logits  # backfuse's again
+        plain = model(input_ids=ids, use_cache=False).logits
     assert ((plain - masked).abs().max() / masked.abs().max()) < 1e-2
     assert backfuse.unpatch(model) == 2 and backfuse.fallbacks(model) == {}
+
+
+def test_a_patched_model_on_eager_attention_without_a_mask_runs_its_own_code():
+    model = _gemma("gemma3", torch.float32)
+    backfuse.patch(model, quiet=True)
+    attention = model.model.layers[0].self_attn
+    x = torch.randn(1, 5, 32, device=DEVICE)
+    cos, sin = torch.ones(1, 5, 16, device=DEVICE), torch.zeros(1, 5, 16, device=DEVICE)
+    with pytest.warns(backfuse.BackfuseWarning, match="eager attention without a mask"):
+        attention(x, (cos, sin), None)
 
 
 def test_patch_refuses_a_model_it_has_nothing_for():

@@ -77,27 +77,34 @@ def test_preset_plans_fit_the_gpu_kernels(name):
             assert plan.tiles.bm > 0 and plan.split >= 1 and plan.activations.nbytes > 0
 
 
-# Tokens of one call: (batch, sequence) for Gemma, (batch, video, text) for Wan, (batch, decoder, encoder) for
-# Llama 3.2 Vision's cross-attention (a 560-pixel tile's 1601 vision tokens).
-TOKENS = {"037": (1, 4096), "021": (1, 4680, 512), "072": (1, 4096, 1601)} if DEVICE == "cuda" else {
-    "037": (1, 6), "021": (1, 5, 3), "072": (1, 3, 5)}
+# Tokens of one call, two per operator on a GPU (`bench --models`' counts): (batch, sequence) for Gemma, (batch,
+# video, text) for Wan, (batch, decoder, encoder) for Llama 3.2 Vision's cross-attention (a 560-pixel tile's 1601
+# vision tokens).
+TOKENS = {"037": ((1, 4096), (8, 1024)), "021": ((1, 4680, 512), (1, 32760, 512)),
+          "072": ((1, 4096, 1601), (4, 1024, 1601))} if DEVICE == "cuda" else {
+    "037": ((1, 6),), "021": ((1, 5, 3),), "072": ((1, 3, 5),)}
 
 
+@pytest.mark.parametrize("count", [0, 1], ids=["tokens0", "tokens1"])
 @pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
-def test_preset_layers_train_as_float64_computes_them(name, local):
-    """bfloat16, as these models train: output and every gradient within bf16's rounding of float64."""
+def test_preset_layers_train_as_float64_computes_them(name, local, count):
+    """bfloat16, as these models train: output and every gradient within bf16's rounding of float64, at each
+    of the operator's token counts (on a GPU every preset's block, global and sliding, forward and backward:
+    a kernel change that breaks one shows here)."""
     preset = presets.get(name)
     config = preset.local if local else preset.config
     if config is None:
         pytest.skip(f"{name} has no sliding-window layers")
     if local and DEVICE != "cuda":
         pytest.skip("in the interpreter the few tokens are all inside the window: the global layer's test")
+    if count >= len(TOKENS[preset.problem]):
+        pytest.skip("one token count in the interpreter")
     torch.manual_seed(0)
     scalars = dict(preset.kwargs)
     softcap = scalars.pop("softcap", None)
     m = training_module(preset.problem, config, torch.bfloat16, softcap, **scalars)
-    check_training_step(preset.problem, m, training_inputs(preset.problem, config, TOKENS[preset.problem],
+    check_training_step(preset.problem, m, training_inputs(preset.problem, config, TOKENS[preset.problem][count],
                                                            torch.bfloat16), 3e-2)
 
 

@@ -1,10 +1,29 @@
 """backfuse: fused backward kernels for three attention blocks (SOL-ExecBench 072, 037, 021)."""
 
-from .callsite import BackfuseWarning
-from .fp16_guard import Fp16RangeWarning, fp16_range_check
-from .kernels.graphs import GraphWarning, cuda_graphs
-from .ops import PROBLEMS
-from .problem import Problem
+import os as _os
+import sys as _sys
+
+
+def _interpreter_without_a_gpu() -> None:
+    """Without a CUDA GPU backfuse's kernels run in the Triton interpreter, which must be on before triton
+    is first imported: importing backfuse turns it on (TRITON_INTERPRET=1) where no CUDA device is there,
+    triton is not imported yet and the user did not set TRITON_INTERPRET. Where triton came first (some
+    libraries import it), the ops say in one line what to set (`problem.fused_unusable`)."""
+    if "TRITON_INTERPRET" in _os.environ or "triton" in _sys.modules:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        _os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpreter_without_a_gpu()
+
+from .callsite import BackfuseWarning  # noqa: E402
+from .fp16_guard import Fp16RangeWarning, fp16_range_check  # noqa: E402
+from .kernels.graphs import GraphWarning, cuda_graphs  # noqa: E402
+from .ops import PROBLEMS  # noqa: E402
+from .problem import Problem  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["PROBLEM_IDS", "BackfuseWarning", "Fp16RangeWarning", "GraphWarning", "Problem", "check_ranges", "cuda_graphs",

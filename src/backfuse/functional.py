@@ -35,7 +35,7 @@ from . import problem as _problem
 from .ops.gemma3_core.spec import Gemma3CoreConfig
 from .ops.qkv_gqa.spec import QkvGqaConfig
 from .ops.wan_xattn.spec import WanXattnConfig
-from .problem import TRAINING_DTYPES, Tensor, check_real
+from .problem import TRAINING_DTYPES, Tensor, check_real, fused_unusable
 from .train import cudnn as _cudnn
 from .train import masks as _masks
 
@@ -76,9 +76,14 @@ def _signature(tensors) -> tuple:
 
 
 def _validate(label: str, pid: str, specs, tensors) -> dict:
-    """The axes the tensors imply (validated as Problem.validate does: errors name the input)."""
-    return _problem(pid).validate(tensors, specs=specs, dtypes=TRAINING_DTYPES, contiguous=False, same_dtype=True,
+    """The axes the tensors imply (validated as Problem.validate does: errors name the input), where the
+    kernels can run on their device (else a RuntimeError saying in one line why: `fused_unusable`)."""
+    axes = _problem(pid).validate(tensors, specs=specs, dtypes=TRAINING_DTYPES, contiguous=False, same_dtype=True,
                                   label=label)
+    reason = fused_unusable(tensors[0].device)
+    if reason:
+        raise RuntimeError(f"{label}: {reason}")
+    return axes
 
 
 def _autocast(tensors):

@@ -107,6 +107,16 @@ def check_real(value, where: str) -> float:
     return float(value)
 
 
+_said: set = set()
+
+
+def _say_once(message: str) -> None:
+    """A BackfuseWarning at the caller's line, the first time this message comes."""
+    if message not in _said:
+        _said.add(message)
+        callsite.warn(message, callsite.BackfuseWarning)
+
+
 def fused_kernels_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA tensors, and on CPU tensors under the Triton interpreter."""
     if device.type == "cuda":
@@ -124,7 +134,8 @@ def fused_unusable(device: torch.device) -> str | None:
         if device.type != "cpu":
             return f"the fused kernels run on CUDA tensors, or on CPU tensors in the Triton interpreter, not on {device.type}"
         return ("on CPU tensors the fused kernels run only in the Triton interpreter: set TRITON_INTERPRET=1 in the "
-                "environment before triton is first imported")
+                "environment before triton is first imported (importing backfuse first does it where there is no "
+                "GPU; transformers and diffusers import triton)")
     if device.type == "cpu":
         import numpy
 
@@ -337,7 +348,9 @@ class Problem:
         the GPU, as the benchmark does; the training paths never do.)"""
         self.validate(inputs)
         first = next(x for x in inputs if isinstance(x, torch.Tensor))
-        if not fused_kernels_usable(first.device):
+        reason = fused_unusable(first.device)
+        if reason:
+            _say_once(f"{self.name}.run: {reason}; this call is the fp32 reference")
             return self.fp32_backward(*inputs)
         return self._guarded(inputs, fp16_guard.checking(first.device))
 

@@ -12,8 +12,9 @@ their classes): Hugging Face transformers' `Gemma2Attention` and `Gemma3Attentio
 forward, bound per instance, as Liger and Unsloth bind theirs), diffusers' `WanAttention` used as the
 cross-attention of a Wan transformer block (`attn2`, through `set_processor`).
 
-Each patched module counts the calls it handed back and why (`fallbacks(model)`), and warns once per
-reason (`backfuse.BackfuseWarning`), so a model that never reaches backfuse says so.
+Each patched module counts the calls it handed back and why (`fallbacks(model)`), and the modules of one
+`patch` warn once per reason (`backfuse.BackfuseWarning`, at the line that called the model), so a model that
+never reaches backfuse says so.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def patch(model, *, quiet: bool = False) -> dict:
     also prints in one line unless quiet. A model with nothing covered is refused (a ValueError naming
     the classes backfuse covers), as a silent no-op would look like a speed-up that never comes."""
     report = Counter()
+    warned = set()  # the reasons this patch's modules have warned of (once each)
     for module in model.modules():
         if getattr(module, PATCHED, None) is not None:
             report[type(module).__name__] += 1
@@ -55,6 +57,7 @@ def patch(model, *, quiet: bool = False) -> dict:
         for name, recognise, bind, _ in _kinds():
             if recognise(module):
                 bind(module)
+                getattr(module, PATCHED)["warned"] = warned
                 report[type(module).__name__] += 1
                 break
     if not report:
@@ -117,14 +120,13 @@ def plain_linear(name: str, linear, *, bias: bool) -> str | None:
     return None
 
 
-_warned: set = set()
-
-
 def fall_back(module, reason: str) -> None:
-    """Count a call `module` hands to its own code, warning the first time for each class and reason."""
+    """Count a call `module` hands to its own code, warning the first time for each class and reason among
+    the modules one `patch` bound."""
     state = getattr(module, PATCHED)
-    if (type(module).__name__, reason) not in _warned:
-        _warned.add((type(module).__name__, reason))
+    warned = state.setdefault("warned", set())
+    if (type(module).__name__, reason) not in warned:
+        warned.add((type(module).__name__, reason))
         callsite.warn(f"backfuse: {type(module).__name__} ran its own code: {reason} (backfuse.fallbacks(model) counts "
                       "these calls)", callsite.BackfuseWarning)
     state["fallbacks"][reason] += 1

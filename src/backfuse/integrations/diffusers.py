@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 
 from .. import functional as F
+from ..problem import fused_unusable
 from . import PATCHED, fall_back, plain_linear
 
 
@@ -53,6 +54,9 @@ class WanCrossAttnProcessor:
 
 
 def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb) -> str | None:
+    unusable = fused_unusable(hidden_states.device)
+    if unusable:
+        return f"backfuse's kernels cannot run here: {unusable}"
     if encoder_hidden_states is None:
         return "self-attention (no text context)"
     if attn.add_k_proj is not None:

@@ -32,6 +32,7 @@ from collections import Counter
 import torch
 
 from .. import functional as F
+from ..problem import fused_unusable
 from . import PATCHED, fall_back, plain_linear
 
 MODEL_PATCHED = "_backfuse_model_forward"
@@ -55,6 +56,9 @@ def _own_norm(module, name: str) -> str | None:
 def _why_not(module, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> str | None:
     """Why the call must run the module's own code, or None when `F.gemma3_core` computes what it computes."""
     impl = getattr(module.config, "_attn_implementation", None)
+    unusable = fused_unusable(hidden_states.device)
+    if unusable:
+        return f"backfuse's kernels cannot run here: {unusable}"
     if cache is not None:
         return "a KV cache (pass use_cache=False in training)"
     if impl not in SERVED:

@@ -16,7 +16,9 @@ Math. With q.k the product of a query and a key row:
       MASK_ADD:   mask[b, i, j] > -1e38, added to the logits after the cap (an additive float mask, the
                   model's 0 / finfo.min), as eager attention adds it
     A query row that sees no key (lo > hi, or the mask allows none) gets O = 0 and its P is 0 in the
-    backward, as PyTorch's SDPA gives a fully masked row.
+    backward, as PyTorch's SDPA gives a fully masked row; with MASK_ADD instead (the bounds kernel marks
+    it lo = -1) it weighs every key alike, as eager attention's softmax of logits that all became finfo.min
+    does (c = 0 for every key; the backward's dC and the cap's 1 - t^2 as autograd forms them there).
     P = softmax(c) over the visible keys, O = P V, lse = log2 sum_j 2^(c_ij log2 e)
 Only the key blocks inside a query block's bounds are visited (forward, dQ), and only the query blocks
 whose bounds reach a key block (dK, dV): a window's, a document's or padding's other blocks are skipped,
@@ -134,8 +136,9 @@ def _masked(s, r2, c2, lo2, hi2, b, mask, m_sb, m_sq, m_sk, MASK: tl.constexpr):
     if MASK == MASK_ADD:
         at = b.to(tl.int64) * m_sb + r2.to(tl.int64) * m_sq + c2.to(tl.int64) * m_sk
         add = tl.load(mask + at, mask=ok, other=0.0).to(tl.float32)
-        ok = ok & (add > _MASKED_OUT)
-        s = s + tl.maximum(add, _MASKED_OUT) * _LOG2E  # (finite: a hidden key's logit is set apart by ok)
+        alike = lo2 < 0  # a row the mask hides every key from: every key alike, logit 0
+        ok = ok & ((add > _MASKED_OUT) | alike)
+        s = tl.where(alike, 0.0, s + tl.maximum(add, _MASKED_OUT) * _LOG2E)  # (finite: a hidden key is set apart by ok)
     return s, ok
 
 
@@ -445,7 +448,8 @@ def attention_bounds_kernel(
     """Each query row's bounds [lo, hi] for the attention kernels' MASK: grid (B, row blocks of BR).
     Start from every key, keep j <= i (CAUSAL), i - j < window (WINDOW), j >= the row's document start
     (DOCS: starts[b, i], packed documents); then with a mask (MASK_KEEP, MASK_ADD) narrow them to the
-    first and last key it allows inside them. A row that sees no key gets lo = S_k, hi = -1."""
+    first and last key it allows inside them. A row that sees no key gets lo = S_k, hi = -1; with MASK_ADD
+    lo = -1, hi = S_k - 1 (every key alike, as eager attention: `_masked`)."""
     b = tl.program_id(0)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     row_ok = rows < S_q
@@ -472,5 +476,9 @@ def attention_bounds_kernel(
         r_lo = first
         r_hi = last
     empty = r_lo > r_hi
-    tl.store(lo + b * S_q + rows, tl.where(empty, S_k, r_lo), mask=row_ok)
-    tl.store(hi + b * S_q + rows, tl.where(empty, -1, r_hi), mask=row_ok)
+    if MASK == MASK_ADD:  # every key alike (see `_masked`)
+        tl.store(lo + b * S_q + rows, tl.where(empty, -1, r_lo), mask=row_ok)
+        tl.store(hi + b * S_q + rows, tl.where(empty, S_k - 1, r_hi), mask=row_ok)
+    else:
+        tl.store(lo + b * S_q + rows, tl.where(empty, S_k, r_lo), mask=row_ok)
+        tl.store(hi + b * S_q + rows, tl.where(empty, -1, r_hi), mask=row_ok)

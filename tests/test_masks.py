@@ -1,0 +1,179 @@
+"""Masks in the training attention (`F.gemma3_core(attention_mask=, cu_seqlens=)`, `steps.Masking`): key padding
+(left, right, all ones, holes), packed documents (each against float64 computing that document alone), the
+4-dim masks transformers builds (bool, additive 0 / finfo.min, image blocks that see each other both ways),
+rows that see no key, and the refusals. On a GPU at Gemma 3 4B's width; in the interpreter at a small one.
+"""
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import rel_err, rope_tables, training_module
+
+from backfuse import functional as F
+from backfuse.bench.train import _gemma_norm, _rotate_half
+from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig
+
+GPU = DEVICE == "cuda"
+# Gemma 3 4B's attention (2560 wide, 8 heads of 256 over 4 KV heads) on a GPU; a small one in the interpreter.
+CONFIG = Gemma3CoreConfig(2560, 8, 4, 256) if GPU else Gemma3CoreConfig(64, 4, 2, 16)
+SEQ = 1000 if GPU else 23
+DTYPES = [torch.bfloat16, torch.float32] if GPU else [torch.float32]
+TOL = {torch.float32: 3e-3, torch.bfloat16: 3e-2}
+
+
+def _layer(dtype, window=0, softcap=None):
+    torch.manual_seed(0)
+    cfg = Gemma3CoreConfig(CONFIG.hidden, CONFIG.heads, CONFIG.kv_heads, CONFIG.head_dim, window)
+    return training_module("037", cfg, dtype, softcap)
+
+
+def _call(m, x, cos, sin, **masks):
+    return F.gemma3_core(x, cos, sin, m.q_weight, m.k_weight, m.v_weight, m.o_weight, m.q_norm_weight, m.k_norm_weight,
+                         m.scaling, m.softcap, m.eps, window=m.config.window, head_dim=m.config.head_dim, **masks)
+
+
+def _float64(m, x, cos, sin, visible=None, additive=None):
+    """The layer in float64 with `visible` [B, S, S] (else causal within the window) and an additive mask."""
+    p = {n: t.detach().double().requires_grad_() for n, t in m.named_parameters()}
+    x = x.detach().double().requires_grad_()
+    c, (b, s, _) = m.config, x.shape
+    lin = torch.nn.functional.linear
+    q = _gemma_norm(lin(x, p["q_weight"]).view(b, s, c.heads, -1).transpose(1, 2), p["q_norm_weight"], m.eps)
+    k = _gemma_norm(lin(x, p["k_weight"]).view(b, s, c.kv_heads, -1).transpose(1, 2), p["k_norm_weight"], m.eps)
+    v = lin(x, p["v_weight"]).view(b, s, c.kv_heads, -1).transpose(1, 2)
+    cos, sin = cos.double()[:, None], sin.double()[:, None]
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    k, v = k.repeat_interleave(c.group, 1), v.repeat_interleave(c.group, 1)
+    z = q @ k.transpose(-1, -2) * m.scaling
+    if m.softcap:
+        z = m.softcap * torch.tanh(z / m.softcap)
+    if additive is not None:  # as eager attention: a row whose mask hides every key weighs them all alike
+        z = z + additive.double()
+    else:
+        if visible is None:
+            i = torch.arange(s, device=x.device)
+            visible = (i[None] <= i[:, None]) & ((i[:, None] - i[None]) < (c.window or s))
+        z = z.masked_fill(~visible[:, None] if visible.dim() == 3 else ~visible, float("-inf"))
+    a = torch.softmax(z, -1).nan_to_num(0.0) @ v  # a row that sees no key: 0, as SDPA gives it
+    return lin(a.transpose(1, 2).reshape(b, s, -1), p["o_weight"]), p, x
+
+
+def _compare(m, x, cos, sin, masks, visible=None, additive=None, rows=None):
+    """Output (on `rows`: the positions a loss would read) and every gradient against float64."""
+    x = x.detach().requires_grad_()
+    out = _call(m, x, cos, sin, **masks)
+    grad = torch.randn_like(out)
+    if rows is not None:
+        grad = grad * rows[..., None].to(grad.dtype)
+    out.backward(grad)
+    ref, params, x64 = _float64(m, x, cos, sin, visible, additive)
+    ref.backward(grad.double())
+    tol = TOL[x.dtype]
+    keep = torch.ones(out.shape[:2], dtype=torch.bool, device=out.device) if rows is None else rows.bool()
+    assert torch.isfinite(out).all()
+    assert rel_err(out[keep], ref[keep]) < tol
+    assert rel_err(x.grad, x64.grad) < tol
+    for name, p in m.named_parameters():
+        assert rel_err(p.grad, params[name].grad) < tol, name
+
+
+def _inputs(dtype, batch, seq=SEQ):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(batch, seq, CONFIG.hidden, generator=g) / CONFIG.hidden ** 0.5).to(DEVICE, dtype)
+    cos, sin = rope_tables(seq, CONFIG.head_dim, dtype)
+    return x, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
+
+
+def _padding(kind: str, batch: int, seq: int):
+    mask = torch.ones(batch, seq, dtype=torch.int64, device=DEVICE)  # as a tokenizer returns it
+    if kind == "left":
+        mask[0, :seq // 3] = 0
+    elif kind == "right":
+        mask[1, seq - seq // 4:] = 0
+    elif kind == "holes":
+        mask[0, 3:7] = 0
+        mask[1, seq // 2] = 0
+    return mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["ones", "left", "right", "holes"])
+@pytest.mark.parametrize("window", [0, 7 if not GPU else 300], ids=["global", "window"])
+def test_key_padding(kind, window, dtype):
+    """A [B, S] mask as tokenizers return it: a query sees the real keys of its causal window; the outputs a
+    loss reads (real tokens) and every gradient as float64's."""
+    m = _layer(dtype, window)
+    x, cos, sin = _inputs(dtype, 2)
+    mask = _padding(kind, 2, x.shape[1])
+    i = torch.arange(x.shape[1], device=DEVICE)
+    visible = (i[None] <= i[:, None]) & (i[:, None] - i[None] < (window or x.shape[1]))
+    _compare(m, x, cos, sin, dict(attention_mask=mask), visible[None] & mask.bool()[:, None], rows=mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["gemma3", "softcap"])
+def test_packed_documents_equal_each_document_alone(dtype, softcap):
+    """cu_seqlens (FlashAttention's varlen form) with RoPE positions restarting per document: each document's
+    output and its tokens' gradients are the float64 layer's on that document alone."""
+    m = _layer(dtype, softcap=softcap)
+    lengths = [SEQ // 3, 1, SEQ - SEQ // 3 - 1 - SEQ // 5, SEQ // 5]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    x, _, _ = _inputs(dtype, 1)
+    tables = [rope_tables(n, CONFIG.head_dim, dtype) for n in lengths]
+    cos, sin = (torch.cat([t[j] for t in tables], 1) for j in (0, 1))
+    x = x.detach().requires_grad_()
+    out = _call(m, x, cos, sin, cu_seqlens=cu)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    tol = TOL[dtype]
+    for (start, end), (c, s) in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), tables):
+        alone, _, x64 = _float64(m, x[:, start:end], c, s)
+        alone.backward(grad[:, start:end].double())
+        assert rel_err(out[:, start:end], alone) < tol, (start, end)
+        assert rel_err(x.grad[:, start:end], x64.grad) < tol, (start, end)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("form", ["bool", "additive"])
+def test_a_4_dim_mask_decides_alone(form, dtype):
+    """transformers' [B, 1, S, S] masks (bool for SDPA, 0 / finfo.min of the model's dtype for eager): causal
+    with an image block whose tokens see each other both ways, left padding in one row (its padded queries see
+    no key: 0 as SDPA gives them, or every key alike as eager attention weighs them)."""
+    m = _layer(dtype, softcap=30.0 if form == "additive" else None)
+    x, cos, sin = _inputs(dtype, 2)
+    s = x.shape[1]
+    i = torch.arange(s, device=DEVICE)
+    image = (i >= s // 4) & (i < s // 4 + s // 5)
+    visible = ((i[None] <= i[:, None]) | (image[:, None] & image[None]))[None].repeat(2, 1, 1)
+    visible[1, :, :5] = False  # left padding: keys 0-4 hidden from every query of row 1
+    mask = visible[:, None] if form == "bool" else torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+    _compare(m, x, cos, sin, dict(attention_mask=mask), visible, additive=mask if form == "additive" else None)
+
+
+def test_a_broadcast_4_dim_mask_and_one_hiding_everything_from_a_query():
+    """A [1, 1, S, S] mask serves every row; a query that sees no key gets 0 and no NaN reaches a gradient."""
+    dtype = DTYPES[0]
+    m = _layer(dtype)
+    x, cos, sin = _inputs(dtype, 2)
+    s = x.shape[1]
+    i = torch.arange(s, device=DEVICE)
+    visible = i[None] <= i[:, None]
+    visible[3] = False
+    out = _call(m, x, cos, sin, attention_mask=visible[None, None])
+    assert out[:, 3].abs().max() == 0
+    _compare(m, x, cos, sin, dict(attention_mask=visible[None, None].expand(2, 1, s, s)), visible[None].expand(2, s, s))
+
+
+def test_mask_refusals_name_the_input():
+    m = _layer(DTYPES[0])
+    x, cos, sin = _inputs(DTYPES[0], 2)
+    s = x.shape[1]
+    with pytest.raises(ValueError, match=r"input 'attention_mask' must be \[batch_size=2, seq_len="):
+        _call(m, x, cos, sin, attention_mask=torch.ones(2, s + 1, device=DEVICE))
+    with pytest.raises(ValueError, match="input 'cu_seqlens' must be an integer tensor"):
+        _call(m, x[:1], cos[:1], sin[:1], cu_seqlens=torch.tensor([0.0, s], device=DEVICE))
+    with pytest.raises(ValueError, match=r"one row of packed documents \[1, tokens, hidden\]"):
+        _call(m, x, cos, sin, cu_seqlens=torch.tensor([0, s], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="not both"):
+        _call(m, x[:1], cos[:1], sin[:1], cu_seqlens=torch.tensor([0, s], dtype=torch.int32, device=DEVICE),
+              attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool, device=DEVICE))
