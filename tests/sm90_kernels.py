@@ -17,15 +17,16 @@ def _sm90_cases(dtype: str):
     from backfuse.kernels.triton import attention, passes, rope
     from backfuse.train import steps
 
-    ptr = ({n: f"*{dtype}" for n in ("q", "k", "v", "o", "do", "dk", "dv", "q_w", "mask")} | {"lo": "*i32", "hi": "*i32"}
-           | {n: "*fp32" for n in ("lse", "delta", "ranges", "q_rstd", "dq")})
+    # A mask at its widest: 1-byte bool for MASK 2, fp32 (4 bytes a tile element) for MASK 3 (`F._gemma_masks`).
+    ptr = ({n: f"*{dtype}" for n in ("q", "k", "v", "o", "do", "dk", "dv", "q_w")} | {"lo": "*i32", "hi": "*i32"}
+           | {n: "*fp32" for n in ("lse", "delta", "ranges", "q_rstd", "dq", "mask")})
     for d in steps.GPU_TILES:
         for softcap in (False, True) if d in steps.GPU_SOFTCAP_TILES else (False,):
             t = steps.attention_tiles(d, True, softcap=softcap)
             common = dict(HEADS=8, GROUP=2, D=d, CAUSAL=True, WINDOW=True, HAS_CAP=softcap, RANGES=True, APPROX_TANH=True,
                           Q_NORM=d == 128, LD_Q=8 * d, LD_K=4 * d, LD_V=4 * d)
             name = f"D={d}{' cap' if softcap else ''}"
-            for mask in (0, 3):
+            for mask in (0, 2, 3):
                 yield (f"{name} forward mask={mask}", attention.attention_forward_kernel, ptr,
                        dict(common, LD_O=8 * d, BM=t.bm, BN=t.bn, MASK=mask), t.warps, t.stages)
                 for atomic in sorted({t.dq_atomic, False}):
@@ -50,6 +51,8 @@ def _sm90_shared(dtype: str) -> list:
 
     out = []
     for name, fn, pointers, constexprs, warps, stages in _sm90_cases(dtype):
+        if constexprs.get("MASK") == 2:
+            pointers = dict(pointers, mask="*u8")
         sig = {p.name: pointers.get(p.name) or ("i32" if p.do_not_specialize else "fp32") for p in fn.params
                if not p.is_constexpr}
         kernel = compile_triton(fn, sig, constexprs, num_warps=warps, num_stages=stages)

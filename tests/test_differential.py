@@ -70,7 +70,8 @@ def _batch(kind: str, model: str) -> dict:
     g = torch.Generator().manual_seed(1)
     if model == "wan":
         x, text, target = (torch.randn(s, generator=g) for s in ((1, 4, 2, 4, 4), (1, 5, 24), (1, 4, 2, 4, 4)))
-        return dict(hidden_states=x, timestep=torch.tensor([500]), encoder_hidden_states=text, target=target)
+        batch = dict(hidden_states=x, timestep=torch.tensor([500]), encoder_hidden_states=text, target=target)
+        return {k: v.to(DEVICE) for k, v in batch.items()}
     ids = torch.randint(1, vocab - 4, (2, seq), generator=g)  # not the pad token (0), nor the image tokens
     batch = dict(input_ids=ids)
     if model == "gemma3-image":
@@ -162,10 +163,8 @@ CASES = sorted({("gemma3", b, s) for b in BATCHES for s in SETUPS if s not in ("
                | {("gemma3", "packed", s) for s in ("compile", "bf16")}
                | {("wan", "none", s) for s in SETUPS})
 # Setups backfuse does not serve in a model: the patched model must say so (a warning) and give the model's result.
-FALLS_BACK = {("wan", "lora_after"): "to_q is a peft", ("wan", "lora_before"): "to_q is a peft",
-              ("gemma2", "lora_after"): "q_proj is a peft", ("gemma2", "lora_before"): "q_proj is a peft",
-              ("gemma3", "lora_after"): "q_proj is a peft", ("gemma3", "lora_before"): "q_proj is a peft",
-              ("gemma3-image", "lora_after"): "q_proj is a peft", ("gemma3-image", "lora_before"): "q_proj is a peft"}
+# (Gemma's LoRA layers run as PEFT's modules around backfuse's attention; Wan's cross-attention has no such op yet.)
+FALLS_BACK = {("wan", "lora_after"): "to_q is a peft", ("wan", "lora_before"): "to_q is a peft"}
 
 
 @pytest.mark.parametrize("kind, batch, setup", CASES, ids=["-".join(c) for c in CASES])
@@ -192,6 +191,14 @@ def test_patched_model_computes_what_the_model_computes(kind, batch, setup):
     loss_tol, grad_tol = TOL["bf16" if setup == "bf16" else "fp32"]
     assert abs(loss.item() - expected.item()) <= loss_tol * abs(expected.item()), (loss.item(), expected.item())
     theirs = _trained(base)
+    if setup == "bf16":  # two attentions' bf16 roundings apart: each gradient's norm of the difference (at least
+        # against a thousandth of the largest gradient's norm, as below)
+        floor = 1e-3 * max(q.grad.float().norm().item() for q in theirs.values() if q.grad is not None)
+        for name, p in _trained(ours).items():
+            q = theirs[name].grad
+            if q is not None:
+                assert (p.grad.float() - q.float()).norm() <= grad_tol * max(q.float().norm().item(), floor), name
+        return
     # Each gradient relative to its largest element, and at least to a thousandth of the largest of any (a key
     # bias's gradient is zero in exact arithmetic: what it holds is rounding)
     floor = 1e-3 * max(q.grad.abs().max().item() for q in theirs.values() if q.grad is not None)

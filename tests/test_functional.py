@@ -115,7 +115,7 @@ def test_torch_compile_takes_the_model_features(pid, config, softcap):
     m = training_module(pid, config, torch.float32, softcap)
     acts = training_inputs(pid, config, (1, 9, 5) if pid == "021" else (1, 11), torch.float32)
     leaves = list(m.parameters()) + [a for a in acts if a.requires_grad]
-    grad = torch.randn(acts[0].shape)
+    grad = torch.randn(acts[0].shape, device=DEVICE)
     eager = torch.autograd.grad(m(*acts), leaves, grad)
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
     for a, b in zip(torch.autograd.grad(compiled(*acts), leaves, grad), eager):
@@ -131,6 +131,11 @@ def _op_args(case):
     if pid == "072":
         return torch.ops.backfuse.qkv_gqa_forward.default, (*fwd, 256)
     b, s = fwd[0].shape[:2]
+    if mask == "attention":  # the core between the projections: q, k, v as the projections give them
+        x, cos, sin, wq, wk, wv, wo, qnw, knw = fwd[:9]
+        q, k, v = (torch.nn.functional.linear(x, w).detach().requires_grad_() for w in (wq, wk, wv))
+        return torch.ops.backfuse.gemma3_attention_forward.default, (q, k, v, cos, sin, qnw, knw, None, None, *fwd[9:],
+                                                                    0, 0)
     masks = {"": (None, None),
              "padding": (torch.tensor([[0] * 2 + [1] * (s - 2)], device=DEVICE).expand(b, s).contiguous(), None),
              "documents": (None, torch.tensor([[0, 0, 2, 2, 2]], dtype=torch.int32, device=DEVICE)),
@@ -139,7 +144,7 @@ def _op_args(case):
     return torch.ops.backfuse.gemma3_core_forward.default, (*fwd[:9], *masks[mask], *fwd[9:], 0, 0)
 
 
-@pytest.mark.parametrize("case", ["021", "072", "037", "037-padding", "037-documents", "037-additive"])
+@pytest.mark.parametrize("case", ["021", "072", "037", "037-padding", "037-documents", "037-additive", "037-attention"])
 def test_custom_ops_keep_torch_librarys_contract(case):
     """torch.library.opcheck: the schema (no output aliases an input or another output: the parameter
     gradients each in memory of their own), the fake kernels' shapes and the autograd registration. (Its
@@ -147,6 +152,33 @@ def test_custom_ops_keep_torch_librarys_contract(case):
     whatever the allocation held: `test_compiled_with_dynamic_shapes_equals_eager` covers that dispatch.)"""
     op, args = _op_args(case)
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("masks", ["none", "padding", "documents"])
+def test_the_attention_between_the_projections_is_the_fused_ops(masks, dtype):
+    """F.gemma3_attention on q, k, v projected outside (as a model's LoRA or quantized projections give them), then
+    the output projection: gemma3_core's output and every gradient, the norm weights' and the activations'."""
+    torch.manual_seed(2)
+    config = Gemma3CoreConfig(64, 4, 2, 16, window=0)
+    m = training_module("037", config, dtype, 30.0)
+    b, s = (1, 13) if masks == "documents" else (2, 13)
+    x, cos, sin = training_inputs("037", config, (b, s), dtype)
+    kw = {"none": {}, "padding": dict(attention_mask=torch.tensor([[0] * 3 + [1] * 10, [1] * 9 + [0] * 4], device=DEVICE)),
+          "documents": dict(cu_seqlens=torch.tensor([0, 5, 13], dtype=torch.int32, device=DEVICE))}[masks]
+    scalars = (m.q_norm_weight, m.k_norm_weight, m.scaling, m.softcap, m.eps)
+    leaves = [x, *m.parameters()]
+    fused = F.gemma3_core(x, cos, sin, m.q_weight, m.k_weight, m.v_weight, m.o_weight, *scalars, head_dim=16, **kw)
+    grad = torch.randn_like(fused)
+    expected = torch.autograd.grad(fused, leaves, grad)
+    q, k, v = (torch.nn.functional.linear(x, w) for w in (m.q_weight, m.k_weight, m.v_weight))
+    a = F.gemma3_attention(q, k, v, cos, sin, *scalars, head_dim=16, **kw)
+    assert a.shape == q.shape and a.dtype == dtype
+    out = torch.nn.functional.linear(a, m.o_weight)
+    tol = 1e-2 if dtype == torch.bfloat16 else TOLERANCE
+    assert rel_err(out, fused) < tol
+    for got, want in zip(torch.autograd.grad(out, leaves, grad), expected):
+        assert rel_err(got, want) < tol
 
 
 @pytest.mark.parametrize("pid", ["021", "037"])

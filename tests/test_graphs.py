@@ -2,6 +2,8 @@
 sizes between, graph and direct launches bit for bit alike, a launch that cannot be recorded, and a
 user's own graph capture around the operator."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -115,6 +117,26 @@ def test_inside_a_users_own_graph(pid):
     g.replay()
     torch.cuda.synchronize()
     assert_official_pass(prob, outs, prob.reference(*fresh))
+
+
+@GPU
+def test_recording_after_a_users_own_capture():
+    """torch frees cuBLAS's workspaces when a capture of its own begins (torch.cuda.graph, compile's graphs): a
+    training call recorded after one still records (no product takes memory while recorded: no GraphWarning)."""
+    from backfuse import nn as bnn
+
+    g = torch.cuda.CUDAGraph()
+    a = torch.ones(64, 64, device=DEVICE, dtype=torch.float16)
+    with torch.cuda.graph(g):
+        torch.mm(a, a)
+    m = bnn.WanXattn(device=DEVICE, dtype=torch.float16)
+    video = torch.randn(1, 33, 1024, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    text = torch.randn(1, 7, 1024, device=DEVICE, dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", backfuse.GraphWarning)
+        for _ in range(3):
+            m(video, text).float().sum().backward()
+    torch.cuda.synchronize()
 
 
 @GPU

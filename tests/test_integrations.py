@@ -116,12 +116,12 @@ def test_what_a_patch_does_not_cover_runs_the_models_own_code():
         model(input_ids=ids)
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.0
-    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *args: None)
-    with pytest.warns(backfuse.BackfuseWarning, match="q_proj has hooks or parametrizations"):
+    model.model.layers[0].self_attn.q_norm.register_forward_hook(lambda *args: None)
+    with pytest.warns(backfuse.BackfuseWarning, match="q_norm is a Gemma3RMSNorm, not the model.s own RMSNorm .it has hooks."):
         model(input_ids=ids)
     counts = backfuse.fallbacks(model)
     assert counts == {"a KV cache (pass use_cache=False in training)": 2, "attention dropout": 2,
-                      "q_proj has hooks or parametrizations": 1}
+                      "q_norm is a Gemma3RMSNorm, not the model's own RMSNorm (it has hooks)": 1}
     model.eval()
     with torch.no_grad():
         plain = model(input_ids=ids, use_cache=False).logits

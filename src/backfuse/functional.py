@@ -283,7 +283,15 @@ def _softcap(softcap) -> float:
 
 def _gemma_masks(attention_mask, cu_seqlens, hidden) -> tuple:
     """(mask, starts) for the kernels from gemma3_core's attention_mask and cu_seqlens (shapes checked
-    here, values never read on the host)."""
+    here, values never read on the host). A mask the kernels load tile by tile is bool (a copy of an
+    integer one: a tokenizer's int64 mask would take 8 bytes of a program's shared memory per element),
+    or a float one of 2 or 4 bytes, added to the logits."""
+    if isinstance(attention_mask, torch.Tensor):
+        if attention_mask.dim() == 2 or not attention_mask.is_floating_point():
+            if attention_mask.dtype != torch.bool:
+                attention_mask = attention_mask != 0
+        elif attention_mask.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            attention_mask = attention_mask.float()
     if cu_seqlens is None:
         return attention_mask, None
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -422,6 +430,98 @@ def _gemma_call(tensors, mask, starts, scaling, softcap, eps, window, head_dim, 
                                                       head_dim or 0)[0]
     with _autocast_off(tensors):
         return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, starts, *tensors)
+
+
+# ------------------------------------------ 037's attention without projections --------------------------------
+_ATTENTION_LABEL = "backfuse.functional.gemma3_attention"
+_gemma_attention = _Lazy("backfuse.ops.gemma3_core.attention", "_gemma_attention")
+
+
+def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts=None):
+    masking = _masks.masking_of(mask, starts)
+    key = ("037 attention", _signature(tensors), softcap, window, save, head_dim,
+           torch.are_deterministic_algorithms_enabled(), masking, _signature((mask, starts)))
+    plan = _plans.get(key)
+    if plan is None:
+        q, k, v, cos, sin, qnw, knw = tensors
+        norm = qnw is not None or knw is not None
+        if norm and (qnw is None or knw is None):
+            raise ValueError(f"{_ATTENTION_LABEL}: inputs 'q_norm_weight' and 'k_norm_weight' are both tensors (the QK "
+                             "norm) or both None (no QK norm, as Gemma 2)")
+        if head_dim is None:
+            if not norm:
+                raise ValueError(f"{_ATTENTION_LABEL}: without the QK norm's weights, pass head_dim=")
+            head_dim = qnw.shape[0] if isinstance(qnw, torch.Tensor) and qnw.dim() == 1 else None
+        for name, t in (("query_states", q), ("key_states", k)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or not isinstance(head_dim, int) or t.shape[2] % head_dim:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{_ATTENTION_LABEL}: input '{name}' must be [batch_size, seq_len, heads * head_dim] "
+                                 f"with head_dim={head_dim}, got {shape}")
+        try:
+            config = Gemma3CoreConfig(q.shape[2], q.shape[2] // head_dim, k.shape[2] // head_dim, head_dim, window,
+                                      qk_norm=norm)
+        except ValueError as e:
+            raise ValueError(f"{_ATTENTION_LABEL}: {e}") from None
+        b, s = "batch_size", "seq_len"
+        tables = "batch_size" if not (isinstance(cos, torch.Tensor) and cos.dim() == 3 and cos.shape[0] == 1) else 1
+        specs = [Tensor("query_states", (b, s, config.q_out)), Tensor("key_states", (b, s, config.kv_out)),
+                 Tensor("value_states", (b, s, config.kv_out)), Tensor("cos", (tables, s, head_dim)),
+                 Tensor("sin", (tables, s, head_dim))]
+        if norm:
+            specs += [Tensor("q_norm_weight", (head_dim,)), Tensor("k_norm_weight", (head_dim,))]
+        axes = _problem("037").validate(tensors[:len(specs)], specs=specs, dtypes=TRAINING_DTYPES, contiguous=False,
+                                        same_dtype=True, label=_ATTENTION_LABEL)
+        reason = fused_unusable(q.device)
+        if reason:
+            raise RuntimeError(f"{_ATTENTION_LABEL}: {reason}")
+        _check_mask(mask, starts, axes[b], axes[s], q.device)
+        plan = _plans[key] = _gemma_attention.Plan(axes[b], axes[s], config, q.dtype, softcap=softcap,
+                                                   cos_batched=tables != 1 or axes[b] == 1, save=save,
+                                                   sms=_sm_count(q.device), deterministic=key[6], masking=masking)
+    return plan
+
+
+class _Gemma3Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scaling, softcap, eps, window, save, head_dim, mask, starts, *tensors):
+        plan = _gemma_attention_plan(tensors, softcap, window, save, head_dim, mask, starts)
+        tensors = _contiguous(tensors)
+        out, acts = _gemma_attention.forward(tensors, scaling, eps, plan, (mask, starts))
+        ctx.save_for_backward(*tensors, mask, starts, acts)
+        ctx.plan, ctx.scalars, ctx.site = plan, (scaling, eps), _site(plan)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        n = ctx.needs_input_grad[8:]
+        needs = (n[0], n[1], n[2], n[5], n[6])  # cos and sin get none
+        if not any(needs):
+            return (None,) * 15
+        saved = ctx.saved_tensors
+        with _attributed(ctx.site):
+            g = _gemma_attention.backward(saved[:7], grad_out, *ctx.scalars, _needs_plan(ctx.plan, needs), saved[9],
+                                          saved[7:9])
+        return (None,) * 8 + (g[0], g[1], g[2], None, None, g[3], g[4])
+
+
+def gemma3_attention(query_states, key_states, value_states, cos, sin, q_norm_weight, k_norm_weight, scaling, softcap,
+                     eps, *, window: int = 0, head_dim: int | None = None, attention_mask=None, cu_seqlens=None,
+                     save_activations: bool = True):
+    """Gemma's attention between its projections (`ops/gemma3_core/attention.py`): query_states [B, S, H * D],
+    key_states and value_states [B, S, KV * D] as the q, k, v projections give them (a model's own modules:
+    LoRA, quantized or hooked projections), the per-head QK RMSNorm (weight 1 + w; None: none, as Gemma 2),
+    RoPE from cos, sin, causal GQA attention at `scaling` with the soft cap, window and masks of
+    `gemma3_core` -> the attention output [B, S, H * D] (what o_proj takes). cos and sin get no gradient."""
+    scaling = check_real(scaling, f"{_ATTENTION_LABEL}: input 'scaling'")
+    eps = check_real(eps, f"{_ATTENTION_LABEL}: input 'rms_norm_eps'")
+    softcap = _softcap(softcap)
+    tensors = _autocast([query_states, key_states, value_states, cos, sin, q_norm_weight, k_norm_weight])
+    mask, starts = _gemma_masks(attention_mask, cu_seqlens, tensors[0])
+    if torch.compiler.is_compiling():
+        return torch.ops.backfuse.gemma3_attention_forward(*tensors, mask, starts, scaling, softcap, eps, window,
+                                                           head_dim or 0)[0]
+    with _autocast_off(tensors):
+        return _Gemma3Attention.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, starts, *tensors)
 
 
 # ------------------------------------------- Problem.backward: the official inputs ---------------------------------
@@ -587,6 +687,40 @@ _register("gemma3_core", ["hidden_states", "cos", "sin", "q_weight", "k_weight",
                           "q_norm_weight?", "k_norm_weight?", "attention_mask?", "starts?"],
           "float scaling, float softcap, float eps, int window, int head_dim", 1, _gemma_forward_op, _gemma_backward_op,
           _gemma_fake_forward, _gemma_fake_backward, [0, 3, 4, 5, 6, 7, 8])
+
+
+def _attention_forward_op(*args):
+    *tensors, mask, starts, scaling, softcap, eps, window, head_dim = args
+    plan = _gemma_attention_plan(tensors, softcap, window, True, head_dim or None, mask, starts)
+    return _gemma_attention.forward(_contiguous(tensors), scaling, eps, plan, (mask, starts))
+
+
+def _attention_backward_op(grads, *args):
+    *tensors, mask, starts, acts, scaling, softcap, eps, window, head_dim, needs = args
+    plan = _needs_plan(_gemma_attention_plan(tensors, softcap, window, True, head_dim or None, mask, starts),
+                       tuple(needs), own=True)
+    g = _gemma_attention.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, starts))
+    return [torch.empty(0, device=tensors[0].device) if x is None else x for x in g]
+
+
+def _attention_fake_forward(*args):
+    q, k, v, cos, sin, qnw, knw, mask, starts, scaling, softcap, eps, window, head_dim = args
+    d = head_dim or qnw.shape[0]
+    config = Gemma3CoreConfig(q.shape[2], q.shape[2] // d, k.shape[2] // d, d, window, qk_norm=qnw is not None)
+    plan = _gemma_attention.Plan(q.shape[0], q.shape[1], config, q.dtype, masking=_masks.masking_of(mask, starts))
+    return torch.empty_like(q), q.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
+
+
+def _attention_fake_backward(grads, *args):
+    *tensors, acts, scaling, softcap, eps, window, head_dim, needs = args
+    differentiated = [tensors[i] for i in (0, 1, 2, 5, 6)]
+    return [torch.empty_like(t) if t is not None and n else tensors[0].new_empty(0) for t, n in zip(differentiated, needs)]
+
+
+_register("gemma3_attention", ["query_states", "key_states", "value_states", "cos", "sin", "q_norm_weight?",
+                               "k_norm_weight?", "attention_mask?", "starts?"],
+          "float scaling, float softcap, float eps, int window, int head_dim", 1, _attention_forward_op,
+          _attention_backward_op, _attention_fake_forward, _attention_fake_backward, [0, 1, 2, 5, 6])
 
 
 # The names of earlier releases.

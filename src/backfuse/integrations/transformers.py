@@ -1,9 +1,9 @@
 """Hugging Face transformers' Gemma 2 and Gemma 3 attention on backfuse's `gemma3_core`.
 
-A patched `Gemma2Attention` / `Gemma3Attention` computes its whole forward (q, k, v projections, the QK
-norm where Gemma 3 has one, RoPE from the model's position embeddings, GQA attention with the layer's
-soft cap and scaling, the output projection) as one `F.gemma3_core` call, with exactly the mask the
-module's own code would apply. Everything it decides from is the call's own arguments and the module's
+A patched `Gemma2Attention` / `Gemma3Attention` computes its forward (q, k, v projections, the QK norm
+where Gemma 3 has one, RoPE from the model's position embeddings, GQA attention with the layer's soft cap
+and scaling, the output projection) on backfuse's ops, with exactly the mask the module's own code would
+apply. Everything it decides from is the call's own arguments and the module's
 state, so a recomputation (gradient checkpointing, reentrant or not) decides the same:
 
 - `eager` and `sdpa` attention (the model's `config._attn_implementation`): the mask is the one
@@ -14,9 +14,10 @@ state, so a recomputation (gradient checkpointing, reentrant or not) decides the
   `is_causal` attention (causal, no window: transformers passes None only where nothing else is masked,
   so the op runs without a window there too); None under eager attends to every key, which the op does
   not take.
-- the module's projections are plain `nn.Linear` without biases, hooks or parametrizations, and its QK
-  norms the model's own RMSNorm (anything else, LoRA adapters and quantized weights among them, would be
-  read around: the module's own code runs);
+- projections: plain bias-free `nn.Linear` layers are fused into the call (`F.gemma3_core`); any others
+  (PEFT's LoRA layers, quantized weights, biases, hooks, parametrizations) run as the module's own modules,
+  and backfuse computes what lies between them (`F.gemma3_attention`: QK norm, RoPE, attention), so an
+  adapter trains as it would without backfuse; the QK norms must be the model's own RMSNorm;
 - no KV cache (in training the patched model passes use_cache=False unless told otherwise: `wrap_model`),
   attention dropout off (or eval mode), causal attention, no attention weights asked for.
 
@@ -49,7 +50,8 @@ def _is_gemma_attention(module, patched: bool = False) -> bool:
 def _own_norm(module, name: str) -> str | None:
     norm = getattr(module, name)
     if type(norm).__module__ != type(module).__module__ or norm._forward_hooks or norm._forward_pre_hooks:
-        return f"{name} is a {type(norm).__name__}, not the model's own RMSNorm"
+        return f"{name} is a {type(norm).__name__}, not the model's own RMSNorm" + (
+            " (it has hooks)" if norm._forward_hooks or norm._forward_pre_hooks else "")
     return None
 
 
@@ -80,16 +82,19 @@ def _why_not(module, hidden_states, position_embeddings, attention_mask, cache, 
         b, s = hidden_states.shape[:2]
         if attention_mask.shape[0] not in (1, b) or tuple(attention_mask.shape[1:]) != (1, s, s):
             return f"an attention mask of shape {tuple(attention_mask.shape)} (backfuse takes [{b} or 1, 1, {s}, {s}])"
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        reason = plain_linear(name, getattr(module, name), bias=False)
-        if reason:
-            return reason
     for name in ("q_norm", "k_norm"):
         if hasattr(module, name):
             reason = _own_norm(module, name)
             if reason:
                 return reason
     return None
+
+
+def _plain_projections(module) -> bool:
+    """Whether q, k, v and o_proj are plain bias-free nn.Linear layers whose weights the fused op may read
+    (else they run as modules around `F.gemma3_attention`)."""
+    return all(plain_linear(name, getattr(module, name), bias=False) is None
+               for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
 def bind(module) -> None:
@@ -109,12 +114,19 @@ def bind(module) -> None:
             return own(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         cos, sin = position_embeddings
         q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
-        out = F.gemma3_core(hidden_states, cos, sin, module.q_proj.weight, module.k_proj.weight, module.v_proj.weight,
-                            module.o_proj.weight, None if q_norm is None else q_norm.weight,
-                            None if k_norm is None else k_norm.weight, module.scaling, softcap,
-                            getattr(q_norm, "eps", eps), window=0, head_dim=module.head_dim,
-                            attention_mask=attention_mask)
-        return out, None
+        norms = (None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight)
+        scalars = (module.scaling, softcap, getattr(q_norm, "eps", eps))
+        if _plain_projections(module):
+            out = F.gemma3_core(hidden_states, cos, sin, module.q_proj.weight, module.k_proj.weight,
+                                module.v_proj.weight, module.o_proj.weight, *norms, *scalars, window=0,
+                                head_dim=module.head_dim, attention_mask=attention_mask)
+            return out, None
+        # The projections as the module's own modules run them (LoRA adapters, quantized weights, hooks), the
+        # attention between them backfuse's.
+        q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
+        a = F.gemma3_attention(q, k, v, cos, sin, *norms, *scalars, window=0, head_dim=module.head_dim,
+                               attention_mask=attention_mask)
+        return module.o_proj(a), None
 
     module.forward = forward
 

@@ -271,22 +271,34 @@ def _allocated(index: int) -> int:
     return torch.cuda.memory_stats(index).get("allocation.all.allocated", 0)
 
 
+_warm_operands: dict = {}  # device index -> the warm-up products' operands (fp16, bf16)
+
+
 def _recorder(index: int, stream) -> torch.cuda.Stream:
-    """Our recording stream for (device, thread, caller's stream); a new one first runs a product of
-    each form the training paths record there, so that cuBLAS takes its workspaces for that stream
-    now, not while a call is recorded."""
+    """Our recording stream for (device, thread, caller's stream), its cuBLAS workspaces taken (`_warm`)."""
     where = (index, threading.get_ident(), stream.cuda_stream)
     recorder = _capture_streams.get(where)
     if recorder is None:
         recorder = _capture_streams[where] = torch.cuda.Stream(index)
-        with torch.cuda.stream(recorder):
-            for dtype in (torch.float16, torch.bfloat16):
-                a = torch.ones(64, 64, dtype=dtype, device=torch.device("cuda", index))
-                torch.mm(a, a, out_dtype=torch.float32)
-                torch.mm(a, a.T)
-                torch.addmm(a[0], a, a.T)
-        recorder.synchronize()
+    _warm(recorder, index)
     return recorder
+
+
+def _warm(recorder, index: int) -> None:
+    """A product of each form the training paths record, queued on the recording stream before every
+    recording (the host does not wait for it): cuBLAS takes a workspace per stream at its first product
+    there, which must not happen while a call is recorded, and torch frees every workspace when a capture
+    of its own begins (`torch.cuda.graph`, compile's CUDA graphs), so that one taken once may be gone."""
+    operands = _warm_operands.get(index)
+    if operands is None:
+        device = torch.device("cuda", index)
+        operands = _warm_operands[index] = [torch.ones(64, 64, dtype=d, device=device) for d in (torch.float16,
+                                                                                                torch.bfloat16)]
+    with torch.cuda.stream(recorder):
+        for a in operands:
+            torch.mm(a, a, out_dtype=torch.float32)
+            torch.mm(a, a.T)
+            torch.addmm(a[0], a, a.T)
 
 
 def _record(drv, index: int, stream, launches):

@@ -1,0 +1,209 @@
+"""037's attention without its projections: the Gemma attention core on q, k, v that the caller projected
+(a model whose projections are not plain nn.Linear layers: LoRA adapters, quantized weights, hooks run as
+the model's own modules around it), forward and backward, float32, bfloat16 or float16.
+
+Forward from q [B, S, H * D], k, v [B, S, KV * D] (the raw projections):
+    qr, kr = RoPE(RMSNorm(q, k) (1 + w))   (kernels/triton/rope.py; no norm without the weights: Gemma 2)
+    A, lse = attention(qr, kr, v)          (kernels/triton/attention.py: causal, window, soft cap, scaling,
+                                            a mask, packed documents: `steps.Masking`)
+    out = A                                [B, S, H * D] in the inputs' dtype (a copy: the saved A stays ours)
+Backward from dA:
+    delta = rowsum(dA * A);  dqr, dkr, dv = attention backward;  dq, dk, grad_w = RoPE and RMSNorm backward
+Products and sums as `training.py`'s (fp16 copies of float32 inputs under the device-side range guard);
+it saves qr, kr, A, lse (and v's fp16 copy of float32 inputs) beside the inputs autograd keeps.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels import buffers
+from ...kernels.schedule import Holds, cdiv
+from ...train import guard as guards
+from ...train import steps
+from ...train.program import Arena, Buffer, Outputs, addresses, execute
+from . import training
+from .training import NORM_ROPE_BACKWARD
+
+NEEDS = 5  # grad_q, grad_k, grad_v, grad_q_norm_w, grad_k_norm_w
+LABEL = "backfuse.functional.gemma3_attention"
+FORWARD_REGIONS = (("normed, rotated q", Holds.INPUT), ("normed, rotated k", Holds.INPUT), ("v projection", Holds.INPUT))
+BACKWARD_REGIONS = (("gradient of attention output", Holds.UPSTREAM), ("gradient of q projection", Holds.VANISHING),
+                    ("gradient of k projection", Holds.VANISHING), ("gradient of v projection", Holds.VANISHING))
+
+
+@dataclass(frozen=True, eq=False)
+class Plan(training.Plan):
+    """One call's shape and options (`training.Plan`'s); needs: (grad_q, grad_k, grad_v, grad_qnw, grad_knw)."""
+
+    needs: tuple = (True,) * NEEDS
+
+    @functools.cached_property
+    def activations(self):
+        t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
+        return Arena([Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c),
+                      Buffer("o", (t, cfg.q_out), c), Buffer("lse", (self.batch * cfg.heads, self.seq), fp32),
+                      Buffer("bounds", (2, t), torch.int32) if self.masking is not None else None,
+                      Buffer("v_c", (t, cfg.kv_out), c) if self.casts else None])
+
+    @functools.cached_property
+    def backward_scratch(self):
+        t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
+        blocks = cdiv(t, self.norm_backward_tiles[0])
+        return Arena([Buffer("da", (t, cfg.q_out), c) if self.casts else None,
+                      Buffer("delta", (self.batch * cfg.heads, self.seq), fp32),
+                      Buffer("d_rot_q", (t, cfg.q_out), fp32), Buffer("d_rot_k", (t, cfg.kv_out), fp32),
+                      Buffer("dv32", (t, cfg.kv_out), fp32) if self.split > 1 else None,
+                      Buffer("parts_q", (cfg.heads * blocks, cfg.head_dim), fp32),
+                      Buffer("parts_k", (cfg.kv_heads * blocks, cfg.head_dim), fp32),
+                      Buffer("sums_q", (steps.column_sum_parts(cfg.heads * blocks), cfg.head_dim), fp32),
+                      Buffer("sums_k", (steps.column_sum_parts(cfg.kv_heads * blocks), cfg.head_dim), fp32),
+                      *(() if self.save else self.activations.specs)])
+
+    @functools.cached_property
+    def weight_grads(self):
+        cfg, io, n = self.config, self.io, self.needs
+        return Outputs([Buffer("grad_qnw", (cfg.head_dim,), io) if n[3] else None,
+                        Buffer("grad_knw", (cfg.head_dim,), io) if n[4] else None], separate=self.own_grads)
+
+
+def _guard(plan: Plan, direction: str, device, owner: int = 0):
+    if not plan.guarded:
+        return None
+    regions = FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS
+    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts,
+                        owner=owner)
+
+
+def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> list:
+    """The launches from the inputs x (q, k, v, cos, sin, q_norm_w, k_norm_w) to A and lse in the activations a."""
+    q, k, v, cos, sin, qnw, knw = x
+    cfg, t = p.config, p.tokens
+    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
+    launches = [steps.cast(v, a.v_c, g, "v projection")] if p.casts else []
+    launches += [training._norm_rope(p, q.view(t, cfg.q_out), qnw, cos2, sin2, a.rot_q, cfg.heads, eps),
+                 training._norm_rope(p, k.view(t, cfg.kv_out), knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps)]
+    if p.masking is not None:
+        launches.append(steps.attention_bounds(p.attention, a.bounds, *masks))
+    launches.append(steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v_c if p.casts else v.view(t, -1),
+                                            a.o, a.lse, scaling, g, training.ATTENTION_FORWARD_REGIONS,
+                                            bounds=getattr(a, "bounds", None), mask=masks[0]))
+    return launches
+
+
+def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
+    """(A [B, S, H * D] in the inputs' dtype, activations). inputs: q, k, v, cos, sin, q_norm_w, k_norm_w."""
+    q = inputs[0]
+    p, device = plan, q.device
+    g = _guard(p, "forward", device, inputs[0].data_ptr())
+    if g is not None:
+        g.poll()
+    acts = p.activations
+    a_flat = acts.allocate(device)
+    out = buffers.empty(q.shape, p.io, device)
+
+    def build():
+        a = acts.views(a_flat)
+        launches = _forward_launches(p, g, inputs, a, scaling, eps, masks)
+        launches.append(lambda: out.view(p.tokens, -1).copy_(a.o))
+        if g is not None:
+            launches.append(steps.check(g))
+        return launches
+
+    execute(("gemma3_attention forward", p, scaling, eps), device, addresses(*inputs, *masks, out, a_flat), build)
+    if g is not None and device.type != "cuda":
+        g.poll()
+    return out, (a_flat if p.save else None)
+
+
+def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, masks=(None, None)):
+    """(grad_q, grad_k, grad_v, grad_q_norm_w, grad_k_norm_w); None where not needed. masks: the forward's."""
+    q, k, v, cos, sin, qnw, knw = inputs
+    p, cfg, device, n = plan, plan.config, q.device, plan.needs
+    g = _guard(p, "backward", device, q.data_ptr())
+    fg = _guard(p, "forward", device, q.data_ptr()) if a_flat is None else None
+    for each in (g, fg):
+        if each is not None:
+            each.poll()
+    t, att = p.tokens, p.attention
+    scratch, wgrads = p.backward_scratch, p.weight_grads
+    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
+    through = any(n[:2]) or n[3] or n[4]  # (the RoPE and norm backward)
+    grads = [buffers.empty(x.shape, p.io, device) if need or (i < 2 and through) else None
+             for i, (x, need) in enumerate(zip((q, k, v), n))]
+    if grads[2] is None:  # the attention backward writes dV with dQ, dK
+        grads[2] = buffers.empty(v.shape, p.io, device)
+    gq, gk, gv = (x.view(t, -1) for x in grads)
+    da = grad_out.contiguous().view(t, cfg.q_out)
+
+    def build():
+        s = scratch.views(s_flat)
+        a = s if a_flat is None else p.activations.views(a_flat)
+        launches = []
+        if a_flat is None:
+            launches += _forward_launches(p, fg, inputs, a, scaling, eps, masks) + (
+                [steps.check(fg)] if fg is not None else [])
+        d = da
+        if p.casts:
+            launches += [steps.amax(da, g), steps.cast(da, s.da, g, "gradient of attention output", upstream=True)]
+            d = s.da
+        launches.append(steps.attention_delta(att, a.o, d, s.delta, g))
+        if p.dq_atomic:
+            launches.append(steps.zero(s.d_rot_q))
+        vee = a.v_c if p.casts else v.view(t, -1)
+        regions = training.ATTENTION_BACKWARD_REGIONS
+        extra = dict(bounds=getattr(a, "bounds", None), mask=masks[0])
+        if p.split > 1:
+            launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
+                         steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, vee, d, a.lse, s.delta,
+                                                  s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, regions, p.dq_atomic, **extra),
+                         steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv, 1,
+                                               g, "gradient of v projection")]
+        else:
+            launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, vee, d, a.lse, s.delta,
+                                                     s.d_rot_q, s.d_rot_k, gv, scaling, g, regions, p.dq_atomic,
+                                                     **extra))
+        if through:
+            launches += _norm_rope_backward(p, g, inputs, s, w, gq, gk, eps)
+        if g is not None:
+            if g.scaled:  # the upstream scale's undoing on what carries it
+                launches += [steps.unscale(x, g) for x in grads if x is not None]
+            launches.append(steps.check(g))
+        return launches
+
+    made = [x for x in grads if x is not None]
+    execute(("gemma3_attention backward", p, scaling, eps), device,
+            addresses(*inputs, *masks, da, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])),
+            build)
+    for each in (g, fg):
+        if each is not None and device.type != "cuda":
+            each.poll()
+    return (*(x if need else None for x, need in zip(grads, n[:3])), getattr(w, "grad_qnw", None),
+            getattr(w, "grad_knw", None))
+
+
+def _norm_rope_backward(p: Plan, g, inputs, s, w, gq, gk, eps: float) -> list:
+    """The RoPE and norm backward from the attention's dQ, dK into grad_q, grad_k, and the norm weights' sums."""
+    q, k, v, cos, sin, qnw, knw = inputs
+    cfg, t, n = p.config, p.tokens, p.needs
+    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
+    ranges, _, checked = steps._guarded(g, q.device)
+    rows, warps = p.norm_backward_tiles
+    launches = []
+    for d_rot, raw, weight, dst, parts, heads, region in (
+            (s.d_rot_q, q.view(t, -1), qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
+            (s.d_rot_k, k.view(t, -1), knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection")):
+        launches.append(NORM_ROPE_BACKWARD(
+            (cdiv(t, rows), heads),
+            dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst, parts=parts,
+                 ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps), r_dx=steps._slot(g, region)),
+            D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=rows, RANGES=checked,
+            NORM=cfg.qk_norm, num_warps=warps))
+    if n[3]:
+        launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
+    if n[4]:
+        launches += steps.column_sums(s.parts_k, w.grad_knw, s.sums_k, g, unscale=True)
+    return launches
