@@ -35,6 +35,26 @@ def test_specs_configs_and_plans_import_no_triton():
         "assert 'triton' not in sys.modules, 'triton was imported'\n")
 
 
+def test_the_operator_layer_reaches_no_layer_above_it():
+    """problem.py dispatches `Problem.backward` to the training module beside each spec (as `fused` to its backward
+    module): the operators' layer never imports the user-facing training API (`backfuse.functional`), which imports
+    it."""
+    import ast
+
+    import sys
+
+    tree = ast.parse(open(sys.modules["backfuse.problem"].__file__).read())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert "functional" not in imported and not any("functional" in (n.module or "") for n in ast.walk(tree)
+                                                      if isinstance(n, ast.ImportFrom)), imported
+    _fresh_python(
+        "import sys, torch, backfuse\n"
+        "p = backfuse.problem('021')\n"
+        "x = p.make_inputs(dict(batch_size=1, num_video_tokens=3, num_text_tokens=2), seed=0)\n"
+        "assert all(g is not None for g in p.backward(*x))\n"
+        "assert 'backfuse.functional' not in sys.modules\n")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_on_a_cpu_importing_backfuse_turns_the_interpreter_on():
     """The README's snippets as written on a machine without a GPU: importing backfuse first turns the Triton

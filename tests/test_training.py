@@ -170,7 +170,7 @@ def test_problem_backward_takes_low_precision_and_run_does_not():
     refs = prob.reference(*[x.float() if isinstance(x, torch.Tensor) else x for x in half])
     assert rel_err(grad_video, refs[0]) < 4e-3 and rel_err(grad_wq, refs[2]) < 4e-3
     half[3] = inputs[3]
-    with pytest.raises(TypeError, match=r"'query_weight' is torch.float32, but 'video_latents' is torch.float16"):
+    with pytest.raises(TypeError, match=r"input 'query_weight' is torch.float32, but 'grad_output' is torch.float16"):
         prob.backward(*half)
 
 

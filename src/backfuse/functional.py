@@ -38,6 +38,7 @@ from .ops.wan_xattn.spec import WanXattnConfig
 from .problem import TRAINING_DTYPES, Tensor, check_real, fused_unusable
 from .train import cudnn as _cudnn
 from .train import masks as _masks
+from .train import plans as _plan_cache
 
 
 class _Lazy:
@@ -57,22 +58,9 @@ _wan = _Lazy("backfuse.ops.wan_xattn.training", "_wan")
 _qkv = _Lazy("backfuse.ops.qkv_gqa.training", "_qkv")
 _gemma = _Lazy("backfuse.ops.gemma3_core.training", "_gemma")
 
-_plans: dict = {}  # (op, signature, options) -> plan
-_sms: dict = {}  # device -> SM count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    n = _sms.get(device)
-    if n is None:
-        n = _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
-
-
-def _signature(tensors) -> tuple:
-    """What a plan depends on, as cheaply as the host can read it: each input's shape, dtype and device index."""
-    return tuple((t.shape, t.dtype, t.get_device()) if isinstance(t, torch.Tensor) else type(t) for t in tensors)
+_plans = _plan_cache._plans  # (op, signature, options) -> plan (`train/plans.py`)
+_sm_count = _plan_cache.sm_count
+_signature = _plan_cache.signature
 
 
 def _validate(label: str, pid: str, specs, tensors) -> dict:
@@ -101,18 +89,8 @@ def _autocast_off(tensors):
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
-def _contiguous(tensors):
-    return [t if t is None else t.contiguous() for t in tensors]
-
-
-def _needs_plan(plan, needs: tuple, own: bool = False):
-    """plan computing only the gradients flagged in needs; own: each in memory of its own (the custom ops:
-    torch.library's contract forbids outputs that alias each other)."""
-    key = (id(plan), needs, own)
-    p = _plans.get(key)
-    if p is None:
-        p = _plans[key] = dataclasses.replace(plan, needs=needs, own_grads=own)
-    return p
+_contiguous = _plan_cache.contiguous
+_needs_plan = _plan_cache.needs_plan
 
 
 def _attributed(site):
@@ -522,25 +500,6 @@ def gemma3_attention(query_states, key_states, value_states, cos, sin, q_norm_we
                                                            head_dim or 0)[0]
     with _autocast_off(tensors):
         return _Gemma3Attention.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, starts, *tensors)
-
-
-# ------------------------------------------- Problem.backward: the official inputs ---------------------------------
-def problem_backward(problem, inputs, needs: tuple) -> tuple:
-    """`Problem.backward` of `problem` (inputs in official order, validated): the training path's
-    backward without saved activations, at the problem's sizes (`problem.config`)."""
-    if problem.id == "021":
-        go, *fwd, scale = inputs
-        tensors = _contiguous(fwd)
-        plan = _needs_plan(_wan_plan(tensors, scale, problem.config.heads, False), needs + (False, False))
-        return _wan.backward(tensors, go, scale, plan, None)
-    if problem.id == "072":
-        tensors = _contiguous(inputs[3:])
-        plan = _needs_plan(_qkv_plan(tensors, problem.config.head_dim, False), needs)
-        return _qkv.backward(tensors, list(inputs[:3]), plan, None)
-    go, *fwd, scaling, cap, eps = inputs
-    tensors = _contiguous(fwd)
-    plan = _needs_plan(_gemma_plan(tensors, _softcap(cap), problem.config.window, False), needs)
-    return _gemma.backward(tensors, go, scaling, eps, plan, None)
 
 
 # ----------------------------------------------------- the ops under torch.compile --------------------------------

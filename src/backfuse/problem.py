@@ -361,14 +361,17 @@ class Problem:
         back as None. It is the training path of `backfuse.functional` without saved activations (the
         forward's launches run again first): products in the inputs' dtype, or on fp16 copies of
         float32 inputs with the device-side fp16 guard; the host never waits for the GPU."""
-        self.validate(inputs, dtypes=TRAINING_DTYPES)
+        self.validate(inputs, dtypes=TRAINING_DTYPES, same_dtype=True)
         if needs is not None and len(needs) != len(self.outputs):
             raise ValueError(f"{self.name}: needs has {len(needs)} flags, expected one per output "
                              f"{list(self.output_names)}")
-        from . import functional
-
-        return functional.problem_backward(self, inputs, tuple(bool(n) for n in needs) if needs is not None
-                                           else (True,) * len(self.outputs))
+        reason = fused_unusable(next(x for x in inputs if isinstance(x, torch.Tensor)).device)
+        if reason:
+            raise RuntimeError(f"{self.name}.backward: {reason}")
+        package = type(self).__module__.rpartition(".")[0]  # the training module beside the spec, as `fused`'s
+        training = importlib.import_module(package + ".training")
+        return training.problem_backward(self, inputs, tuple(bool(n) for n in needs) if needs is not None
+                                         else (True,) * len(self.outputs))
 
     def _guarded(self, inputs, checking) -> tuple:
         """The fused kernels under the fp16 range guard, as `run` describes."""

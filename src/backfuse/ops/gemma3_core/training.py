@@ -33,7 +33,7 @@ from ...kernels import buffers
 from ...kernels.graphs import Allocating
 from ...kernels.schedule import Holds, cdiv
 from ...kernels.triton import rope
-from ...train import cudnn, steps
+from ...train import cudnn, plans, steps
 from ...train import guard as guards
 from ...train.program import COMPUTE, SIZES, Arena, Buffer, Kernel, Outputs, accumulate, addresses, bytes_of, execute, mm
 from .spec import Gemma3CoreConfig
@@ -409,3 +409,24 @@ def _rows(stacked, counts, own: bool) -> list:
     """The row blocks of one product's result; own: each but the first copied (memory of its own)."""
     parts = list(stacked.split(counts))
     return parts[:1] + [x.clone() for x in parts[1:]] if own else parts
+
+
+def problem_backward(problem, inputs, needs: tuple) -> tuple:
+    """`Problem.backward` of 037: the official inputs (validated: grad_output, the forward's inputs, scaling, the
+    soft cap, eps) at `problem.config`'s sizes, without saved activations."""
+    go, *fwd, scaling, cap, eps = inputs
+    fwd = plans.contiguous(fwd)
+    hidden, cos = fwd[:2]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    softcap = abs(float(cap))  # tanh(z / c) c is even in c
+
+    def make():
+        plan = Plan(hidden.shape[0], hidden.shape[1], problem.config, hidden.dtype, softcap=softcap,
+                    cos_batched=cos.shape[0] != 1 or hidden.shape[0] == 1, save=False, sms=plans.sm_count(hidden.device),
+                    deterministic=deterministic)
+        return plans.replaced(plan, cudnn=True) if cudnn.serves(plan.attention, plan.compute, hidden.device,
+                                                                 deterministic) else plan
+
+    plan = plans.cached(("037 problem", problem.config, plans.signature(fwd), softcap, deterministic, cudnn.enabled()),
+                        make)
+    return backward(fwd, go, scaling, eps, plans.needs_plan(plan, needs), None)

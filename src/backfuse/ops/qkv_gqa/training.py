@@ -24,7 +24,7 @@ import torch
 from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
-from ...train import steps
+from ...train import plans, steps
 from ...train.program import COMPUTE, SIZES, Arena, Buffer, Outputs, Phases, accumulate, addresses, bytes_of, execute, mm
 from .spec import QkvGqaConfig
 
@@ -262,3 +262,15 @@ def backward(inputs, grads, plan: Plan, a_flat):
             w.grad_wv = w.grad_wv.clone()
     return (grad_dec, grad_enc, getattr(w, "grad_wq", None), getattr(w, "grad_wk", None) if n[3] else None,
             getattr(w, "grad_wv", None) if n[4] else None)
+
+
+def problem_backward(problem, inputs, needs: tuple) -> tuple:
+    """`Problem.backward` of 072: the official inputs (validated: the three upstream gradients, then the forward's
+    inputs) at `problem.config`'s sizes, without saved activations."""
+    fwd = plans.contiguous(inputs[3:])
+    dec, enc = fwd[:2]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    plan = plans.cached(("072 problem", problem.config, plans.signature(fwd), deterministic), lambda: Plan(
+        dec.shape[0], dec.shape[1], enc.shape[1], problem.config, dec.dtype, save=False, sms=plans.sm_count(dec.device),
+        deterministic=deterministic))
+    return backward(fwd, list(inputs[:3]), plans.needs_plan(plan, needs), None)

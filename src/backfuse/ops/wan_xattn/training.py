@@ -31,7 +31,7 @@ import torch
 from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
-from ...train import steps
+from ...train import plans, steps
 from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addmm, addresses, bytes_of, execute, mm
 from .spec import WanXattnConfig
 
@@ -346,3 +346,16 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
              getattr(w, "grad_wv", None) if n[6] else None, getattr(w, "grad_bv", None), getattr(w, "grad_wo", None),
              getattr(w, "grad_bo", None))
     return grads + ((getattr(w, "grad_nq", None), getattr(w, "grad_nk", None)) if p.norm else ())
+
+
+def problem_backward(problem, inputs, needs: tuple) -> tuple:
+    """`Problem.backward` of 021: the official inputs (validated: grad_output, the forward's inputs, scale) at
+    `problem.config`'s sizes, without saved activations (the forward's launches run again first)."""
+    go, *fwd, scale = inputs
+    fwd = plans.contiguous(fwd)
+    video, text = fwd[:2]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    plan = plans.cached(("021 problem", problem.config, plans.signature(fwd), deterministic), lambda: Plan(
+        video.shape[0], video.shape[1], text.shape[1], problem.config, video.dtype, save=False,
+        sms=plans.sm_count(video.device), deterministic=deterministic))
+    return backward(fwd, go, scale, plans.needs_plan(plan, needs + (False,) * (len(plan.needs) - len(needs))), None)
