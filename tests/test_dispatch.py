@@ -40,7 +40,6 @@ def test_the_operator_layer_reaches_no_layer_above_it():
     module): the operators' layer never imports the user-facing training API (`backfuse.functional`), which imports
     it."""
     import ast
-
     import sys
 
     tree = ast.parse(open(sys.modules["backfuse.problem"].__file__).read())
