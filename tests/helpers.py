@@ -161,16 +161,20 @@ def attention64(q, k, v, batch, heads, group, d, scale, cap, causal, window):
     qh = q.view(batch, s_q, heads, d).transpose(1, 2)
     kh = k.view(batch, s_k, heads // group, d).transpose(1, 2).repeat_interleave(group, 1)
     vh = v.view(batch, s_k, heads // group, d).transpose(1, 2).repeat_interleave(group, 1)
-    z = qh @ kh.transpose(-1, -2) * scale
-    if cap:
-        z = cap * torch.tanh(z / cap)
     i, j = torch.arange(s_q, device=q.device)[:, None], torch.arange(s_k, device=q.device)[None]
     visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
     if causal:
         visible &= j <= i
     if window:
         visible &= i - j < window
-    return (torch.softmax(z.masked_fill(~visible, float("-inf")), -1) @ vh).transpose(1, 2).reshape(batch * s_q, -1)
+    out = []
+    step = max(1, 2**28 // (batch * s_q * s_k))  # heads at a time: a few GB of float64 logits at most
+    for h in range(0, heads, step):
+        z = qh[:, h:h + step] @ kh[:, h:h + step].transpose(-1, -2) * scale
+        if cap:
+            z = cap * torch.tanh(z / cap)
+        out.append(torch.softmax(z.masked_fill(~visible, float("-inf")), -1) @ vh[:, h:h + step])
+    return torch.cat(out, 1).transpose(1, 2).reshape(batch * s_q, -1)
 
 
 def training_module(pid, config, dtype, softcap=None, device=None, **scalars):

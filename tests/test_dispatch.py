@@ -49,7 +49,8 @@ def test_the_operator_layer_reaches_no_layer_above_it():
     _fresh_python(
         "import sys, torch, backfuse\n"
         "p = backfuse.problem('021')\n"
-        "x = p.make_inputs(dict(batch_size=1, num_video_tokens=3, num_text_tokens=2), seed=0)\n"
+        "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+        "x = p.make_inputs(dict(batch_size=1, num_video_tokens=3, num_text_tokens=2), seed=0, device=device)\n"
         "assert all(g is not None for g in p.backward(*x))\n"
         "assert 'backfuse.functional' not in sys.modules\n")
 
