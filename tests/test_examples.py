@@ -52,3 +52,30 @@ def test_train_tiny_prints_what_its_docstring_says():
 def test_train_tiny_refuses_bad_arguments(args, words):
     r = _example(*args)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
+
+
+FINETUNE = EXAMPLE.parent / "finetune_gemma3.py"
+
+
+def test_finetune_example_trains_as_the_unpatched_model():
+    """examples/finetune_gemma3.py as a user runs it (Trainer, DataCollatorWithFlattening, LoRA after patch,
+    gradient checkpointing; bf16 on a GPU): every call on backfuse's kernels, every step's loss the unpatched
+    model's."""
+    pytest.importorskip("peft")
+    spec = importlib.util.spec_from_file_location("finetune_gemma3", FINETUNE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ours, handed_back = module.train(steps=3)
+    theirs, _ = module.train(steps=3, patched=False)
+    assert handed_back == {} and len(ours) == len(theirs) == 3
+    tol = 2e-2 if module.DEVICE == "cuda" else 1e-3  # bf16 on a GPU, float32 (fp16 products) on a CPU
+    assert all(abs(a - b) <= tol * b for a, b in zip(ours, theirs)), (ours, theirs)
+    assert ours[-1] < ours[0]
+
+
+def test_finetune_example_refuses_a_plot_without_the_comparison():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE.parents[1] / "src")] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, str(FINETUNE), "--plot", "x.png"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 2 and "--plot draws both curves: add --compare" in r.stderr and "Traceback" not in r.stderr
