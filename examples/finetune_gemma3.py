@@ -21,8 +21,9 @@ model's loss and their relative difference), then what backfuse handed back to t
 import argparse
 import tempfile
 
-import backfuse  # first: without a GPU it turns the Triton interpreter on before transformers imports triton
 import torch
+
+import backfuse  # before transformers: without a GPU it turns the Triton interpreter on before triton is imported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
