@@ -123,30 +123,39 @@ MASK_BOUNDS = tl.constexpr(1)  # the bounds alone
 MASK_KEEP = tl.constexpr(2)
 MASK_ADD = tl.constexpr(3)
 _MASKED_OUT = tl.constexpr(-1.0e38)  # an additive mask value at or below it hides the key (finfo.min of any dtype)
+_PARTIAL = tl.constexpr(1 << 30)  # added to a row's stored hi: the mask hides keys inside its bounds (or adds to them)
 
 
 @triton.jit
-def _masked(s, r2, c2, lo2, hi2, b, mask, m_sb, m_sq, m_sk, MASK: tl.constexpr):
+def _masked(s, r2, c2, lo2, hi2, b, mask, m_sb, m_sq, m_sk, partial, MASK: tl.constexpr):
     """(logits s with an additive mask added, which of them are visible) for the tile of query rows r2
-    and key columns c2 (broadcast against each other) with the rows' bounds lo2, hi2."""
+    and key columns c2 (broadcast against each other) with the rows' bounds lo2, hi2. Unless some row of
+    the tile is `partial` (`_row_bounds`: its mask hides a key inside its bounds, or adds a nonzero value
+    there), the bounds alone decide and the mask is not read: a causal, padded, packed or image-block mask
+    is its rows' bounds everywhere."""
     ok = (c2 >= lo2) & (c2 <= hi2)
     if MASK == MASK_KEEP:
-        at = b.to(tl.int64) * m_sb + r2.to(tl.int64) * m_sq + c2.to(tl.int64) * m_sk
-        ok = ok & (tl.load(mask + at, mask=ok, other=0) != 0)
+        if partial:
+            at = b.to(tl.int64) * m_sb + r2.to(tl.int64) * m_sq + c2.to(tl.int64) * m_sk
+            ok = ok & (tl.load(mask + at, mask=ok, other=0) != 0)
     if MASK == MASK_ADD:
-        at = b.to(tl.int64) * m_sb + r2.to(tl.int64) * m_sq + c2.to(tl.int64) * m_sk
-        add = tl.load(mask + at, mask=ok, other=0.0).to(tl.float32)
-        alike = lo2 < 0  # a row the mask hides every key from: every key alike, logit 0
-        ok = ok & ((add > _MASKED_OUT) | alike)
-        s = tl.where(alike, 0.0, s + tl.maximum(add, _MASKED_OUT) * _LOG2E)  # (finite: a hidden key is set apart by ok)
+        if partial:
+            at = b.to(tl.int64) * m_sb + r2.to(tl.int64) * m_sq + c2.to(tl.int64) * m_sk
+            add = tl.load(mask + at, mask=ok, other=0.0).to(tl.float32)
+            alike = lo2 < 0  # a row the mask hides every key from: every key alike, logit 0
+            ok = ok & ((add > _MASKED_OUT) | alike)
+            s = tl.where(alike, 0.0, s + tl.maximum(add, _MASKED_OUT) * _LOG2E)  # (finite: a hidden key: ok)
     return s, ok
 
 
 @triton.jit
 def _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k):
-    """Each query row's bounds [lo, hi] (rows past S_q: none)."""
+    """Each query row's bounds [lo, hi] (rows past S_q: none) and whether the row is partial: its mask hides
+    keys inside its bounds, or adds nonzero values there (`attention_bounds_kernel` adds _PARTIAL to its hi)."""
     at = b * S_q + rows
-    return tl.load(lo + at, mask=row_ok, other=S_k), tl.load(hi + at, mask=row_ok, other=-1)
+    stored = tl.load(hi + at, mask=row_ok, other=-1)
+    partial = stored >= _PARTIAL
+    return tl.load(lo + at, mask=row_ok, other=S_k), tl.where(partial, stored - _PARTIAL, stored), partial
 
 
 @triton.jit
@@ -156,7 +165,7 @@ def _query_range(lo, hi, b, first_col, last_col, S_q, S_k, PRE: tl.constexpr):
     last = -1
     for m0 in range(0, S_q, PRE):
         rows = m0 + tl.arange(0, PRE)
-        lo_r, hi_r = _row_bounds(lo, hi, b, rows, rows < S_q, S_q, S_k)
+        lo_r, hi_r, _ = _row_bounds(lo, hi, b, rows, rows < S_q, S_q, S_k)
         reach = (lo_r <= last_col) & (hi_r >= first_col)
         first = tl.minimum(first, tl.min(tl.where(reach, rows, S_q)))
         last = tl.maximum(last, tl.max(tl.where(reach, rows, -1)))
@@ -218,7 +227,8 @@ def attention_forward_kernel(
     if WINDOW:
         n_lo = tl.maximum(0, block * BM - window + 1) // BN * BN
     if MASK != MASK_NONE:
-        lo_r, hi_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
+        lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
+        partial = tl.max(part_r.to(tl.int32)) > 0
         n_lo = tl.maximum(0, tl.min(lo_r)) // BN * BN
         n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
     k_max = 0.0
@@ -232,7 +242,7 @@ def attention_forward_kernel(
         visible = _visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW)
         if MASK != MASK_NONE:
             s, seen = _masked(s, rows[:, None], cols[None, :], lo_r[:, None], hi_r[:, None], b, mask, m_sb, m_sq, m_sk,
-                              MASK)
+                              partial, MASK)
             visible = visible & seen
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -324,9 +334,9 @@ def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_
             s, t = _logits(mma(kt, tl.trans(qt), None), scale, cap, HAS_CAP, APPROX_TANH)  # [keys, queries]
             visible = _visible(rows[None, :], cols[:, None], S_k, window, CAUSAL, WINDOW)
             if MASK != MASK_NONE:
-                lo_r, hi_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
+                lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
                 s, seen = _masked(s, rows[None, :], cols[:, None], lo_r[None, :], hi_r[None, :], b, mask, m_sb, m_sq,
-                                  m_sk, MASK)
+                                  m_sk, tl.max(part_r.to(tl.int32)) > 0, MASK)
                 visible = visible & seen
             p = tl.where(visible, tl.exp2(s - row_lse[None, :]), 0.0)
             dv_acc = mma(narrow(p, dot_.dtype), dot_, dv_acc)
@@ -384,7 +394,8 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
     if WINDOW:
         n_lo = tl.maximum(0, block * Q_BM - window + 1) // Q_BN * Q_BN
     if MASK != MASK_NONE:
-        lo_r, hi_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
+        lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
+        partial = tl.max(part_r.to(tl.int32)) > 0
         n_lo = tl.maximum(0, tl.min(lo_r)) // Q_BN * Q_BN
         n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
     dq_acc = tl.zeros((Q_BM, D), dtype=tl.float32)
@@ -397,7 +408,7 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
         visible = _visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW)
         if MASK != MASK_NONE:
             s, seen = _masked(s, rows[:, None], cols[None, :], lo_r[:, None], hi_r[:, None], b, mask, m_sb, m_sq, m_sk,
-                              MASK)
+                              partial, MASK)
             visible = visible & seen
         p = tl.where(visible, tl.exp2(s - row_lse[:, None]), 0.0)
         ds = p * (mma(dot_, tl.trans(vt), None) - row_delta[:, None])
@@ -448,8 +459,10 @@ def attention_bounds_kernel(
     """Each query row's bounds [lo, hi] for the attention kernels' MASK: grid (B, row blocks of BR).
     Start from every key, keep j <= i (CAUSAL), i - j < window (WINDOW), j >= the row's document start
     (DOCS: starts[b, i], packed documents); then with a mask (MASK_KEEP, MASK_ADD) narrow them to the
-    first and last key it allows inside them. A row that sees no key gets lo = S_k, hi = -1; with MASK_ADD
-    lo = -1, hi = S_k - 1 (every key alike, as eager attention: `_masked`)."""
+    first and last key it allows inside them, marking the rows where it is more than those bounds (a key
+    hidden between them, or a nonzero value added: hi + _PARTIAL), whose tiles read the mask. A row that
+    sees no key gets lo = S_k, hi = -1; with MASK_ADD lo = -1, hi = S_k - 1, partial (every key alike, as
+    eager attention: `_masked`)."""
     b = tl.program_id(0)
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     row_ok = rows < S_q
@@ -461,24 +474,31 @@ def attention_bounds_kernel(
         r_lo = tl.maximum(r_lo, rows - window + 1)
     if DOCS:
         r_lo = tl.maximum(r_lo, tl.load(starts + b * S_q + rows, mask=row_ok, other=0))
+    partial = tl.zeros((BR,), dtype=tl.int32)
     if MASK == MASK_KEEP or MASK == MASK_ADD:
         first = tl.full((BR,), S_k, dtype=tl.int32)
         last = tl.full((BR,), -1, dtype=tl.int32)
+        count = tl.zeros((BR,), dtype=tl.int32)  # keys the mask allows inside the bounds
+        added = tl.zeros((BR,), dtype=tl.int32)  # of them, those it adds a nonzero value to (MASK_ADD)
         n_lo = tl.maximum(0, tl.min(tl.where(row_ok, r_lo, S_k))) // BN * BN
         n_hi = tl.minimum(S_k, tl.max(tl.where(row_ok, r_hi, -1)) + 1)
         for n0 in range(n_lo, n_hi, BN):
             cols = n0 + tl.arange(0, BN)
             s, seen = _masked(tl.zeros((BR, BN), dtype=tl.float32), rows[:, None], cols[None, :], r_lo[:, None],
-                              r_hi[:, None], b, mask, m_sb, m_sq, m_sk, MASK)
+                              r_hi[:, None], b, mask, m_sb, m_sq, m_sk, True, MASK)
             seen = seen & row_ok[:, None] & (cols[None, :] < S_k)
             first = tl.minimum(first, tl.min(tl.where(seen, cols[None, :], S_k), 1))
             last = tl.maximum(last, tl.max(tl.where(seen, cols[None, :], -1), 1))
+            count += tl.sum(seen.to(tl.int32), 1)
+            added += tl.sum((seen & (s != 0.0)).to(tl.int32), 1)
         r_lo = first
         r_hi = last
+        # partial: the allowed keys are not the whole of [first, last] (holes), or some get a value added
+        partial = ((count < last - first + 1) | (added > 0)).to(tl.int32)
     empty = r_lo > r_hi
-    if MASK == MASK_ADD:  # every key alike (see `_masked`)
+    if MASK == MASK_ADD:  # every key alike (see `_masked`): the mask is read for those rows
         tl.store(lo + b * S_q + rows, tl.where(empty, -1, r_lo), mask=row_ok)
-        tl.store(hi + b * S_q + rows, tl.where(empty, S_k - 1, r_hi), mask=row_ok)
+        tl.store(hi + b * S_q + rows, tl.where(empty, S_k - 1 + _PARTIAL, r_hi + partial * _PARTIAL), mask=row_ok)
     else:
         tl.store(lo + b * S_q + rows, tl.where(empty, S_k, r_lo), mask=row_ok)
-        tl.store(hi + b * S_q + rows, tl.where(empty, -1, r_hi), mask=row_ok)
+        tl.store(hi + b * S_q + rows, tl.where(empty, -1, r_hi + partial * _PARTIAL), mask=row_ok)
