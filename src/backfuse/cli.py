@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="instead: one layer's training step at released models' sizes and token counts "
                        "(backfuse.presets; default all), bfloat16, against the model's own attention code, eager and "
                        "torch.compile'd (needs a CUDA GPU; JSON under \"models\")")
+    bench.add_argument("--dynamic", nargs="*", metavar="ENTRY",
+                       help="instead: training steps whose shapes change every step (12 lengths in random order, twice, "
+                       "after a warm-up at another; backfuse against the model's own code, eager and torch.compile'd) "
+                       "for gemma3-1b, gemma3-4b, gemma2-9b, gemma3-4b/packed, wan2.1-1.3b (default all; needs a CUDA "
+                       "GPU; JSON under \"dynamic\")")
     bench.add_argument("--steps", type=_at_least(1), default=20, help="--train, --models: timed steps per case (default 20)")
 
     check = sub.add_parser(
@@ -241,6 +246,8 @@ def _dispatch(parser, args) -> int:
         parser.error("--merge needs --json FILE")
     if args.command == "bench" and args.models is not None:
         return _bench_models(args)
+    if args.command == "bench" and args.dynamic is not None:
+        return _bench_dynamic(args)
     if args.command == "bench" and args.train:
         return _bench_train(problems, args)
     return _bench(problems, args, timing=args.command == "bench")
@@ -321,6 +328,39 @@ def _bench_models(args) -> int:
             _write_file(args.json, json.dumps(doc if old is None else {**old, "models": {**old.get("models", {}),
                                                                                          **doc["models"]}}, indent=1))
     print(report.models_table(doc["models"]))
+    if args.json:
+        log(f"wrote {args.json}")
+    return 0
+
+
+def _bench_dynamic(args) -> int:
+    import torch
+
+    from .bench import dynamic
+
+    todo = args.dynamic or list(dynamic.ENTRIES)
+    for key in todo:
+        if key not in dynamic.ENTRIES:
+            raise CLIError(f"--dynamic: no entry {key!r}; there are {', '.join(dynamic.ENTRIES)}")
+    if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
+        raise CLIError("--dynamic runs its own selection (entries, their shapes; backfuse against the model's own "
+                       "code): drop --train, problems, --cases, --impl, --plot and --baseline")
+    if args.json:
+        _check_writable(args.json)
+    if not torch.cuda.is_available():
+        raise CLIError("--dynamic times training steps on a CUDA GPU, and none is visible")
+    doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=1, iters=2 * dynamic.SHAPES),
+           "problems": {}, "dynamic": {}}
+    old = _load_results(args.json) if args.json and args.merge and os.path.exists(args.json) else None
+    for done, key in enumerate(todo, 1):
+        start = time.perf_counter()
+        log(f"[{done}/{len(todo)}] {key}")
+        doc["dynamic"][key] = dynamic.run_entry(key, "cuda", seed=args.seed)
+        log(f"[{done}/{len(todo)}] {key} ({time.perf_counter() - start:.1f} s)")
+        if args.json:
+            _write_file(args.json, json.dumps(doc if old is None else {**old, "dynamic": {**old.get("dynamic", {}),
+                                                                                          **doc["dynamic"]}}, indent=1))
+    print(report.dynamic_table(doc["dynamic"]))
     if args.json:
         log(f"wrote {args.json}")
     return 0

@@ -51,10 +51,12 @@ def entries(names=None) -> list:
     return out
 
 
-def model_gemma(x, cos, sin, wq, wk, wv, wo, qnw, knw, *, heads, kv_heads, head_dim, scaling, softcap, eps, window):
+def model_gemma(x, cos, sin, wq, wk, wv, wo, qnw, knw, *, heads, kv_heads, head_dim, scaling, softcap, eps, window,
+                extra_mask=None):
     """Gemma 2 / 3 attention as transformers trains it: projections, the per-head QK norm (Gemma 3;
     qnw None: none), RoPE, then SDPA with grouped heads (causal, or the sliding window's mask) or, with
-    a soft cap, the eager attention (fp32 softmax); o_proj."""
+    a soft cap, the eager attention (fp32 softmax); o_proj. extra_mask: [S, S] bool, what else hides a key
+    (packed documents' block-diagonal mask)."""
     b, s, _ = x.shape
     q = tf.linear(x, wq).view(b, s, heads, head_dim).transpose(1, 2)
     k = tf.linear(x, wk).view(b, s, kv_heads, head_dim).transpose(1, 2)
@@ -65,13 +67,15 @@ def model_gemma(x, cos, sin, wq, wk, wv, wo, qnw, knw, *, heads, kv_heads, head_
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     i = torch.arange(s, device=x.device)
     visible = (i[None] <= i[:, None]) & ((i[:, None] - i[None] < window) if 0 < window < s else True)
+    if extra_mask is not None:
+        visible = visible & extra_mask
     if softcap:
         g = heads // kv_heads
         w = q @ k.repeat_interleave(g, 1).transpose(2, 3) * scaling
         w = torch.tanh(w / softcap) * softcap
         w = w.masked_fill(~visible, float("-inf"))
         o = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype) @ v.repeat_interleave(g, 1)
-    elif 0 < window < s:
+    elif 0 < window < s or extra_mask is not None:
         o = tf.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling, enable_gqa=True)
     else:
         o = tf.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)

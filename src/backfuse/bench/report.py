@@ -402,3 +402,19 @@ def models_table(entries: dict, run: dict | None = None) -> str:
     lines.append(f"\ngeometric mean of backfuse / compiled: {statistics.geometric_mean(ratios):.2f} over {len(ratios)}; "
                  f"largest {max(ratios):.2f}")
     return "\n".join(lines)
+
+
+def dynamic_table(entries: dict) -> str:
+    """Markdown table of `bench --dynamic`: per entry, ms per step of each pass of the changing-shape loop for
+    backfuse, the model's code eager and compiled, and backfuse's second pass against the others."""
+    if not entries:
+        return "(no `bench --dynamic` results yet)"
+    lines = ["| entry | backfuse 1st / 2nd | model's code 1st / 2nd | compiled 1st / 2nd | 2nd: / compiled, / eager | "
+             "1st: / eager |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for key, e in entries.items():
+        pair = lambda impl: f"{e[impl + '_first_ms']:.2f} / {e[impl + '_second_ms']:.2f}"  # noqa: E731
+        lines.append(f"| {key} | {pair('backfuse')} | {pair('hf')} | {pair('compile')} | "
+                     f"{e['backfuse_second_ms'] / e['compile_second_ms']:.2f}, "
+                     f"{e['backfuse_second_ms'] / e['hf_second_ms']:.2f} | "
+                     f"{e['backfuse_first_ms'] / e['hf_first_ms']:.2f} |")
+    return "\n".join(lines)
