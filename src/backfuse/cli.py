@@ -147,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "after a warm-up at another; backfuse against the model's own code, eager and torch.compile'd) "
                        "for gemma3-1b, gemma3-4b, gemma2-9b, gemma3-4b/packed, wan2.1-1.3b (default all; needs a CUDA "
                        "GPU; JSON under \"dynamic\")")
+    bench.add_argument("--e2e", nargs="*", metavar="MODEL",
+                       help="instead: a released model's whole training step (a few decoder layers at its width in the "
+                       "released pattern, transformers' classes, bf16): as shipped, compiled, patched, patched and "
+                       "compiled; ms, host ms, peak memory, first loss checked (default all Gemma models; needs a CUDA "
+                       "GPU; JSON under \"e2e\")")
+    bench.add_argument("--memory", action="store_true",
+                       help="instead: peak memory of a training step of 2-layer Gemma 3 4B (2x4096 tokens) and 27B "
+                       "(1x4096), patched against unpatched, eager and compiled (needs a CUDA GPU; JSON under \"memory\")")
     bench.add_argument("--steps", type=_at_least(1), default=20, help="--train, --models: timed steps per case (default 20)")
 
     check = sub.add_parser(
@@ -248,6 +256,8 @@ def _dispatch(parser, args) -> int:
         return _bench_models(args)
     if args.command == "bench" and args.dynamic is not None:
         return _bench_dynamic(args)
+    if args.command == "bench" and (args.e2e is not None or args.memory):
+        return _bench_e2e(args)
     if args.command == "bench" and args.train:
         return _bench_train(problems, args)
     return _bench(problems, args, timing=args.command == "bench")
@@ -361,6 +371,48 @@ def _bench_dynamic(args) -> int:
             _write_file(args.json, json.dumps(doc if old is None else {**old, "dynamic": {**old.get("dynamic", {}),
                                                                                           **doc["dynamic"]}}, indent=1))
     print(report.dynamic_table(doc["dynamic"]))
+    if args.json:
+        log(f"wrote {args.json}")
+    return 0
+
+
+def _bench_e2e(args) -> int:
+    import torch
+
+    from .bench import e2e
+
+    if args.memory:
+        if args.e2e is not None:
+            raise CLIError("--memory and --e2e are separate runs: pass one")
+        section, todo = "memory", [(name, tokens, 2) for name, tokens in e2e.MEMORY]
+    else:
+        for name in args.e2e:
+            if name not in e2e.MODELS:
+                raise CLIError(f"--e2e: no model {name!r}; there are {', '.join(e2e.MODELS)}")
+        section, todo = "e2e", [(name, e2e.TOKENS[name], None) for name in args.e2e or e2e.MODELS]
+    if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
+        raise CLIError(f"--{section} runs its own selection: drop --train, problems, --cases, --impl, --plot and --baseline")
+    if args.json:
+        _check_writable(args.json)
+    if not torch.cuda.is_available():
+        raise CLIError(f"--{section} times training steps on a CUDA GPU, and none is visible")
+    steps = min(args.steps, 10)
+    doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=3, iters=steps), "problems": {},
+           section: {}}
+    old = _load_results(args.json) if args.json and args.merge and os.path.exists(args.json) else None
+    for done, (name, tokens, layers) in enumerate(todo, 1):
+        key = f"{name}/{'x'.join(map(str, tokens))}"
+        log(f"[{done}/{len(todo)}] {key}")
+        entry = e2e.run_entry(name, tokens, layers=layers, steps=steps)
+        if section == "memory":
+            entry = {"patched_peak_mib": entry["patched_peak_mib"], "hf_peak_mib": entry["hf_peak_mib"],
+                     "patched_compile_peak_mib": entry["patched_compile_peak_mib"],
+                     "compile_peak_mib": entry["compile_peak_mib"], "layers": 2}
+        doc[section][key] = entry
+        if args.json:
+            _write_file(args.json, json.dumps(doc if old is None else {**old, section: {**old.get(section, {}),
+                                                                                        **doc[section]}}, indent=1))
+    print(json.dumps(doc[section], indent=1))
     if args.json:
         log(f"wrote {args.json}")
     return 0

@@ -4,7 +4,9 @@ Per operator and official case, each implementation runs `steps` steps queued ba
 synchronization at the end (wall-clock ms per step, the GPU and the host overlapping as in training),
 after `warmup` steps; the host's own time per step is the wall time of issuing the steps before the
 final synchronization; peak memory is the most allocated during one step above what the step's inputs
-hold. A step: the parameters' gradients cleared (set to None, as `zero_grad` does), the forward, the
+hold; `host_floor_us` is the host time of a step of an autograd op that takes the same tensors, allocates
+the same outputs and gradients and computes nothing (`_Floor`: what no implementation can go below). A step:
+the parameters' gradients cleared (set to None, as `zero_grad` does), the forward, the
 backward from a fixed upstream gradient.
 
 Implementations, side by side in one run (only ratios from one run compare: hosts differ):
@@ -140,6 +142,29 @@ class Layer(Steps):
         super().__init__(leaves, call, grads)
 
 
+class _Floor(torch.autograd.Function):
+    """The least host work of an autograd op with a layer's tensor inputs and outputs: it saves the inputs,
+    allocates its outputs and the inputs' gradients, and computes nothing (`host_floor_us`)."""
+
+    @staticmethod
+    def forward(ctx, shapes, *tensors):
+        ctx.save_for_backward(*tensors)
+        outs = tuple(tensors[0].new_empty(s) for s in shapes)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *(torch.empty_like(t) if need else None
+                        for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])))
+
+
+def floor_of(layer: Layer) -> Steps:
+    """A step of `_Floor` with a backfuse layer's tensors (the parameters and activations its op takes)."""
+    tensors = list(layer.by_name.values())
+    shapes = [g.shape for g in layer.grads]
+    return Steps(layer.leaves, lambda: _Floor.apply(shapes, *tensors), layer.grads)
+
+
 def time_steps(layer: Steps, *, warmup: int, steps: int) -> tuple:
     """(ms per step, host us per step): `steps` steps back to back, one synchronization at the end."""
     for _ in range(warmup):
@@ -220,6 +245,7 @@ def run_case(prob, index: int, device, *, warmup: int, steps: int) -> dict:
             entry["sync_free"] = sync_free(layer)
         elif impl == "backfuse_bf16":
             entry["host_bf16_us"] = round(host, 1)
+            entry["host_floor_us"] = round(time_steps(floor_of(layer), warmup=warmup, steps=steps)[1], 1)
             entry["peak_mib"] = round(peak_mib(layer), 1)
             entry["sync_free"] = entry["sync_free"] and sync_free(layer)
         elif impl == "eager_bf16":

@@ -1,0 +1,153 @@
+"""`backfuse bench --e2e` and `--memory`: a released model's whole training step, as transformers builds the
+model, with and without `backfuse.patch`, eager and under torch.compile.
+
+A model: a few decoder layers of a released Gemma at its width (transformers' own classes, random init,
+bfloat16, vocab 32768), in the released layer pattern (Gemma 3: five sliding-window layers and one global;
+Gemma 2: one of each). A step: the gradients cleared (set to None), the forward with labels (the LM
+cross-entropy), the backward. Steps queued back to back, one synchronization at the end (ms per step, the
+host's own time per step beside it), after warm-up steps (compile's compile time not timed); the peak is the
+most memory allocated during one step above what was allocated before it (with what backfuse's recorded
+graphs keep in their pools). Each variant's first loss is checked against the unpatched eager model's (same
+weights, same batch): a variant that computes another loss is reported wrong, not timed.
+
+Variants:
+    hf                  the model as transformers runs it (SDPA attention; eager for Gemma 2's soft caps)
+    compile             torch.compile of it (default mode)
+    patched             after `backfuse.patch(model)`
+    patched_compile     torch.compile of the patched model
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..kernels import graphs
+from .runner import log
+
+VOCAB = 32768
+# (family, hidden, intermediate, heads, kv heads, head size, query_pre_attn_scalar, window), published configs
+MODELS = {
+    "gemma3-1b": ("gemma3", 1152, 6912, 4, 1, 256, 256, 512),
+    "gemma3-4b": ("gemma3", 2560, 10240, 8, 4, 256, 256, 1024),
+    "gemma3-12b": ("gemma3", 3840, 15360, 16, 8, 256, 256, 1024),
+    "gemma3-27b": ("gemma3", 5376, 21504, 32, 16, 128, 168, 1024),
+    "gemma2-2b": ("gemma2", 2304, 9216, 8, 4, 256, 256, 4096),
+    "gemma2-9b": ("gemma2", 3584, 14336, 16, 8, 256, 256, 4096),
+    "gemma2-27b": ("gemma2", 4608, 36864, 32, 16, 128, 144, 4096),
+}
+TOKENS = {"gemma3-1b": (8, 1024), "gemma3-4b": (2, 4096), "gemma3-12b": (1, 4096), "gemma3-27b": (1, 4096),
+          "gemma2-2b": (2, 4096), "gemma2-9b": (2, 4096), "gemma2-27b": (1, 4096)}
+LAYERS = {"gemma3": 6, "gemma2": 2}  # the released pattern's period
+MEMORY = (("gemma3-4b", (2, 4096)), ("gemma3-27b", (1, 4096)))  # `--memory`: 2 layers each
+VARIANTS = ("hf", "compile", "patched", "patched_compile")
+LOSS_TOLERANCE = 2e-2  # |first loss - hf's| (bf16 models' losses near log(32768) = 10.4)
+
+
+def build(name: str, layers: int | None = None, seed: int = 0, device="cuda"):
+    """The model `name` with `layers` decoder layers (None: the released pattern's period), on `device` in
+    bfloat16, its weights drawn from `seed`."""
+    import transformers
+
+    family, hidden, inter, heads, kv, head, scalar, window = MODELS[name]
+    n = layers or LAYERS[family]
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n,
+                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=head, query_pre_attn_scalar=scalar,
+                  sliding_window=window, max_position_embeddings=8192)
+    if family == "gemma3":
+        config = transformers.Gemma3TextConfig(**common, layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 or n < 6 and i == n - 1 else "sliding_attention" for i in range(n)])
+        cls, impl = transformers.Gemma3ForCausalLM, "sdpa"
+    else:
+        config = transformers.Gemma2Config(**common, layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
+        cls, impl = transformers.Gemma2ForCausalLM, "eager"
+    config._attn_implementation = impl
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls(config).to(torch.bfloat16)
+    model.train()
+    return model
+
+
+def variant(name: str, which: str, layers: int | None = None):
+    """(model as the step calls it, the model whose parameters it trains)."""
+    import backfuse
+
+    model = build(name, layers)
+    if which.startswith("patched"):
+        backfuse.patch(model, quiet=True)
+    if which.endswith("compile"):
+        torch._dynamo.reset()
+        return torch.compile(model), model
+    return model, model
+
+
+def batch(name: str, tokens: tuple, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, VOCAB, tokens, device="cuda", generator=g)
+
+
+def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = None, warmup: int = 3,
+                steps: int = 10) -> dict:
+    """{ms, host_ms, peak_mib, loss} of one variant: `steps` steps after `warmup`."""
+    graphs.release()
+    torch.cuda.empty_cache()
+    call, model = variant(name, which, layers)
+    ids = batch(name, tokens)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            p.grad = None
+        loss = call(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    first = float(step())
+    for _ in range(warmup - 1):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    host = (issued - t0) / steps * 1e3
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base + graphs.pool_bytes()) / 2**20
+    fallbacks = sum(__import__("backfuse").fallbacks(model).values()) if which.startswith("patched") else 0
+    return dict(ms=round(ms, 3), host_ms=round(host, 3), peak_mib=round(peak, 1), loss=first, fallbacks=fallbacks)
+
+
+def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=VARIANTS, warmup: int = 3,
+              steps: int = 10) -> dict:
+    """The "e2e" entry of one model and token count: per variant its ms, host ms and peak (None where its first
+    loss is not hf's: `<variant>_wrong` then holds that loss)."""
+    entry, reference = {}, None
+    for which in variants:
+        start = time.perf_counter()
+        r = run_variant(name, which, tokens, layers=layers, warmup=warmup, steps=steps)
+        if reference is None:
+            reference = r["loss"]
+        ok = abs(r["loss"] - reference) <= LOSS_TOLERANCE
+        entry[f"{which}_ms"] = r["ms"] if ok else None
+        entry[f"{which}_host_ms"] = r["host_ms"]
+        entry[f"{which}_peak_mib"] = r["peak_mib"]
+        if not ok:
+            entry[f"{which}_wrong"] = r["loss"]
+        if r["fallbacks"]:
+            entry[f"{which}_fallbacks"] = r["fallbacks"]
+        log(f"    {which}: {r['ms']:.3f} ms a step (host {r['host_ms']:.3f}), peak {r['peak_mib']:.0f} MiB, first loss "
+            f"{r['loss']:.4f}{'' if ok else ' WRONG'} ({time.perf_counter() - start:.1f} s)")
+        torch.cuda.empty_cache()
+    entry["loss"] = reference
+    return entry

@@ -1,0 +1,64 @@
+"""The training benches' own pieces on the CPU (the timing needs a GPU): `bench --dynamic`'s shapes and
+steps, `bench --e2e`'s models, `bench --train`'s host floor."""
+
+import pytest
+import torch
+from conftest import DEVICE
+
+import backfuse
+from backfuse.bench import dynamic, e2e, train
+from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig
+from backfuse.ops.wan_xattn.spec import WanXattnConfig
+
+
+def test_dynamic_shapes_are_fixed_by_the_seed_and_hold_the_extremes():
+    for key in dynamic.ENTRIES:
+        warm, loop = dynamic.shapes(key)
+        assert (warm, loop) == dynamic.shapes(key) and len(loop) == dynamic.SHAPES and warm not in loop
+        if key.endswith("/packed"):
+            totals = [sum(docs) for docs in loop]
+            assert {512, 4096} <= set(totals) and all(1 <= len(docs) <= 8 and min(docs) >= 1 for docs in loop)
+        elif key.startswith("wan"):
+            assert max(v for _, v, _ in loop) == 21 * dynamic.WAN_FRAME and all(1 <= t <= 512 for *_, t in loop)
+        else:
+            assert {(2, 512), (2, 4096)} <= set(loop) and all(512 <= s <= 4096 for _, s in loop)
+
+
+@pytest.mark.parametrize("key", ["gemma3-4b", "gemma3-4b/packed", "wan2.1-1.3b"])
+def test_dynamic_steps_of_backfuse_and_of_the_model_agree(key):
+    """backfuse's step and the model's own (the reference the bench times against) give the same gradients at
+    each of a few changing shapes (tiny sizes; packed documents: cu_seqlens against the block-diagonal mask; one
+    text token: the video's gradient is 0 but for rounding, the text's is not)."""
+    preset = backfuse.presets.get(key.split("/")[0])
+    config = WanXattnConfig(64, 2, qk_norm=True) if key.startswith("wan") else Gemma3CoreConfig(64, 2, 1, 32)
+    shapes = {"gemma3-4b": [(2, 37), (2, 20)], "gemma3-4b/packed": [(5, 12, 3), (20,)],
+              "wan2.1-1.3b": [(1, 40, 7), (1, 24, 1)]}[key]
+    cls = backfuse.nn.WanXattn if key.startswith("wan") else backfuse.nn.Gemma3Core
+    module = cls(config, device=DEVICE, dtype=torch.bfloat16, **preset.kwargs)
+    grads = {}
+    for impl in ("backfuse", "hf"):
+        calls = dynamic._make_calls(preset, config, key, shapes, DEVICE, 0)
+        step = dynamic._stepper(preset, config, key, impl, module)
+        for c in calls:
+            step(c)
+        grads[impl] = [torch.cat([a.grad.float().flatten() for a in c.acts if a.requires_grad]) for c in calls]
+    for ours, theirs in zip(grads["backfuse"], grads["hf"]):
+        assert (ours - theirs).norm() <= 2e-2 * theirs.norm()
+
+
+def test_e2e_models_are_the_released_pattern():
+    model = e2e.build("gemma3-1b", device="meta")
+    assert model.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert model.config.num_attention_heads == 4 and model.config.sliding_window == 512
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    two = e2e.build("gemma3-4b", layers=2, device="meta")
+    assert two.config.layer_types == ["sliding_attention", "full_attention"]
+    assert e2e.build("gemma2-9b", device="meta").config._attn_implementation == "eager"
+
+
+def test_the_host_floor_takes_the_layers_tensors_and_gives_their_gradients():
+    prob = backfuse.problem("021")
+    layer = train.Layer(prob, prob.workloads[0].axes, "backfuse_bf16", DEVICE)
+    floor = train.floor_of(layer)
+    floor.step()
+    assert all(leaf.grad is not None and leaf.grad.shape == leaf.shape for leaf in layer.leaves)
