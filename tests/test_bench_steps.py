@@ -54,6 +54,12 @@ def test_e2e_models_are_the_released_pattern():
     two = e2e.build("gemma3-4b", layers=2, device="meta")
     assert two.config.layer_types == ["sliding_attention", "full_attention"]
     assert e2e.build("gemma2-9b", device="meta").config._attn_implementation == "eager"
+    wan = e2e.build("wan2.1-1.3b", device="meta")
+    assert len(wan.blocks) == 2 and wan.config.num_attention_heads == 12 and wan.config.ffn_dim == 8960
+    inputs = e2e.batch("wan2.1-1.3b", e2e.TOKENS["wan2.1-1.3b"], device="cpu")
+    frames, height, width = inputs["hidden_states"].shape[2:]
+    assert frames * (height // 2) * (width // 2) == e2e.TOKENS["wan2.1-1.3b"][1] == 32760
+    assert inputs["encoder_hidden_states"].shape == (1, 512, 4096)
 
 
 def test_the_host_floor_takes_the_layers_tensors_and_gives_their_gradients():

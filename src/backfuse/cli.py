@@ -149,9 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "GPU; JSON under \"dynamic\")")
     bench.add_argument("--e2e", nargs="*", metavar="MODEL",
                        help="instead: a released model's whole training step (a few decoder layers at its width in the "
-                       "released pattern, transformers' classes, bf16): as shipped, compiled, patched, patched and "
-                       "compiled; ms, host ms, peak memory, first loss checked (default all Gemma models; needs a CUDA "
-                       "GPU; JSON under \"e2e\")")
+                       "released pattern, transformers' and diffusers' classes, bf16): as shipped, compiled, patched, "
+                       "patched and compiled; ms, host ms, peak memory, first loss checked (default all: Gemma 2 and 3, "
+                       "Wan; needs a CUDA GPU, diffusers for Wan; JSON under \"e2e\")")
     bench.add_argument("--memory", action="store_true",
                        help="instead: peak memory of a training step of 2-layer Gemma 3 4B (2x4096 tokens) and 27B "
                        "(1x4096), patched against unpatched, eager and compiled (needs a CUDA GPU; JSON under \"memory\")")
@@ -387,9 +387,9 @@ def _bench_e2e(args) -> int:
         section, todo = "memory", [(name, tokens, 2) for name, tokens in e2e.MEMORY]
     else:
         for name in args.e2e:
-            if name not in e2e.MODELS:
-                raise CLIError(f"--e2e: no model {name!r}; there are {', '.join(e2e.MODELS)}")
-        section, todo = "e2e", [(name, e2e.TOKENS[name], None) for name in args.e2e or e2e.MODELS]
+            if name not in e2e.TOKENS:
+                raise CLIError(f"--e2e: no model {name!r}; there are {', '.join(e2e.TOKENS)}")
+        section, todo = "e2e", [(name, e2e.TOKENS[name], None) for name in args.e2e or e2e.TOKENS]
     if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
         raise CLIError(f"--{section} runs its own selection: drop --train, problems, --cases, --impl, --plot and --baseline")
     if args.json:
