@@ -68,3 +68,12 @@ def test_the_host_floor_takes_the_layers_tensors_and_gives_their_gradients():
     floor = train.floor_of(layer)
     floor.step()
     assert all(leaf.grad is not None and leaf.grad.shape == leaf.shape for leaf in layer.leaves)
+
+
+def test_e2e_leaves_liger_out_where_it_has_no_patch_or_is_not_installed(monkeypatch):
+    import importlib.util
+
+    assert e2e.run_entry("wan2.1-1.3b", e2e.TOKENS["wan2.1-1.3b"], variants=("liger", "liger_patched")) == {
+        "liger_ms": None, "liger_patched_ms": None, "loss": None}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert e2e.run_entry("gemma3-1b", (1, 8), variants=("liger",)) == {"liger_ms": None, "loss": None}

@@ -150,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--e2e", nargs="*", metavar="MODEL",
                        help="instead: a released model's whole training step (a few decoder layers at its width in the "
                        "released pattern, transformers' and diffusers' classes, bf16): as shipped, compiled, patched, "
-                       "patched and compiled; ms, host ms, peak memory, first loss checked (default all: Gemma 2 and 3, "
-                       "Wan; needs a CUDA GPU, diffusers for Wan; JSON under \"e2e\")")
+                       "patched and compiled, and Liger Kernel's patch with and without backfuse's where liger-kernel is "
+                       "installed; ms, host ms, peak memory, first loss checked (default all: Gemma 2 and 3, Wan; "
+                       "needs a CUDA GPU, diffusers for Wan; JSON under \"e2e\")")
     bench.add_argument("--memory", action="store_true",
                        help="instead: peak memory of a training step of 2-layer Gemma 3 4B (2x4096 tokens) and 27B "
                        "(1x4096), patched against unpatched, eager and compiled (needs a CUDA GPU; JSON under \"memory\")")
@@ -403,7 +404,8 @@ def _bench_e2e(args) -> int:
     for done, (name, tokens, layers) in enumerate(todo, 1):
         key = f"{name}/{'x'.join(map(str, tokens))}"
         log(f"[{done}/{len(todo)}] {key}")
-        entry = e2e.run_entry(name, tokens, layers=layers, steps=steps)
+        entry = e2e.run_entry(name, tokens, layers=layers, steps=steps,
+                              variants=e2e.MEMORY_VARIANTS if section == "memory" else e2e.VARIANTS)
         if section == "memory":
             entry = {"patched_peak_mib": entry["patched_peak_mib"], "hf_peak_mib": entry["hf_peak_mib"],
                      "patched_compile_peak_mib": entry["patched_compile_peak_mib"],

@@ -18,10 +18,18 @@ Variants:
     compile             torch.compile of it (default mode)
     patched             after `backfuse.patch(model)`
     patched_compile     torch.compile of the patched model
+    liger               Liger Kernel's patch of the model (its RMSNorm, GeGLU, RoPE and fused linear
+                        cross-entropy), where `liger-kernel` is installed (Gemma only)
+    liger_patched       Liger's patch, then backfuse's
+Liger patches transformers' classes as well as the model, so its variants run each in a process of their own.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -49,7 +57,8 @@ TOKENS = {"gemma3-1b": (8, 1024), "gemma3-4b": (2, 4096), "gemma3-12b": (1, 4096
           **{name: (1, WAN_LATENTS[0] * WAN_LATENTS[1] * WAN_LATENTS[2] // 4, WAN_TEXT) for name in WAN}}
 LAYERS = {"gemma3": 6, "gemma2": 2, "wan": 2}  # the released pattern's period (Wan: two blocks)
 MEMORY = (("gemma3-4b", (2, 4096)), ("gemma3-27b", (1, 4096)))  # `--memory`: 2 layers each
-VARIANTS = ("hf", "compile", "patched", "patched_compile")
+MEMORY_VARIANTS = ("hf", "compile", "patched", "patched_compile")
+VARIANTS = ("hf", "compile", "patched", "patched_compile", "liger", "liger_patched")
 LOSS_TOLERANCE = 2e-2  # |first loss - hf's|, relative (bf16 models' losses near log(32768) = 10.4)
 
 
@@ -100,7 +109,13 @@ def variant(name: str, which: str, layers: int | None = None):
     import backfuse
 
     model = build(name, layers)
-    if which.startswith("patched"):
+    if which.startswith("liger"):
+        import liger_kernel.transformers as liger
+
+        family = MODELS[name][0]
+        (liger.apply_liger_kernel_to_gemma3_text if family == "gemma3" else liger.apply_liger_kernel_to_gemma2)(
+            model=model)
+    if "patched" in which:
         backfuse.patch(model, quiet=True)
     if which.endswith("compile"):
         torch._dynamo.reset()
@@ -161,7 +176,7 @@ def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = No
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base + graphs.pool_bytes()) / 2**20
-    fallbacks = sum(__import__("backfuse").fallbacks(model).values()) if which.startswith("patched") else 0
+    fallbacks = sum(__import__("backfuse").fallbacks(model).values()) if "patched" in which else 0
     return dict(ms=round(ms, 3), host_ms=round(host, 3), peak_mib=round(peak, 1), loss=first, fallbacks=fallbacks)
 
 
@@ -171,8 +186,12 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
     loss is not hf's: `<variant>_wrong` then holds that loss)."""
     entry, reference = {}, None
     for which in variants:
+        if which.startswith("liger") and (name in WAN or importlib.util.find_spec("liger_kernel") is None):
+            entry[f"{which}_ms"] = None  # Liger has no Wan patch; or it is not installed
+            continue
         start = time.perf_counter()
-        r = run_variant(name, which, tokens, layers=layers, warmup=warmup, steps=steps)
+        r = (_isolated if which.startswith("liger") else run_variant)(name, which, tokens, layers=layers,
+                                                                      warmup=warmup, steps=steps)
         if reference is None:
             reference = r["loss"]
         ok = abs(r["loss"] - reference) <= LOSS_TOLERANCE * max(1.0, abs(reference))
@@ -188,3 +207,11 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
         torch.cuda.empty_cache()
     entry["loss"] = reference
     return entry
+
+
+def _isolated(name: str, which: str, tokens: tuple, **kw) -> dict:
+    """run_variant in a process of its own (Liger's patch replaces transformers' classes for the process)."""
+    code = ("import json, sys; from backfuse.bench import e2e; "
+            f"print(json.dumps(e2e.run_variant({name!r}, {which!r}, {tuple(tokens)!r}, **{kw!r})))")
+    done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
