@@ -187,6 +187,7 @@ def test_an_allocating_step_runs_its_op_then_what_reads_its_outputs():
 def test_an_allocating_step_recorded_into_a_graph_replays_its_op():
     """An op that allocates (here torch's own arithmetic) recorded with the launches that read its output:
     replays compute on each call's data, and no memory outside the pool is taken or corrupted."""
+    assert graphs.RECORD_AT == 3
     x = torch.randn(1 << 16, device=DEVICE)
     out = torch.empty_like(x)
     key = ("test allocating replay", object())
@@ -194,10 +195,35 @@ def test_an_allocating_step_recorded_into_a_graph_replays_its_op():
     def build():
         return [lambda: out.zero_(), graphs.Allocating(key, lambda: (x * 3,), lambda y: [lambda: out.add_(y)], "x * 3")]
 
-    for i in range(4):
+    before = graphs.counts.copy()
+    for i in range(5):
         x.copy_(torch.full_like(x, float(i)))
         graphs.replay(key, (x.data_ptr(), out.data_ptr()), x.device, build)
         other = torch.full_like(x, -1.0)  # memory taken after the call: never the graph's
         torch.cuda.synchronize()
         assert torch.equal(out, torch.full_like(x, 3.0 * i)) and torch.equal(other, torch.full_like(x, -1.0))
-    assert graphs._replay_stats[key] == [2, 2]  # direct, recorded, then replays
+    new = graphs.counts - before
+    assert (new["direct"], new["instantiated"], new["replayed"]) == (2, 1, 2)  # direct twice, recorded, replays
+
+
+@GPU
+def test_a_training_call_is_recorded_only_when_its_addresses_recur():
+    """replay: a (key, addresses) launches directly at its first RECORD_AT - 1 calls (a batch of a new length,
+    or new memory); at the next it is recorded, then replayed; calls whose addresses change never record."""
+    x = torch.zeros(1 << 10, device=DEVICE)
+    key = ("test admission", object())
+
+    def call(t):
+        graphs.replay(key, (t.data_ptr(),), t.device, lambda: [lambda: t.add_(1.0), lambda: t.mul_(2.0)])
+
+    before = graphs.counts.copy()
+    fresh = [torch.zeros(1 << 10, device=DEVICE) for _ in range(3)]
+    for t in fresh:
+        call(t)
+    assert (graphs.counts - before)["instantiated"] == 0
+    for _ in range(graphs.RECORD_AT + 1):
+        call(x)
+    new = graphs.counts - before
+    assert (new["direct"], new["instantiated"], new["replayed"]) == (graphs.RECORD_AT + 2, 1, 1), new
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 30.0)) and all(torch.equal(t, torch.full_like(t, 2.0)) for t in fresh)

@@ -370,3 +370,25 @@ def test_product_launches_take_the_plans_tile_bounds():
         (q0, q1), (a0, a1) = p.forward_bounds
         assert q0 == 0 and q1 == a0 == gemma3_core.tile_count(tokens, sizes["037"].qkv, 1, p.forward.bm, p.forward.bn)
         assert a1 == p.forward_programs and (a1 == a0) == (p.products == "cublas")
+
+
+def test_plan_caches_are_bounded_and_a_recurring_shape_changes_plan_once(monkeypatch):
+    """The plan cache keeps the PLANS_KEPT most recently looked up; `recurring` hands its later plan from the
+    CUDNN_AFTER-th lookup on, and `replaced` tells a dropped plan from one made later at its address."""
+    from backfuse.train import plans
+
+    monkeypatch.setattr(plans, "PLANS_KEPT", 3)
+    cache = plans.Plans()
+    for i in range(4):
+        cache[i] = f"plan {i}"
+    cache.get(1)
+    cache[4] = "plan 4"
+    assert list(cache) == [3, 1, 4]
+
+    monkeypatch.setattr(plans, "CUDNN_AFTER", 3)
+    monkeypatch.setattr(plans, "_plans", plans.Plans())
+    monkeypatch.setattr(plans, "_pending", plans.Plans())
+    plans.recurring("k", "later")
+    plans._plans["k"] = "first"
+    assert [plans.looked_up("k", plans._plans.get("k")) for _ in range(4)] == ["first", "first", "later", "later"]
+    assert plans._plans["k"] == "later" and "k" not in plans._pending

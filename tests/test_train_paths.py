@@ -94,11 +94,14 @@ def test_training_paths_at_other_sizes(pid, config, sizes, softcap, dtype, save)
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="cuDNN's attention runs on a GPU")
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_cudnn_attention_serves_only_what_it_computes(head_dim):
-    """In bf16 on a GPU, Gemma 3's global layers take cuDNN's attention, soft-capped, windowed and fp16-product
-    calls ours; with `cudnn_attention(False)`, ours everywhere. Both right against float64."""
+def test_cudnn_attention_serves_only_what_it_computes(head_dim, monkeypatch):
+    """In bf16 on a GPU, Gemma 3's global layers take cuDNN's attention (here from a shape's first call),
+    soft-capped, windowed and fp16-product calls ours; with `cudnn_attention(False)`, ours everywhere. Both
+    right against float64."""
     from backfuse import cudnn_attention, functional
+    from backfuse.train import plans
 
+    monkeypatch.setattr(plans, "CUDNN_AFTER", 1)
     torch.manual_seed(4)
     for softcap, window, dtype, enabled, expected in ((None, 0, torch.bfloat16, True, True),
                                                       (None, 0, torch.bfloat16, False, False),
@@ -112,6 +115,26 @@ def test_cudnn_attention_serves_only_what_it_computes(head_dim):
             check_training_step("037", m, training_inputs("037", cfg, (2, 45), dtype), TOL[dtype])
         used = {p.cudnn for p in functional._plans.values() if hasattr(p, "cudnn")}
         assert used == {expected}, (softcap, window, dtype, enabled)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuDNN's attention runs on a GPU")
+def test_a_shape_takes_cudnn_attention_once_it_recurs(monkeypatch):
+    """A shape's first CUDNN_AFTER - 1 calls run our attention (cuDNN's would build a plan for every new
+    length), the later ones cuDNN's; each call's gradients right against float64."""
+    from backfuse import functional
+    from backfuse.train import plans
+
+    monkeypatch.setattr(plans, "CUDNN_AFTER", 3)
+    cfg = Gemma3CoreConfig(256, 2, 1, 128)
+    m = training_module("037", cfg, torch.bfloat16, None)
+    functional._plans.clear()
+    used = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        m.zero_grad(set_to_none=True)
+        check_training_step("037", m, training_inputs("037", cfg, (2, 45), torch.bfloat16), TOL[torch.bfloat16])
+        used.append([p.cudnn for k, p in functional._plans.items() if k[0] == "037"])
+    assert used == [[False], [False], [True], [True]], used
 
 
 @pytest.mark.parametrize("frozen", ["weights", "activations"])
@@ -210,9 +233,8 @@ def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype, pid):
             a.grad = None
         m(*acts).backward(grad)
 
-    def totals():  # (hits, misses, direct runs); the stats are lists updated in place
-        return (sum(v[0] for v in graphs._replay_stats.values()), sum(v[1] for v in graphs._replay_stats.values()),
-                graphs.counts["direct"])
+    def totals():  # (hits, misses, direct runs)
+        return graphs.counts["replayed"], graphs.counts["missed"], graphs.counts["direct"]
 
     for _ in range(4):
         step()

@@ -1,7 +1,13 @@
-"""Where backfuse's time goes in `bench --dynamic`'s loop: each step timed alone (synchronized), with CUDA graphs
-on and off, and the graph cache's counts per pass.
+"""Where backfuse's time goes when shapes change, and whether graphs and cuDNN's attention pay at a fixed shape.
 
-    PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py [ENTRY ...]     # default gemma3-4b wan2.1-1.3b
+    PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py loop [ENTRY ...]   # default gemma3-4b wan2.1-1.3b
+    PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py fixed
+
+loop: `bench --dynamic`'s loop for backfuse, each step timed alone (synchronized) in the first pass (a compile or
+a library's plan build shows as a spike), then both passes queued; with CUDA graphs on and off, and with cuDNN's
+attention from a shape's first call (`plans.CUDNN_AFTER = 1`) against the default.
+fixed: one shape, steps queued after enough warm-up for every plan to settle; graphs on / off, cuDNN's attention
+(promoted) / ours.
 """
 
 from __future__ import annotations
@@ -11,54 +17,69 @@ import time
 
 import torch
 
+from backfuse import cudnn_attention, presets
 from backfuse import nn as bnn
-from backfuse import presets
 from backfuse.bench import dynamic
 from backfuse.kernels import graphs
+from backfuse.train import plans
 
 
-def per_step(step, calls) -> list:
-    out = []
-    for c in calls:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(c)
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+def _setup(key, shape_list):
+    preset = presets.get(key.split("/")[0])
+    cls = bnn.WanXattn if preset.problem == "021" else bnn.Gemma3Core
+    module = cls(preset.config, device="cuda", dtype=torch.bfloat16, **preset.kwargs)
+    calls = dynamic._make_calls(preset, preset.config, key, shape_list, "cuda", 0)
+    return dynamic._stepper(preset, preset.config, key, "backfuse", module), calls
 
 
-def main(keys) -> None:
+def loop(keys) -> None:
+    default_after = plans.CUDNN_AFTER
     for key in keys:
-        preset = presets.get(key.split("/")[0])
-        warm, loop = dynamic.shapes(key)
-        cls = bnn.WanXattn if preset.problem == "021" else bnn.Gemma3Core
-        module = cls(preset.config, device="cuda", dtype=torch.bfloat16, **preset.kwargs)
-        warm_call, *calls = dynamic._make_calls(preset, preset.config, key, [warm, *loop], "cuda", 0)
-        print(f"{key}: shapes {loop}")
-        for on in (True, False):
+        warm, shapes = dynamic.shapes(key)
+        print(f"{key}: {shapes}")
+        for name, on, after in (("graphs, cuDNN after 64", True, default_after), ("no graphs", False, default_after),
+                                ("graphs, cuDNN at once", True, 1)):
+            plans.CUDNN_AFTER = after
+            plans._plans.clear()
+            plans._pending.clear()
             graphs.release()
             with graphs.cuda_graphs(on):
-                step = dynamic._stepper(preset, preset.config, key, "backfuse", module)
+                step, (warm_call, *calls) = _setup(key, [warm, *shapes])
                 step(warm_call)
-                for name in ("first", "second", "third"):
-                    before = dict(graphs.counts)
-                    if name == "third":
-                        ms, host = dynamic._loop(step, calls)
-                        print(f"  graphs {on}: {name} (queued) {ms:.3f} ms, host {host:.0f} us")
-                        continue
-                    times = per_step(step, calls)
-                    counts = {k: v - before.get(k, 0) for k, v in graphs.counts.items() if v - before.get(k, 0)}
-                    print(f"  graphs {on}: {name} pass synced mean {sum(times) / len(times):.3f} ms; "
-                          + " ".join(f"{t:.1f}" for t in times) + f"; {counts}")
-        for impl in ("hf",):
-            step = dynamic._stepper(preset, preset.config, key, impl, module)
-            step(warm_call)
-            times = per_step(step, calls)
-            print(f"  {impl}: synced " + " ".join(f"{t:.1f}" for t in times))
-            ms, host = dynamic._loop(step, calls)
-            print(f"  {impl}: queued {ms:.3f} ms, host {host:.0f} us")
+                times = []
+                for c in calls:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    step(c)
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                second, host = dynamic._loop(step, calls)
+                third, host3 = dynamic._loop(step, calls)
+            print(f"  {name:24s} 1st synced {sum(times) / len(times):7.2f} ms [{' '.join(f'{t:.0f}' for t in times)}]; "
+                  f"2nd {second:.3f} ms (host {host:.0f} us); 3rd {third:.3f} (host {host3:.0f})")
+    plans.CUDNN_AFTER = default_after
+
+
+def fixed() -> None:
+    for key, shape in (("gemma3-4b", (2, 4096)), ("gemma3-4b", (2, 1024)), ("gemma3-4b", (2, 512)),
+                       ("gemma3-1b", (2, 512)), ("wan2.1-1.3b", (1, 32760, 512)), ("wan2.1-1.3b", (1, 1560, 100))):
+        row = []
+        for on in (True, False):
+            for cudnn in (True, False):
+                graphs.release()
+                plans._plans.clear()
+                plans._pending.clear()
+                with graphs.cuda_graphs(on), cudnn_attention(cudnn):
+                    step, (call,) = _setup(key, [shape])
+                    for _ in range(plans.CUDNN_AFTER + 4):
+                        step(call)
+                    ms, host = dynamic._loop(step, [call] * 30)
+                row.append(f"{'graphs' if on else 'direct'}{'+cudnn' if cudnn else ''} {ms:.3f} ({host:.0f} us)")
+        print(f"{key} {shape}: " + "; ".join(row))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["gemma3-4b", "wan2.1-1.3b"])
+    if sys.argv[1:2] == ["fixed"]:
+        fixed()
+    else:
+        loop(sys.argv[2:] or ["gemma3-4b", "wan2.1-1.3b"])

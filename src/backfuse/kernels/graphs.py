@@ -206,42 +206,47 @@ def run(key, device: torch.device, launches: Sequence[Callable[[], None]]) -> No
 
 
 # The training paths' executables, by plan and by every address they read or write (`replay`).
-REPLAYS_KEPT = 512
-MISSES_BEFORE_UPDATING = 8  # calls of one plan before a plan whose addresses keep changing updates one executable
+REPLAYS_KEPT = 512  # executable graphs kept (least recently launched out first)
+RECORD_AT = 3  # a slot's call at which it is recorded (notes/training.md, session 35)
+SEEN_KEPT = 4096  # slots launched directly, with their calls so far
 _replays: OrderedDict = OrderedDict()  # (key, addresses, device, stream) -> CUgraphExec handle
-_replay_stats: dict = {}  # key -> [hits, misses]
+_seen: OrderedDict = OrderedDict()  # (key, addresses, device, stream) -> calls so far, none recorded
 
 
 def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequence[Callable[[], None]]]) -> None:
-    """Run a training call's launches as a CUDA graph kept for these exact addresses.
+    """Run a training call's launches as a CUDA graph kept for these exact addresses, once they recur.
 
     A training loop calls a layer at the same addresses step after step (the caching allocator hands
     back the blocks the last step freed), so the executable graph recorded for (key, addresses) is
     launched again with nothing recorded or updated: one cuGraphLaunch of host work. `addresses`
     must name every tensor the launches touch (inputs, outputs, scratch); `key` everything else the
-    graph depends on (shapes, dtypes, options, the scalars baked into kernel arguments). Only on a
-    miss does build() prepare the launches, which are then recorded. A plan whose addresses keep
-    changing (more misses than hits after MISSES_BEFORE_UPDATING calls) records every call into one
-    executable it updates instead (`run`), which costs the recording but no new instantiation.
-    Direct launches where `enabled` says no graph can run (the first call of a kernel compiles it),
-    and for a plan whose recording failed.
+    graph depends on (shapes, dtypes, options, the scalars baked into kernel arguments). On a miss
+    build() prepares the launches; they are recorded only at the RECORD_AT-th call of the same (key,
+    addresses), once it has shown that it recurs: instantiating a graph costs the host 1.2-2.3 ms (H200
+    host, Gemma 3 4B's and Wan's calls), more than launching the call directly, and pays back only over
+    replays, so a call whose shape or addresses change every step (batches of changing lengths) or come
+    back only once launches directly. (Where the step is GPU-bound a graph still saves the gaps between
+    kernels: 4 % at Gemma 3 4B's 2 x 4096 tokens.) Both caches are bounded, the least recently used out
+    first. Direct launches also where `enabled` says no graph can run (the
+    first call of a kernel compiles it), and for a key whose recording failed.
     """
     stream = raw_stream(device.index)
     slot = (key, addresses, device.index, stream)
     exec_ = _replays.get(slot)
     if exec_ is not None:
         _replays.move_to_end(slot)
-        _replay_stats[key][0] += 1
+        counts["replayed"] += 1
         _driver.launch(exec_, stream)
         return
-    stats = _replay_stats.setdefault(key, [0, 0])
-    stats[1] += 1
+    counts["missed"] += 1
     launches = list(build())
-    if key in _unrecordable or not enabled(device, launches):
+    calls = _seen.pop(slot, 0) + 1
+    if calls < RECORD_AT or key in _unrecordable or not enabled(device, launches):
+        _seen[slot] = calls
+        while len(_seen) > SEEN_KEPT:
+            _seen.popitem(last=False)
         counts["direct"] += 1
         return _direct(launches)
-    if stats[0] + stats[1] > MISSES_BEFORE_UPDATING and stats[1] > stats[0]:
-        return run(("updated", key), device, launches)
     drv = driver()
     graph = _record(drv, device.index, torch.cuda.current_stream(device.index), launches)
     if graph is None:
@@ -306,25 +311,31 @@ def _record(drv, index: int, stream, launches):
     stream), or None after a warning and direct launches when recording fails. Recording must not
     allocate: a block taken from torch's caching allocator while recording (a temporary of a torch op)
     would go back to the pool and to other tensors while the graph still uses it, so every buffer is
-    made before, and a launch that allocates while it is recorded is named in the warning. (Python's
-    garbage collector is held off meanwhile: what it frees is no concern, but it allocates nothing
-    either.)"""
+    made before, and a recording during which a launch allocates is dropped, the launches that may have
+    allocated (torch's ops) named in the warning. The allocator's count is read before and after the
+    recording and around each `Allocating` step (whose memory comes from the recording's pool), not
+    around every launch: one read costs the host ~150 us. (Python's garbage collector is held off
+    meanwhile: what it frees is no concern, but it allocates nothing either.)"""
     recorder = _recorder(index, stream)
-    culprits = []
+    pooled = [0]
 
     def record():
         for launch in launches:
-            before = _allocated(index)
-            launch()
-            if _allocated(index) != before and not isinstance(launch, Allocating):
-                culprits.append(getattr(launch, "what", getattr(launch, "__qualname__", "a launch")))
+            if isinstance(launch, Allocating):
+                before = _allocated(index)
+                launch()
+                pooled[0] += _allocated(index) - before
+            else:
+                launch()
 
     collecting = gc.isenabled()
     gc.disable()
     torch.cuda.set_stream(recorder)
     try:
+        start = _allocated(index)
         with _pooled((index, threading.get_ident(), stream.cuda_stream)):
             graph = drv.capture(recorder.cuda_stream, record)
+        allocated = _allocated(index) - start - pooled[0]
     except Exception as e:  # noqa: BLE001 - any failure to record leaves the direct launches, which raise real errors
         torch.cuda.set_stream(stream)
         callsite.warn(f"backfuse: this call's launches could not be recorded as a CUDA graph ({e}); "
@@ -336,10 +347,12 @@ def _record(drv, index: int, stream, launches):
         torch.cuda.set_stream(stream)
         if collecting:
             gc.enable()
-    if culprits:
+    if allocated:
         drv.destroy_graph(graph)
-        callsite.warn(f"backfuse: {', '.join(culprits)} allocated memory while recorded into a CUDA graph; calls of "
-                      "this shape launch their kernels one by one", GraphWarning)
+        ops = sorted({w for w in (getattr(launch, "what", "") for launch in launches) if w.startswith("torch")})
+        callsite.warn("backfuse: a launch allocated memory while recorded into a CUDA graph (torch's ops here: "
+                      f"{', '.join(ops) or 'none named'}); calls of this shape launch their kernels one by one",
+                      GraphWarning)
         counts["direct"] += 1
         _direct(launches)
         return None
@@ -390,7 +403,7 @@ def release() -> None:
             exec_ = cache.popitem()[1]
             if exec_ != FAILED and drv is not None:
                 drv.destroy_exec(exec_)
-    _replay_stats.clear()
+    _seen.clear()
     if _pools:
         torch.cuda.synchronize()  # the graphs' last launches may still use the pools' memory
         _pools.clear()

@@ -75,14 +75,30 @@ def _encode_descriptors(run, args):
     return cells["launcher"], encoded
 
 
+def _flatten(args) -> tuple:
+    """(the launcher's arguments: tensors as addresses; the tensors; what the binary is specific to of
+    them: each tensor's dtype and 16-byte alignment, each TMA descriptor's dtype, block shape and shared
+    layout, in order), in one pass over the arguments (a prepared launch's host work)."""
+    full, tensors, sig = [], [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            address = a.data_ptr()
+            full.append(address)
+            tensors.append(a)
+            sig.append(a.dtype)
+            sig.append(address % ALIGNMENT == 0)
+        else:
+            full.append(a)
+            if not isinstance(a, (int, float, bool)) and hasattr(a, "block_shape"):
+                sig.append((a.base.dtype, tuple(a.block_shape), repr(a.layout)))
+    return full, tensors, tuple(sig)
+
+
 def specialization(args, meta) -> tuple:
     """What a compiled handle is specific to: the constexprs and options, each tensor's dtype and
     16-byte alignment, each TMA descriptor's dtype, block shape and shared layout (a kernel reads its
     tiles' shapes from its descriptors' types). (With the current device, the key of its handle.)"""
-    tensors = tuple((a.dtype, a.data_ptr() % ALIGNMENT == 0) for a in args if isinstance(a, torch.Tensor))
-    descriptors = tuple((a.base.dtype, tuple(a.block_shape), repr(a.layout)) for a in args
-                        if not isinstance(a, (torch.Tensor, int, float, bool)) and hasattr(a, "block_shape"))
-    return tuple(meta.items()), tensors, descriptors
+    return tuple(meta.items()), _flatten(args)[2]
 
 
 def constexprs_of(fn, shared: dict) -> dict:
@@ -128,6 +144,7 @@ class FastKernel:
         self.handles = {}
         self.waits_on_peers = waits_on_peers
         self.resident = {}  # specialization key: programs the device holds at once
+        self._names = {}  # the constexprs' names given -> the runtime parameters' names, in order
 
     def __call__(self, grid: tuple, *args, **meta):
         """fn[grid](*args, **meta): positional runtime args, then constexprs and launch options by name."""
@@ -140,7 +157,13 @@ class FastKernel:
         pools: where the values are, first match wins: dicts (by key; a key that names no runtime
         parameter is refused, so that a plan's argument list and its kernel stay in step) and other
         objects (by their attributes, e.g. a call's buffers, which may hold more than one kernel reads)."""
-        names = self._runtime_names(meta)
+        names = self._names.get(tuple(meta))
+        if names is None:
+            names = self._names[tuple(meta)] = tuple(self._runtime_names(meta))
+        if len(pools) == 1 and type(pools[0]) is dict:  # the usual call: one dict of exactly the runtime arguments
+            pool = pools[0]
+            if len(pool) == len(names) and all(n in pool for n in names):
+                return self.prepare(grid, *[pool[n] for n in names], **meta)
         known = set(names)
         merged = {}
         for pool in reversed(pools):  # the first pool's values win
@@ -175,10 +198,10 @@ class FastKernel:
         global scratch (TMA descriptors made on the device) gets it allocated here, not by Triton's
         per-launch allocator call (measured: 13-55 us of host time per launch in the official clock).
         """
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        full, tensors, sig = _flatten(args)
         if not tensors[0].is_cuda:  # the Triton interpreter
             return lambda: self.fn[grid](*args, **meta)
-        key = specialization(args, meta), torch.cuda.current_device()
+        key = (tuple(meta.items()), sig), torch.cuda.current_device()
         if self.waits_on_peers:
             self._check_resident(key, grid, args, meta)
         if not FAST_LAUNCH:  # a Triton whose launcher internals we do not know
@@ -199,7 +222,6 @@ class FastKernel:
 
             first_launch.graphable = False  # compiles: no CUDA graph records it
             return first_launch
-        full = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         full += [meta[p.name] for p in self.params[len(args):]]
         grid = tuple(grid) + (1,) * (3 - len(grid))
         device = tensors[0].device.index

@@ -7,10 +7,33 @@ Nothing here imports Triton (`backfuse.functional` imports this module).
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import torch
 
-_plans: dict = {}  # (op, signature, options) -> plan
+PLANS_KEPT = 4096  # plans kept (a training run of changing lengths makes one per length and option set)
+
+
+class Plans(OrderedDict):
+    """The plans by key, at most PLANS_KEPT, the least recently looked up dropped first (a plan dropped
+    and made again is another object: the graphs kept for the old one are no longer found, and age out
+    of their own bounded cache)."""
+
+    def get(self, key, default=None):
+        plan = super().get(key, default)
+        if plan is not default:
+            self.move_to_end(key)
+        return plan
+
+    def __setitem__(self, key, plan):
+        super().__setitem__(key, plan)
+        while len(self) > PLANS_KEPT:
+            self.popitem(last=False)
+
+
+_plans = Plans()  # (op, signature, options) -> plan
+_pending = Plans()  # key -> [calls, the plan to take at the CUDNN_AFTER-th call] (`recurring`)
+CUDNN_AFTER = 64  # calls of a shape before its attention moves to cuDNN's (`recurring`)
 _sms: dict = {}  # device -> SM count
 
 
@@ -23,8 +46,30 @@ def cached(key, make):
 
 
 def replaced(plan, **changes):
-    """plan with changes (dataclasses.replace), one object per (plan, changes)."""
-    return cached((id(plan), tuple(sorted(changes.items()))), lambda: dataclasses.replace(plan, **changes))
+    """plan with changes (dataclasses.replace), one object per (plan, changes). (The key holds the plan
+    itself, which compares by identity: a dropped plan's address can be another's later.)"""
+    return cached((plan, tuple(sorted(changes.items()))), lambda: dataclasses.replace(plan, **changes))
+
+
+def recurring(key, later) -> None:
+    """From the CUDNN_AFTER-th lookup of key on (`looked_up`), its plan is `later` (cuDNN's attention: torch
+    builds cuDNN's plan for each new shape, ~60 ms of host time a direction, which a shape met a few times,
+    as a training loop of changing lengths meets each, never earns back; until then the plan kept for key,
+    our Triton attention)."""
+    _pending[key] = [0, later]
+
+
+def looked_up(key, plan):
+    """plan, or the plan `recurring` set for key once key has been looked up CUDNN_AFTER times."""
+    waiting = _pending.get(key)
+    if waiting is None:
+        return plan
+    waiting[0] += 1
+    if waiting[0] < CUDNN_AFTER:
+        return plan
+    del _pending[key]
+    _plans[key] = waiting[1]
+    return waiting[1]
 
 
 def needs_plan(plan, needs: tuple, own: bool = False):

@@ -69,14 +69,34 @@ class Arena:
             at = end
         self.specs = tuple(self.specs)
         self.nbytes = torch.sym_max(at, ALIGN)  # (sizes torch.compile traces symbolically stay symbolic)
+        self._layout = None  # (name, dtype, shape, strides, offset in elements) of each tensor (`views`)
 
     def allocate(self, device) -> torch.Tensor:
         return buffers.empty((self.nbytes,), torch.uint8, device)
 
     def views(self, flat: torch.Tensor) -> SimpleNamespace:
-        """The named tensors in `flat` (poisoned allocations hold 0xff bytes: NaN in every float dtype)."""
-        return SimpleNamespace(**{s.name: flat[at:at + s.nbytes].view(s.dtype).view(s.shape)
-                                  for s, at in zip(self.specs, self.offsets)})
+        """The named tensors in `flat` (poisoned allocations hold 0xff bytes: NaN in every float dtype): flat
+        seen once in each dtype, then one strided view a tensor (a call's host work on a graph miss)."""
+        if self._layout is None:
+            self._layout = [(s.name, s.dtype, s.shape, _strides(s.shape), at // SIZES[s.dtype])
+                            for s, at in zip(self.specs, self.offsets)]
+        typed = {}
+        out = {}
+        for name, dtype, shape, strides, offset in self._layout:
+            base = typed.get(dtype)
+            if base is None:
+                base = typed[dtype] = flat.view(dtype)
+            out[name] = base.as_strided(shape, strides, base.storage_offset() + offset)
+        return SimpleNamespace(**out)
+
+
+def _strides(shape) -> tuple:
+    """A contiguous tensor's strides."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step = step * n
+    return tuple(reversed(strides))
 
 
 class Phases:

@@ -333,11 +333,11 @@ def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v,
         (kv_programs + q_programs,),
         dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ranges=ranges, q_rstd=q_rstd,
              q_w=q_w, S_q=a.s_q, S_k=a.s_k,
-             scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, kv_programs=kv_programs, r_dq=r_dq,
-             r_dk=r_dk, r_dv=r_dv, **_mask_args(a, bounds, mask, q)),
+             scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, kv_programs=kv_programs, split=split,
+             r_dq=r_dq, r_dk=r_dk, r_dv=r_dv, **_mask_args(a, bounds, mask, q)),
         LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_DO=do.stride(0), LD_DQ=dq.stride(0),
         LD_DK=dk.stride(0), LD_DV=dv.stride(0), KV_BN=tiles.kv_bn, KV_BM=tiles.kv_bm, Q_BM=tiles.q_bm,
-        Q_BN=tiles.q_bn, SPLIT=split, DQ_ATOMIC=dq_atomic, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
+        Q_BN=tiles.q_bn, KV_ATOMIC=split > 1, DQ_ATOMIC=dq_atomic, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
         Q_NORM=q_norm is not None, PRE=256 if INTERPRETED else 1024, **a.meta(guard))
 
 

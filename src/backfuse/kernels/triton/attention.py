@@ -283,25 +283,26 @@ def attention_delta_kernel(
 
 
 @triton.jit
-def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask, S_q, S_k,
-               scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS: tl.constexpr, GROUP: tl.constexpr,
+def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask, S_q,
+               S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS: tl.constexpr, GROUP: tl.constexpr,
                D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr,
                LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr, KV_BN: tl.constexpr, KV_BM: tl.constexpr,
-               SPLIT: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+               KV_ATOMIC: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
                RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr,
                MASK: tl.constexpr, PRE: tl.constexpr):
     """dK, dV of KV_BN keys of one (batch entry, KV head), summed over the group's query heads and the
     visible queries (KV_BM at a time); key blocks in order (the first have the most queries when
-    causal). SPLIT > 1: that many programs share a key block, each over a run of its queries, and add
-    their sums into fp32 dk, dv (zeroed before) by atomics. DQ_ATOMIC: each step also adds its part of
+    causal). KV_ATOMIC: `split` programs (a runtime count, so that no length compiles another kernel) share
+    a key block, each over a run of its queries, and add their sums into fp32 dk, dv (zeroed before) by
+    atomics; else split is 1. DQ_ATOMIC: each step also adds its part of
     dQ, scale dS^T K, into fp32 dq (zeroed before) by atomics."""
     KV_HEADS: tl.constexpr = HEADS // GROUP
     per_block = kv_programs // ((S_k + KV_BN - 1) // KV_BN)
     block = pid // per_block
     rest = pid % per_block
-    part = rest % SPLIT
-    b = rest // SPLIT // KV_HEADS
-    kv = rest // SPLIT % KV_HEADS
+    part = rest % split
+    b = rest // split // KV_HEADS
+    kv = rest // split % KV_HEADS
     cols = block * KV_BN + tl.arange(0, KV_BN)
     col_ok = cols < S_k
     kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
@@ -315,8 +316,8 @@ def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_
     if MASK != MASK_NONE:
         m_lo, m_hi = _query_range(lo, hi, b, block * KV_BN, tl.minimum(S_k, block * KV_BN + KV_BN) - 1, S_q, S_k, PRE)
         m_lo = m_lo // KV_BM * KV_BM
-    if SPLIT > 1:
-        steps = (tl.cdiv(tl.maximum(m_hi - m_lo, 0), KV_BM) + SPLIT - 1) // SPLIT
+    if KV_ATOMIC:
+        steps = (tl.cdiv(tl.maximum(m_hi - m_lo, 0), KV_BM) + split - 1) // split
         m_lo = m_lo + part * steps * KV_BM
         m_hi = tl.minimum(m_hi, m_lo + steps * KV_BM)
     dk_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
@@ -351,7 +352,7 @@ def _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_
                 tl.atomic_add(dq + offs, dq_part, mask=row_ok[:, None], sem="relaxed")
     dk_acc = dk_acc * scale
     tok = b * S_k + cols
-    if SPLIT > 1:
+    if KV_ATOMIC:
         d = tl.arange(0, D)
         offs = tok.to(tl.int64)[:, None] * LD_DK + kv * D + d[None, :]
         tl.atomic_add(dk + offs, dk_acc, mask=col_ok[:, None], sem="relaxed")
@@ -421,14 +422,15 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
         fold(ranges, r_dq, largest(dq_acc))
 
 
-@triton.jit(do_not_specialize=["S_q", "S_k", "window", "kv_programs", "r_dq", "r_dk", "r_dv", "m_sb", "m_sq", "m_sk"])
+@triton.jit(do_not_specialize=["S_q", "S_k", "window", "kv_programs", "split", "r_dq", "r_dk", "r_dv", "m_sb", "m_sq",
+                               "m_sk"])
 def attention_backward_kernel(
     q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask,
-    S_q, S_k, scale, cap, window, kv_programs, r_dq, r_dk, r_dv, m_sb, m_sq, m_sk,
+    S_q, S_k, scale, cap, window, kv_programs, split, r_dq, r_dk, r_dv, m_sb, m_sq, m_sk,
     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr,
     LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr,
-    KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, SPLIT: tl.constexpr,
+    KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, KV_ATOMIC: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
     APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr,
     PRE: tl.constexpr,
@@ -439,9 +441,9 @@ def attention_backward_kernel(
     the gradient of the normed queries."""
     pid = tl.program_id(0)
     if pid < kv_programs:
-        _key_block(pid, kv_programs, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask, S_q, S_k,
-                   scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ,
-                   LD_DK, LD_DV, KV_BN, KV_BM, SPLIT, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, DQ_ATOMIC, Q_NORM,
+        _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask, S_q,
+                   S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ,
+                   LD_DK, LD_DV, KV_BN, KV_BM, KV_ATOMIC, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, DQ_ATOMIC, Q_NORM,
                    MASK, PRE)
     else:
         _query_block(pid - kv_programs, tl.num_programs(0) - kv_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
