@@ -392,3 +392,68 @@ def test_plan_caches_are_bounded_and_a_recurring_shape_changes_plan_once(monkeyp
     plans._plans["k"] = "first"
     assert [plans.looked_up("k", plans._plans.get("k")) for _ in range(4)] == ["first", "first", "later", "later"]
     assert plans._plans["k"] == "later" and "k" not in plans._pending
+
+
+def test_a_template_reaims_a_calls_launches_at_another_calls_tensors(monkeypatch):
+    """`Template`: a call's Triton launches and products, taken from one call, run at another call's tensors:
+    each pointer at its base's new address plus the same offset, each product on views at the same offsets
+    (an accumulation's output the same view as its addend); the template keeps none of the first call's
+    tensors; overlapping tensors, foreign memory and other steps give no template."""
+    import gc
+    import weakref
+
+    import torch
+
+    from backfuse.kernels import launch as launching
+    from backfuse.kernels.launch import Launch
+    from backfuse.train import program
+
+    for module in (program, launching):
+        monkeypatch.setattr(module, "current_stream", lambda device: 0)
+    seen = []
+
+    def run(gx, gy, gz, stream, *rest):
+        seen.append(rest)
+
+    def call(seed):
+        g = torch.Generator().manual_seed(seed)
+        x, w, m = torch.randn(4, 6, generator=g), torch.randn(6, 5, generator=g), torch.randn(5, 5, generator=g)
+        arena, out = torch.zeros(2 * 256, dtype=torch.uint8), torch.zeros(4, 5)
+        y = arena[256:256 + 80].view(torch.float32).view(4, 5)  # a view 256 bytes into the arena
+        launches = [program.Product(torch.mm, (x, w), y, None, "torch.mm"),
+                    Launch(run, (1, 1, 1), None, ("head",), [x.data_ptr(), y.data_ptr(), 7, 32], (x, y, 7), True),
+                    program.Product(torch.addmm, (out, x, w), out, None, "torch.addmm (accumulate)"),
+                    program.Product(torch.addmm, (out, y, m.T), out, None, "torch.addmm (accumulate)")]
+        return (x, w, m, arena, out), launches, y
+
+    tensors, launches, _ = call(0)
+    for launch in launches:
+        launch()
+    template = program.Template.of(launches, tensors)
+    assert isinstance(template, program.Template)
+    alive = weakref.ref(tensors[3])
+    del tensors, launches
+    gc.collect()
+    assert alive() is None
+
+    tensors, _, y = call(1)
+    x, w, m, arena, out = tensors
+    seen.clear()
+    template.run(tensors, tuple(t.data_ptr() for t in tensors))
+    assert seen == [("head", x.data_ptr(), arena.data_ptr() + 256, 7, 32)]
+    assert torch.allclose(y, x @ w) and torch.allclose(out, x @ w + (x @ w) @ m.T, atol=1e-5)
+
+    x2 = torch.randn(4, 6)
+    product = program.Product(torch.mm, (x2, w), out, None, "torch.mm")
+    assert program.Template.of([product], (x2, x2[1:], w, out)) is program.NOT_YET  # overlapping tensors
+    assert program.Template.of([product], (x, w, out)) is None  # memory outside the call's tensors
+    dummy = program.constant(torch.zeros(8))
+    ok = Launch(run, (1, 1, 1), None, (), [dummy.data_ptr()], (dummy,), True)
+    assert isinstance(program.Template.of([ok], (x,)), program.Template)
+    assert program.Template.of([lambda: None], (x,)) is None
+
+    def compiling():
+        pass
+
+    compiling.graphable = False
+    assert program.Template.of([compiling], (x,)) is program.NOT_YET

@@ -213,7 +213,8 @@ _replays: OrderedDict = OrderedDict()  # (key, addresses, device, stream) -> CUg
 _seen: OrderedDict = OrderedDict()  # (key, addresses, device, stream) -> calls so far, none recorded
 
 
-def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequence[Callable[[], None]]]) -> None:
+def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequence[Callable[[], None]]],
+           direct: Callable[[], None] | None = None) -> None:
     """Run a training call's launches as a CUDA graph kept for these exact addresses, once they recur.
 
     A training loop calls a layer at the same addresses step after step (the caching allocator hands
@@ -228,7 +229,9 @@ def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequ
     back only once launches directly. (Where the step is GPU-bound a graph still saves the gaps between
     kernels: 4 % at Gemma 3 4B's 2 x 4096 tokens.) Both caches are bounded, the least recently used out
     first. Direct launches also where `enabled` says no graph can run (the
-    first call of a kernel compiles it), and for a key whose recording failed.
+    first call of a kernel compiles it), and for a key whose recording failed. `direct`, where given,
+    launches a call that is not recorded in place of build()'s launches (the key's template of them:
+    `train/program.py: execute`).
     """
     stream = raw_stream(device.index)
     slot = (key, addresses, device.index, stream)
@@ -239,14 +242,18 @@ def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequ
         _driver.launch(exec_, stream)
         return
     counts["missed"] += 1
-    launches = list(build())
     calls = _seen.pop(slot, 0) + 1
-    if calls < RECORD_AT or key in _unrecordable or not enabled(device, launches):
+    recording = (calls >= RECORD_AT and key not in _unrecordable and _enabled and not torch.cuda.is_current_stream_capturing()
+                 and driver() is not None)
+    launches = list(build()) if recording else None
+    if launches is None or not enabled(device, launches):
         _seen[slot] = calls
         while len(_seen) > SEEN_KEPT:
             _seen.popitem(last=False)
         counts["direct"] += 1
-        return _direct(launches)
+        if launches is None and direct is not None:
+            return direct()
+        return _direct(build() if launches is None else launches)
     drv = driver()
     graph = _record(drv, device.index, torch.cuda.current_stream(device.index), launches)
     if graph is None:

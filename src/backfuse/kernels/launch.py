@@ -234,12 +234,8 @@ class FastKernel:
             scratch = buffers.empty((grid[0] * grid[1] * grid[2] * launcher.num_ctas * launcher.global_scratch_size,),
                                     torch.int8, tensors[0].device)
 
-        def launch(tensors=tensors, args=args):  # keeps the tensors (and descriptors' tensors) alive
-            # On the stream current when it runs: the caller's, or the one a CUDA graph records from.
-            run(grid[0], grid[1], grid[2], current_stream(device), function, cooperative, pdl, scratch, None,
-                packed, None, None, None, *full)
-
-        return launch
+        return Launch(run, grid, device, (function, cooperative, pdl, scratch, None, packed, None, None, None), full,
+                      args, run is launcher.launch)
 
     def _check_resident(self, key, grid: tuple, args, meta) -> None:
         """Refuse a grid larger than what the device holds at once (compiling the kernel first if
@@ -265,6 +261,28 @@ class FastKernel:
         for p, a in zip(self.params, args):
             if isinstance(a, int) and not p.do_not_specialize:
                 raise TypeError(f"{self.fn.__name__}: integer argument '{p.name}' must be listed in do_not_specialize")
+
+
+class Launch:
+    """A prepared launch: calling it launches the kernel on the stream current then (the caller's, or the one
+    a CUDA graph records from). It keeps its arguments (tensors alive). `full` holds the launcher's arguments
+    after the grid and launch options: where `plain`, the kernel's own, one for one with `args` (a tensor's
+    address in its place), else with TMA descriptors encoded. What lets a call's template aim the same
+    launch at other memory (`train/program.py: Template`)."""
+
+    __slots__ = ("run", "grid", "device", "head", "full", "args", "plain", "what")
+    graphable = True
+
+    def __init__(self, run, grid, device, head, full, args, plain: bool):
+        self.run, self.grid, self.device, self.head, self.full = run, grid, device, head, full
+        self.args, self.plain, self.what = args, plain, None
+
+    def __call__(self) -> None:
+        self.run(self.grid[0], self.grid[1], self.grid[2], current_stream(self.device), *self.head, *self.full)
+
+    def at(self, full) -> None:
+        """This launch with the launcher's arguments `full` instead (other addresses, same kernel and grid)."""
+        self.run(self.grid[0], self.grid[1], self.grid[2], current_stream(self.device), *self.head, *full)
 
 
 def _torch_scratch(size: int, alignment: int, stream):

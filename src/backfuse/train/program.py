@@ -15,13 +15,14 @@ CPU (the Triton interpreter) the launches run one by one.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from ..kernels import buffers, graphs
-from ..kernels.launch import FastKernel
+from ..kernels.launch import FastKernel, Launch, current_stream
 
 ALIGN = 256  # bytes between the starts of the tensors carved from one allocation
 
@@ -136,22 +137,162 @@ def bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
-def execute(key, device: torch.device, addresses: tuple, build) -> None:
-    """Run the call's launches (build() returns them, prepared): as a graph kept for these addresses on
-    a GPU, one by one on the CPU."""
-    if device.type == "cuda":
-        if device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                return graphs.replay(key, addresses, device, build)
-        graphs.replay(key, addresses, device, build)
-    else:
+def execute(key, device: torch.device, tensors: tuple, build) -> None:
+    """Run the call's launches (build() returns them, prepared). `tensors` (`bases`) are every tensor they
+    touch, or the tensors those are views of. On a GPU: as a graph kept for the tensors' addresses
+    (`kernels/graphs.py: replay`), or, where the call launches directly, by the key's `Template` where one
+    is kept (the launches of an earlier call re-aimed at these tensors: no views made, no launch
+    prepared); on the CPU one by one."""
+    if device.type != "cuda":
         for launch in build():
             launch()
+        return
+    addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
+    where = (key, device.index)
+
+    def direct():
+        template = _templates.get(where)
+        if isinstance(template, Template):
+            _templates.move_to_end(where)
+            return template.run(tensors, addresses)
+        launches = build()
+        for launch in launches:
+            launch()
+        if template is not UNTEMPLATABLE:
+            made = Template.of(launches, tensors)
+            tries = (template or 0) + 1
+            if made is NOT_YET:
+                made = tries if tries < TEMPLATE_TRIES else UNTEMPLATABLE
+            _templates[where] = UNTEMPLATABLE if made is None else made
+            while len(_templates) > TEMPLATES_KEPT:
+                _templates.popitem(last=False)
+
+    if device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return graphs.replay(key, addresses, device, build, direct)
+    graphs.replay(key, addresses, device, build, direct)
 
 
-def addresses(*tensors) -> tuple:
-    """Every tensor's address (0 for an input left out, such as a norm weight the config has none of)."""
-    return tuple(0 if t is None else t.data_ptr() for t in tensors)
+def bases(*tensors) -> tuple:
+    """A call's tensors for `execute`: every tensor its launches read or write, or one those are views of
+    (None for an input left out, such as a norm weight the config has none of)."""
+    return tensors
+
+
+TEMPLATES_KEPT = 4096
+TEMPLATE_TRIES = 4  # calls of a key that may each fail to give a template before it launches without one
+NOT_YET = "not yet"  # a template could not be taken from this call's launches (a kernel compiled; aliasing tensors)
+UNTEMPLATABLE = "untemplatable"  # the key's launches include steps a template cannot re-aim
+_templates: OrderedDict = OrderedDict()  # (key, device index) -> Template, UNTEMPLATABLE, or the tries so far
+_constants: dict = {}  # id -> a persistent tensor launches may read at the same address on every call
+
+
+def constant(t: torch.Tensor) -> torch.Tensor:
+    """t, registered as memory that stays where it is for the process's life (a template keeps its address)."""
+    _constants[id(t)] = t
+    return t
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from t's first element to one past its last."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+class Template:
+    """A key's launches as re-aimed steps: each tensor a launch reads is found inside one of the call's
+    tensors (`bases`) at an offset that the key fixes (the plan's arena layout, the views of the inputs), so
+    another call of the key runs the same kernels and products at its own tensors' addresses plus those
+    offsets, without making views or preparing launches. It keeps no tensor of the call it was taken from
+    (only addresses' offsets, and `constant` tensors). As a CUDA graph's replay, it relies on `execute`'s
+    contract: the key names everything but the tensors' addresses that the launches depend on."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def run(self, tensors, addresses) -> None:
+        for step in self.steps:
+            step(tensors, addresses)
+
+    @classmethod
+    def of(cls, launches, tensors):
+        """The template of a call's launches and tensors; NOT_YET where this call cannot give one (a launch
+        compiled its kernel; two of the call's tensors overlap, so a view's base is ambiguous); None
+        where the key's launches never can (a step other than a Triton launch or a product)."""
+        spans = sorted((t.data_ptr(), t.data_ptr() + _extent(t), i) for i, t in enumerate(tensors) if t is not None)
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return NOT_YET
+
+        def locate(t):
+            p, e = t.data_ptr(), t.data_ptr() + _extent(t)
+            for start, end, i in spans:
+                if start <= p and e <= end:
+                    return i, p - start
+            return None
+
+        steps = []
+        for launch in launches:
+            if isinstance(launch, Launch):
+                if not launch.plain:
+                    return None
+                slots = []
+                for pos, a in enumerate(launch.args):
+                    if isinstance(a, torch.Tensor):
+                        found = locate(a)
+                        if found is None:
+                            if id(a) not in _constants:
+                                return None
+                        else:
+                            slots.append((pos, *found))
+                steps.append(_relaunch(launch, tuple(slots)))
+            elif isinstance(launch, Product):
+                refs = []
+                for t in (*launch.operands, launch.out):
+                    found = locate(t)
+                    if found is None or found[1] % t.element_size() or (
+                            t.dtype != tensors[found[0]].dtype and not tensors[found[0]].is_contiguous()):
+                        return None
+                    refs.append((found[0], found[1] // t.element_size(), t.dtype, tuple(t.shape), t.stride()))
+                steps.append(_reproduct(launch, tuple(refs)))
+            elif not getattr(launch, "graphable", True):
+                return NOT_YET  # a first launch (compiling) or a library's first call
+            else:
+                return None
+        return cls(steps)
+
+
+def _relaunch(launch, slots):
+    run, grid, device, head, full = launch.run, launch.grid, launch.device, launch.head, list(launch.full)
+    for pos, _, _ in slots:
+        full[pos] = 0  # no address of the call the template was taken from
+
+    def step(tensors, addresses):
+        args = full.copy()
+        for pos, i, offset in slots:
+            args[pos] = addresses[i] + offset
+        run(grid[0], grid[1], grid[2], current_stream(device), *head, *args)
+    return step
+
+
+def _reproduct(product, refs):
+    fn, out_dtype = product.fn, product.out_dtype
+
+    def step(tensors, addresses):
+        made = {}
+        for ref in refs:
+            if ref not in made:
+                i, offset, dtype, shape, stride = ref
+                base = tensors[i]
+                if base.dtype != dtype:
+                    base = base.view(-1).view(dtype)
+                made[ref] = base.as_strided(shape, stride, base.storage_offset() + offset)
+        *operands, out = (made[ref] for ref in refs)
+        if out_dtype is None:
+            fn(*operands, out=out)
+        else:
+            fn(*operands, out_dtype=out_dtype, out=out)
+    return step
 
 
 class Kernel:
@@ -173,8 +314,27 @@ def described(launch, what: str):
     return launch
 
 
-def _product(a, b, out) -> str:
-    return f"torch.mm {tuple(a.shape)} {str(a.dtype)[6:]} x {tuple(b.shape)} -> {str(out.dtype)[6:]}"
+class Product:
+    """A launch step by cuBLAS through torch: fn(*operands, out=out) (with out_dtype where it is not None);
+    `what` names it where a CUDA graph could not record it."""
+
+    __slots__ = ("fn", "operands", "out", "out_dtype", "label")
+    graphable = True
+
+    def __init__(self, fn, operands, out, out_dtype, label: str):
+        self.fn, self.operands, self.out, self.out_dtype, self.label = fn, operands, out, out_dtype, label
+
+    def __call__(self) -> None:
+        if self.out_dtype is None:
+            self.fn(*self.operands, out=self.out)
+        else:
+            self.fn(*self.operands, out_dtype=self.out_dtype, out=self.out)
+
+    @property
+    def what(self) -> str:
+        a, b = self.operands[-2:]
+        return (f"{self.label} {tuple(a.shape)} {str(a.dtype)[6:]} x {tuple(b.shape)} -> "
+                f"{str(self.out.dtype)[6:]}")
 
 
 def mm(a, b, out):
@@ -182,20 +342,18 @@ def mm(a, b, out):
     differs from the operands'). On the CPU (the interpreter's runs) the same in fp32 by torch."""
     if not a.is_cuda:
         return lambda: out.copy_(a.float() @ b.float())
-    if out.dtype != a.dtype:
-        return described(lambda: torch.mm(a, b, out_dtype=out.dtype, out=out), _product(a, b, out))
-    return described(lambda: torch.mm(a, b, out=out), _product(a, b, out))
+    return Product(torch.mm, (a, b), out, out.dtype if out.dtype != a.dtype else None, "torch.mm")
 
 
 def addmm(bias, a, b, out):
     """A launch step: out = bias + a @ b by cuBLAS (the bias in its epilogue), all in one dtype."""
     if not a.is_cuda:
         return lambda: out.copy_(bias.float() + a.float() @ b.float())
-    return described(lambda: torch.addmm(bias, a, b, out=out), "torch.addmm (bias) " + _product(a, b, out))
+    return Product(torch.addmm, (bias, a, b), out, None, "torch.addmm (bias)")
 
 
 def accumulate(c, a, b):
     """A launch step: c += a @ b by cuBLAS, all in one dtype."""
     if not a.is_cuda:
         return lambda: c.copy_(c.float() + a.float() @ b.float())
-    return described(lambda: torch.addmm(c, a, b, out=c), "torch.addmm (accumulate) " + _product(a, b, c))
+    return Product(torch.addmm, (c, a, b), c, None, "torch.addmm (accumulate)")

@@ -15,7 +15,7 @@ import torch
 from ..kernels.schedule import cdiv
 from ..kernels.triton import attention, passes
 from .masks import Masking
-from .program import Kernel
+from .program import Kernel, constant
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements per program of the flat passes (the interpreter's cost is per program: few, large ones).
@@ -44,7 +44,7 @@ def _dummy(device) -> torch.Tensor:
     """A tensor standing for the guard's buffers in kernels compiled without them."""
     t = _dummies.get(device)
     if t is None:
-        t = _dummies[device] = torch.zeros(8, dtype=torch.float32, device=device)
+        t = _dummies[device] = constant(torch.zeros(8, dtype=torch.float32, device=device))
     return t
 
 

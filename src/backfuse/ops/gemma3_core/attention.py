@@ -24,7 +24,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds, cdiv
 from ...train import guard as guards
 from ...train import steps
-from ...train.program import Arena, Buffer, Outputs, addresses, execute
+from ...train.program import Arena, Buffer, Outputs, bases, execute
 from . import training
 from .training import NORM_ROPE_BACKWARD
 
@@ -113,7 +113,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
             launches.append(steps.check(g))
         return launches
 
-    execute(("gemma3_attention forward", p, scaling, eps), device, addresses(*inputs, *masks, out, a_flat), build)
+    execute(("gemma3_attention forward", p, scaling, eps), device, bases(*inputs, *masks, out, a_flat), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -176,7 +176,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
 
     made = [x for x in grads if x is not None]
     execute(("gemma3_attention backward", p, scaling, eps), device,
-            addresses(*inputs, *masks, da, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])),
+            bases(*inputs, *masks, da, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])),
             build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":

@@ -35,7 +35,7 @@ from ...kernels.schedule import Holds, cdiv
 from ...kernels.triton import rope
 from ...train import cudnn, plans, steps
 from ...train import guard as guards
-from ...train.program import COMPUTE, SIZES, Arena, Buffer, Kernel, Outputs, accumulate, addresses, bytes_of, execute, mm
+from ...train.program import COMPUTE, SIZES, Arena, Buffer, Kernel, Outputs, accumulate, bases, bytes_of, execute, mm
 from .spec import Gemma3CoreConfig
 
 NEEDS = 7  # grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w
@@ -262,7 +262,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
             launches.append(steps.check(g))
         return launches
 
-    execute(key, device, addresses(*inputs, *masks, out, a_flat), build)
+    execute(key, device, bases(*inputs, *masks, out, a_flat), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -393,7 +393,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
         return launches + _finish(g, w, grad_hidden)
 
     key = ("gemma3_core backward", p, scaling, eps)
-    execute(key, device, addresses(*inputs, *masks, go, *made, *vars(w).values(), s_flat,
+    execute(key, device, bases(*inputs, *masks, go, *made, *vars(w).values(), s_flat,
                                    *([] if a_flat is None else [a_flat])), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":

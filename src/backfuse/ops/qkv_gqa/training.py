@@ -25,7 +25,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import plans, steps
-from ...train.program import COMPUTE, SIZES, Arena, Buffer, Outputs, Phases, accumulate, addresses, bytes_of, execute, mm
+from ...train.program import COMPUTE, SIZES, Arena, Buffer, Outputs, Phases, accumulate, bases, bytes_of, execute, mm
 from .spec import QkvGqaConfig
 
 NEEDS = 5  # grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv
@@ -178,7 +178,7 @@ def forward(inputs, plan: Plan):
             launches.append(steps.check(g))
         return launches
 
-    execute(("qkv_gqa forward", p), device, addresses(*inputs, q, k, v, a_flat, s_flat), build)
+    execute(("qkv_gqa forward", p), device, bases(*inputs, q, k, v, a_flat, s_flat), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), (a_flat if p.save and p.casts else None)
@@ -252,7 +252,7 @@ def backward(inputs, grads, plan: Plan, a_flat):
 
     made = [t for t in (grad_dec, grad_enc) if t is not None]
     execute(("qkv_gqa backward", p), device,
-            addresses(*inputs, gq, gk, gv, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
+            bases(*inputs, gq, gk, gv, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()

@@ -32,7 +32,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import plans, steps
-from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addmm, addresses, bytes_of, execute, mm
+from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addmm, bases, bytes_of, execute, mm
 from .spec import WanXattnConfig
 
 NEEDS = 10  # grad_video, grad_text, grad_Wq, grad_bq, grad_Wk, grad_bk, grad_Wv, grad_bv, grad_Wo, grad_bo
@@ -236,7 +236,7 @@ def forward(inputs, scale: float, plan: Plan):
             launches.append(steps.check(g))
         return launches
 
-    execute(("wan_xattn forward", plan, scale), device, addresses(*inputs, out, a_flat, s_flat), build)
+    execute(("wan_xattn forward", plan, scale), device, bases(*inputs, out, a_flat, s_flat), build)
     if g is not None and device.type != "cuda":
         g.poll()  # the interpreter ran it already: warn now
     return out, (a_flat if plan.save else None)
@@ -333,7 +333,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
 
     made = [t for t in (grad_video, grad_text) if t is not None]
     execute(("wan_xattn backward", p, scale), device,
-            addresses(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
+            bases(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()
