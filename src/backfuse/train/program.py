@@ -5,11 +5,14 @@ A call of a training op (a forward, or its backward) is a `Plan` made once per s
 (`plans`: a dict lookup per call) and, per call, a few allocations (the outputs, the tensors saved for
 the backward, scratch) and one of:
 
-    hit:  the executable graph recorded for (plan, these addresses) -> one cuGraphLaunch
-    miss: views of the allocations, every launch prepared, recorded and instantiated, launched
+    hit:       the executable graph recorded for (plan, these addresses) -> one cuGraphLaunch
+    recurring: the third call at these addresses: views of the allocations, every launch prepared,
+               recorded, instantiated and launched
+    otherwise: the plan's `Template` re-aimed at this call's tensors (no views, no launch prepared), or
+               where none is kept yet, the launches prepared and run one by one
 
-(`kernels/graphs.py: replay`). Steady training loops hit from their second or third step on. On the
-CPU (the Triton interpreter) the launches run one by one.
+(`kernels/graphs.py: replay`). Steady training loops hit from their third to sixth step on; batches of
+changing lengths run templates. On the CPU (the Triton interpreter) the launches run one by one.
 """
 
 from __future__ import annotations
