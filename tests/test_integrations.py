@@ -165,3 +165,55 @@ def test_patched_model_compiles_to_one_graph(kind):
     assert abs(loss.item() - eager.item()) <= 1e-5 * abs(eager.item())
     for a, b in zip(grads, eager_grads):
         assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-4, atol=1e-6))
+
+
+def _gemma_norm_forward(self, x):
+    """Gemma's RMSNorm as Liger Kernel's Gemma setup computes it (fp32, weight offset 1, cast once)."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (y * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def test_a_forward_replaced_on_the_module_is_not_the_class_code():
+    """A projection whose forward is replaced on the instance (accelerate's offloading hooks, a user's function)
+    is not read as a plain nn.Linear: Gemma's runs as the module around backfuse's attention, its replacement
+    called. A QK norm's replaced forward runs the module's own code with a warning, except Liger Kernel's
+    RMSNorm bound as Gemma's (offset 1, casting "gemma", the model's eps), which computes the model's own norm
+    and is served. Wan's norms: the module's own code, with a warning."""
+    ids = torch.randint(1, 96, (1, 6), device=DEVICE)
+    model = _gemma("gemma3", torch.float32)
+    expected = model(input_ids=ids).logits
+    backfuse.patch(model, quiet=True)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert backfuse.integrations.plain_linear("q_proj", q_proj, bias=False) is None
+    called = []
+    q_proj.forward = lambda x: called.append(1) or torch.nn.functional.linear(x, q_proj.weight)
+    assert "q_proj's forward is replaced on the module" in backfuse.integrations.plain_linear("q_proj", q_proj,
+                                                                                              bias=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", backfuse.BackfuseWarning)
+        got = model(input_ids=ids).logits
+    assert called and backfuse.fallbacks(model) == {} and torch.allclose(got, expected, rtol=2e-3, atol=2e-3)
+    del q_proj.forward
+
+    for layer in model.model.layers:  # as liger_kernel's _patch_rms_norm_module binds its forward
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.offset, norm.casting_mode, norm.variance_epsilon = 1.0, "gemma", norm.eps
+            forward = type(_gemma_norm_forward)(_gemma_norm_forward.__code__, globals(), "forward")
+            forward.__module__ = "liger_kernel.transformers.rms_norm"
+            norm.forward = forward.__get__(norm)
+    before = dict(backfuse.fallbacks(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", backfuse.BackfuseWarning)
+        got = model(input_ids=ids).logits
+    assert backfuse.fallbacks(model) == before and torch.allclose(got, expected, rtol=2e-3, atol=2e-3)
+    model.model.layers[1].self_attn.k_norm.casting_mode = "llama"
+    with pytest.warns(backfuse.BackfuseWarning, match="k_norm's forward is replaced on the module"):
+        model(input_ids=ids)
+
+    wan = _wan(torch.float32)
+    backfuse.patch(wan, quiet=True)
+    norm_q = wan.blocks[0].attn2.norm_q
+    norm_q.forward = lambda x: torch.nn.RMSNorm.forward(norm_q, x)
+    with pytest.warns(backfuse.BackfuseWarning, match="norm_q has hooks or its forward replaced"):
+        _wan_step(torch.float32)(wan)

@@ -114,10 +114,23 @@ def plain_linear(name: str, linear, *, bias: bool) -> str | None:
         return f"{name} has a bias"
     if linear._forward_hooks or linear._forward_pre_hooks or getattr(linear, "parametrizations", None):
         return f"{name} has hooks or parametrizations"
+    if replaced_forward(linear):
+        return f"{name}'s forward is replaced on the module ({replaced_forward(linear)})"
     weight = linear.weight
     if type(weight) not in (torch.nn.Parameter, torch.Tensor) or not weight.is_floating_point():
         return f"{name}'s weight is a {type(weight).__name__} of {weight.dtype}, not a plain floating tensor"
     return None
+
+
+def replaced_forward(module) -> str | None:
+    """Who replaced `module`'s forward on the instance (accelerate's hooks, Liger Kernel's norms, a user's own
+    function), or None where the class's own forward runs: an op that reads the module's weights in place of
+    calling it must know that calling it would run the class's code."""
+    forward = vars(module).get("forward")
+    if forward is None:
+        return None
+    fn = getattr(forward, "__func__", forward)
+    return f"{getattr(fn, '__module__', None) or 'unknown'}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def fall_back(module, reason: str) -> None:

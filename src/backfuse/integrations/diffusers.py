@@ -19,7 +19,7 @@ import torch
 
 from .. import functional as F
 from ..problem import fused_unusable
-from . import PATCHED, fall_back, plain_linear
+from . import PATCHED, fall_back, plain_linear, replaced_forward
 
 
 def _is_wan_cross_attention(module, patched: bool = False) -> bool:
@@ -71,9 +71,11 @@ def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_
         return "k, v or the text context of another width than q"
     if attn.to_out[0].out_features != attn.inner_dim or attn.to_q.in_features != attn.inner_dim:
         return "a model width other than heads x head size"
-    if not (isinstance(attn.norm_q, torch.nn.RMSNorm) and isinstance(attn.norm_k, torch.nn.RMSNorm)
-            and attn.norm_q.weight is not None and attn.norm_k.weight is not None):
-        return "q, k norms other than RMSNorm with weights"
+    for name, norm in (("norm_q", attn.norm_q), ("norm_k", attn.norm_k)):
+        if type(norm) is not torch.nn.RMSNorm or norm.weight is None:
+            return "q, k norms other than RMSNorm with weights"
+        if norm._forward_hooks or norm._forward_pre_hooks or replaced_forward(norm):
+            return f"{name} has hooks or its forward replaced on the module"
     if attn.training and attn.to_out[1].p:
         return "output dropout"
     for name, linear in (("to_q", attn.to_q), ("to_k", attn.to_k), ("to_v", attn.to_v), ("to_out.0", attn.to_out[0])):

@@ -34,7 +34,7 @@ import torch
 
 from .. import functional as F
 from ..problem import fused_unusable
-from . import PATCHED, fall_back, plain_linear
+from . import PATCHED, fall_back, plain_linear, replaced_forward
 
 MODEL_PATCHED = "_backfuse_model_forward"
 SERVED = ("eager", "sdpa")  # attention implementations whose masks the kernels take as the module's code applies them
@@ -48,11 +48,24 @@ def _is_gemma_attention(module, patched: bool = False) -> bool:
 
 
 def _own_norm(module, name: str) -> str | None:
+    """Why the module's QK norm `name` is not the model's own RMSNorm (its class, no hooks, its forward not
+    replaced on the instance: Liger Kernel's Gemma norm, the same math, is the one replacement taken), or None."""
     norm = getattr(module, name)
     if type(norm).__module__ != type(module).__module__ or norm._forward_hooks or norm._forward_pre_hooks:
         return f"{name} is a {type(norm).__name__}, not the model's own RMSNorm" + (
             " (it has hooks)" if norm._forward_hooks or norm._forward_pre_hooks else "")
+    replaced = replaced_forward(norm)
+    if replaced and not _liger_gemma_norm(norm, replaced):
+        return f"{name}'s forward is replaced on the module ({replaced})"
     return None
+
+
+def _liger_gemma_norm(norm, replaced: str) -> bool:
+    """Whether a norm's replaced forward is Liger Kernel's RMSNorm set up as Gemma's (weight offset 1, computed
+    in fp32 and cast once: `casting_mode="gemma"`, the model's eps), which computes the model's own norm."""
+    return (replaced.startswith("liger_kernel.") and getattr(norm, "offset", None) == 1.0
+            and getattr(norm, "casting_mode", None) == "gemma"
+            and getattr(norm, "variance_epsilon", None) == getattr(norm, "eps", None))
 
 
 def _why_not(module, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> str | None:
