@@ -137,6 +137,24 @@ def test_a_shape_takes_cudnn_attention_once_it_recurs(monkeypatch):
     assert used == [[False], [False], [True], [True]], used
 
 
+@pytest.mark.parametrize("pid, config, shapes", [
+    ("037", Gemma3CoreConfig(256, 2, 1, 128), [(2, 45), (1, 70), (2, 33)]),
+    ("021", WanXattnConfig(64, 4, qk_norm=True), [(1, 40, 7), (2, 33, 13), (1, 19, 3)])])
+def test_a_loop_of_changing_shapes_is_right_at_every_step(pid, config, shapes):
+    """A training loop whose shapes change every step, each shape met three times: on a GPU its calls run
+    directly, then from their key's template (an earlier call's launches re-aimed at this call's tensors),
+    then where addresses recur as a recorded graph; every step's output and gradients against float64."""
+    m = training_module(pid, config, torch.bfloat16)
+    inputs = {s: training_inputs(pid, config, s, torch.bfloat16) for s in shapes}
+    for _ in range(3):
+        for s in shapes:
+            torch.manual_seed(len(s) + s[1])
+            m.zero_grad(set_to_none=True)
+            for a in inputs[s]:
+                a.grad = None
+            check_training_step(pid, m, inputs[s], TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("frozen", ["weights", "activations"])
 def test_gradients_left_out(frozen):
     """Frozen parameters (or activations without gradients) get no gradient; the rest are right."""
