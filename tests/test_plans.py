@@ -418,9 +418,10 @@ def test_a_template_reaims_a_calls_launches_at_another_calls_tensors(monkeypatch
     def call(seed):
         g = torch.Generator().manual_seed(seed)
         x, w, m = torch.randn(4, 6, generator=g), torch.randn(6, 5, generator=g), torch.randn(5, 5, generator=g)
-        arena, out = torch.zeros(2 * 256, dtype=torch.uint8), torch.zeros(4, 5)
+        arena, out = torch.ones(2 * 256, dtype=torch.uint8), torch.zeros(4, 5)
         y = arena[256:256 + 80].view(torch.float32).view(4, 5)  # a view 256 bytes into the arena
-        launches = [program.Product(torch.mm, (x, w), y, None, "torch.mm"),
+        launches = [program.torch_step(torch.Tensor.zero_, arena[:64].view(torch.float32), label="zero"),
+                    program.Product(torch.mm, (x, w), y, None, "torch.mm"),
                     Launch(run, (1, 1, 1), None, ("head",), [x.data_ptr(), y.data_ptr(), 7, 32], (x, y, 7), True),
                     program.Product(torch.addmm, (out, x, w), out, None, "torch.addmm (accumulate)"),
                     program.Product(torch.addmm, (out, y, m.T), out, None, "torch.addmm (accumulate)")]
@@ -442,6 +443,7 @@ def test_a_template_reaims_a_calls_launches_at_another_calls_tensors(monkeypatch
     template.run(tensors, tuple(t.data_ptr() for t in tensors))
     assert seen == [("head", x.data_ptr(), arena.data_ptr() + 256, 7, 32)]
     assert torch.allclose(y, x @ w) and torch.allclose(out, x @ w + (x @ w) @ m.T, atol=1e-5)
+    assert not arena[:64].any() and arena[64:256].all()
 
     x2 = torch.randn(4, 6)
     product = program.Product(torch.mm, (x2, w), out, None, "torch.mm")

@@ -251,7 +251,7 @@ class Template:
                 steps.append(_relaunch(launch, tuple(slots)))
             elif isinstance(launch, Product):
                 refs = []
-                for t in (*launch.operands, launch.out):
+                for t in (*launch.operands, *(() if launch.out is None else (launch.out,))):
                     found = locate(t)
                     if found is None or found[1] % t.element_size() or (
                             t.dtype != tensors[found[0]].dtype and not tensors[found[0]].is_contiguous()):
@@ -279,7 +279,7 @@ def _relaunch(launch, slots):
 
 
 def _reproduct(product, refs):
-    fn, out_dtype = product.fn, product.out_dtype
+    fn, out_dtype, has_out = product.fn, product.out_dtype, product.out is not None
 
     def step(tensors, addresses):
         made = {}
@@ -290,6 +290,8 @@ def _reproduct(product, refs):
                 if base.dtype != dtype:
                     base = base.view(-1).view(dtype)
                 made[ref] = base.as_strided(shape, stride, base.storage_offset() + offset)
+        if not has_out:
+            return fn(*(made[ref] for ref in refs))
         *operands, out = (made[ref] for ref in refs)
         if out_dtype is None:
             fn(*operands, out=out)
@@ -318,8 +320,9 @@ def described(launch, what: str):
 
 
 class Product:
-    """A launch step by cuBLAS through torch: fn(*operands, out=out) (with out_dtype where it is not None);
-    `what` names it where a CUDA graph could not record it."""
+    """A launch step by torch: fn(*operands, out=out) (cuBLAS's products; with out_dtype where it is not None),
+    or fn(*operands) where out is None (an in-place fill or copy: `torch_step`); `what` names it where a CUDA
+    graph could not record it."""
 
     __slots__ = ("fn", "operands", "out", "out_dtype", "label")
     graphable = True
@@ -328,16 +331,25 @@ class Product:
         self.fn, self.operands, self.out, self.out_dtype, self.label = fn, operands, out, out_dtype, label
 
     def __call__(self) -> None:
-        if self.out_dtype is None:
+        if self.out is None:
+            self.fn(*self.operands)
+        elif self.out_dtype is None:
             self.fn(*self.operands, out=self.out)
         else:
             self.fn(*self.operands, out_dtype=self.out_dtype, out=self.out)
 
     @property
     def what(self) -> str:
+        if self.out is None:
+            return f"{self.label} {tuple(self.operands[0].shape)}"
         a, b = self.operands[-2:]
         return (f"{self.label} {tuple(a.shape)} {str(a.dtype)[6:]} x {tuple(b.shape)} -> "
                 f"{str(self.out.dtype)[6:]}")
+
+
+def torch_step(fn, *tensors, label: str) -> Product:
+    """A launch step fn(*tensors) by torch, in place (a fill, a copy, a bias added), that a template can re-aim."""
+    return Product(fn, tensors, None, None, label)
 
 
 def mm(a, b, out):

@@ -15,7 +15,7 @@ import torch
 from ..kernels.schedule import cdiv
 from ..kernels.triton import attention, passes
 from .masks import Masking
-from .program import Kernel, constant
+from .program import Kernel, constant, torch_step
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements per program of the flat passes (the interpreter's cost is per program: few, large ones).
@@ -343,4 +343,4 @@ def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v,
 
 def zero(t):
     """A launch step: t = 0."""
-    return lambda: t.zero_()
+    return torch_step(torch.Tensor.zero_, t, label="zero")

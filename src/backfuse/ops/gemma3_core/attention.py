@@ -24,7 +24,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds, cdiv
 from ...train import guard as guards
 from ...train import steps
-from ...train.program import Arena, Buffer, Outputs, bases, execute
+from ...train.program import Arena, Buffer, Outputs, bases, execute, torch_step
 from . import training
 from .training import NORM_ROPE_BACKWARD
 
@@ -108,7 +108,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
     def build():
         a = acts.views(a_flat)
         launches = _forward_launches(p, g, inputs, a, scaling, eps, masks)
-        launches.append(lambda: out.view(p.tokens, -1).copy_(a.o))
+        launches.append(torch_step(torch.Tensor.copy_, out.view(p.tokens, -1), a.o, label="copy"))
         if g is not None:
             launches.append(steps.check(g))
         return launches
