@@ -388,10 +388,10 @@ def test_plan_caches_are_bounded_and_a_recurring_shape_changes_plan_once(monkeyp
     monkeypatch.setattr(plans, "CUDNN_AFTER", 3)
     monkeypatch.setattr(plans, "_plans", plans.Plans())
     monkeypatch.setattr(plans, "_pending", plans.Plans())
-    plans.recurring("k", "later")
+    plans.recurring("first", "later")
     plans._plans["k"] = "first"
     assert [plans.looked_up("k", plans._plans.get("k")) for _ in range(4)] == ["first", "first", "later", "later"]
-    assert plans._plans["k"] == "later" and "k" not in plans._pending
+    assert plans._plans["k"] == "later" and "first" not in plans._pending
 
 
 def test_a_template_reaims_a_calls_launches_at_another_calls_tensors(monkeypatch):

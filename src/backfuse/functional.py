@@ -350,7 +350,7 @@ def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts
                                          cos_batched=tables != 1 or axes[b] == 1, save=save,
                                          sms=_sm_count(hidden.device), deterministic=key[7], masking=masking)
         if _cudnn.serves(plan.attention, plan.compute, hidden.device, plan.deterministic):
-            _plan_cache.recurring(key, dataclasses.replace(plan, cudnn=True))
+            _plan_cache.recurring(plan, dataclasses.replace(plan, cudnn=True))
     return _plan_cache.looked_up(key, plan)
 
 

@@ -32,7 +32,7 @@ class Plans(OrderedDict):
 
 
 _plans = Plans()  # (op, signature, options) -> plan
-_pending = Plans()  # key -> [calls, the plan to take at the CUDNN_AFTER-th call] (`recurring`)
+_pending = Plans()  # plan -> [calls, the plan to take at its CUDNN_AFTER-th call] (`recurring`)
 CUDNN_AFTER = 64  # calls of a shape before its attention moves to cuDNN's (`recurring`)
 _sms: dict = {}  # device -> SM count
 
@@ -51,23 +51,24 @@ def replaced(plan, **changes):
     return cached((plan, tuple(sorted(changes.items()))), lambda: dataclasses.replace(plan, **changes))
 
 
-def recurring(key, later) -> None:
-    """From the CUDNN_AFTER-th lookup of key on (`looked_up`), its plan is `later` (cuDNN's attention: torch
-    builds cuDNN's plan for each new shape, ~60 ms of host time a direction, which a shape met a few times,
-    as a training loop of changing lengths meets each, never earns back; until then the plan kept for key,
-    our Triton attention)."""
-    _pending[key] = [0, later]
+def recurring(plan, later) -> None:
+    """From `plan`'s CUDNN_AFTER-th lookup on (`looked_up`), `later` takes its place (cuDNN's attention: torch
+    builds cuDNN's plan for each new shape, ~80 ms of host time a direction, which a shape met a few times,
+    as a training loop of changing lengths meets each, never earns back; until then `plan`, our Triton
+    attention). Keyed by the plan itself (it hashes by identity: no key tuple hashed again per call)."""
+    _pending[plan] = [0, later]
 
 
 def looked_up(key, plan):
-    """plan, or the plan `recurring` set for key once key has been looked up CUDNN_AFTER times."""
-    waiting = _pending.get(key)
+    """plan, or the plan `recurring` set for it (kept for key from then on) once plan has been looked up
+    CUDNN_AFTER times."""
+    waiting = _pending.get(plan)
     if waiting is None:
         return plan
     waiting[0] += 1
     if waiting[0] < CUDNN_AFTER:
         return plan
-    del _pending[key]
+    del _pending[plan]
     _plans[key] = waiting[1]
     return waiting[1]
 
