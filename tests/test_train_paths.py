@@ -6,6 +6,8 @@ loop's graph replays with no host synchronization.
 """
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -267,6 +269,25 @@ def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype, pid):
     torch.cuda.synchronize()
     hits, misses, direct = (a - b for a, b in zip(totals(), before))
     assert (hits, misses, direct) == (6, 0, 0)  # a forward and a backward per step
+
+
+def test_a_backward_first_on_its_thread_warns_nothing():
+    """A fresh process with every UserWarning an error: a backward started from an explicit gradient, whose first
+    launch on the autograd engine's device thread (no CUDA context current there yet) is a cuBLAS product."""
+    script = (
+        "import torch, backfuse.nn\n"
+        "from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig\n"
+        f"d = {DEVICE!r}\n"
+        "m = backfuse.nn.Gemma3Core(Gemma3CoreConfig(64, 2, 1, 32), device=d, dtype=torch.bfloat16)\n"
+        "x = torch.randn(2, 24, 64, device=d, dtype=torch.bfloat16, requires_grad=True)\n"
+        "pos = torch.arange(24, device=d, dtype=torch.float32)[:, None] * torch.ones(32, device=d)\n"
+        "cos, sin = (f(pos).expand(2, 24, 32).to(torch.bfloat16) for f in (torch.cos, torch.sin))\n"
+        "for _ in range(2):\n"
+        "    torch.autograd.backward(m(x, cos, sin), torch.randn_like(x))\n"
+        "if d == 'cuda':\n"
+        "    torch.cuda.synchronize()\n")
+    run = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -38,7 +38,7 @@ def main(args) -> None:
                     if fresh:  # every kept graph dropped, its call due to be recorded again
                         for slot, exec_ in list(graphs._replays.items()):
                             graphs.driver().destroy_exec(exec_)
-                            graphs._seen[slot] = None
+                            graphs._seen[slot] = graphs.RECORD_AT - 1
                         graphs._replays.clear()
                     prof.enable()
                     step(call)

@@ -18,6 +18,7 @@ changing lengths run templates. On the CPU (the Triton interpreter) the launches
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -150,6 +151,8 @@ def execute(key, device: torch.device, tensors: tuple, build) -> None:
         for launch in build():
             launch()
         return
+    if not getattr(_thread, "context", False):
+        _make_context_current()
     addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
     where = (key, device.index)
 
@@ -174,6 +177,18 @@ def execute(key, device: torch.device, tensors: tuple, build) -> None:
         with torch.cuda.device(device):
             return graphs.replay(key, addresses, device, build, direct)
     graphs.replay(key, addresses, device, build, direct)
+
+
+_thread = threading.local()  # .context: execute has made a CUDA context current on this thread
+
+
+def _make_context_current() -> None:
+    """The current device's primary context made current on this thread, once a thread. The autograd engine's
+    device threads start without one; where a backward's first launch on such a thread is a cuBLAS product,
+    cuBLAS warns and makes it current itself. torch.cuda.set_device forces cudaSetDevice, which makes the
+    primary context current (CUDA 12); a device switch after it (`torch.cuda.device`) does the same."""
+    torch.cuda.set_device(torch.cuda.current_device())
+    _thread.context = True
 
 
 def bases(*tensors) -> tuple:
