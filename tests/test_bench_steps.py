@@ -36,13 +36,13 @@ def test_dynamic_steps_of_backfuse_and_of_the_model_agree(key):
     cls = backfuse.nn.WanXattn if key.startswith("wan") else backfuse.nn.Gemma3Core
     module = cls(config, device=DEVICE, dtype=torch.bfloat16, **preset.kwargs)
     grads = {}
-    for impl in ("backfuse", "hf"):
+    for impl in ("backfuse", "eager"):
         calls = dynamic._make_calls(preset, config, key, shapes, DEVICE, 0)
         step = dynamic._stepper(preset, config, key, impl, module)
         for c in calls:
             step(c)
         grads[impl] = [torch.cat([a.grad.float().flatten() for a in c.acts if a.requires_grad]) for c in calls]
-    for ours, theirs in zip(grads["backfuse"], grads["hf"]):
+    for ours, theirs in zip(grads["backfuse"], grads["eager"]):
         assert (ours - theirs).norm() <= 2e-2 * theirs.norm()
 
 

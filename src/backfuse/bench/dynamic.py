@@ -15,7 +15,7 @@ ms per step of each pass, and the host's own time per step of the second:
     wan2.1-1.3b                       the cross-attention, batch 1, 1560 video tokens a latent frame (1-21
                                       frames: 81-frame 480p clips and shorter), 1-512 text tokens
 Implementations (`bench/models.py`'s): backfuse (the preset's module, or `F.gemma3_core` for packed
-documents), hf (the model's own attention, eager), compile (torch.compile of it, default mode, as a user
+documents), eager (the model's own attention, eager), compile (torch.compile of it, default mode, as a user
 compiles a model whose batches change length: it recompiles at the second shape with dynamic sizes).
 """
 
@@ -35,7 +35,7 @@ from .models import inputs, model_function, model_gemma, rope_tables
 from .runner import log
 
 ENTRIES = ("gemma3-1b", "gemma3-4b", "gemma2-9b", "gemma3-4b/packed", "wan2.1-1.3b")
-IMPLEMENTATIONS = ("backfuse", "hf", "compile")
+IMPLEMENTATIONS = ("backfuse", "eager", "compile")
 SHAPES = 12
 WAN_FRAME = 1560  # video latent tokens per latent frame at 480p (60 x 104 / (2 x 2) patches)
 
