@@ -4,11 +4,16 @@ checkpointing, bf16, and one line for backfuse.
     python examples/finetune_gemma3.py                       # a tiny random-init Gemma 3 (no download), 20 steps
     python examples/finetune_gemma3.py --compare --plot curves.png   # the unpatched model beside it, both curves
     python examples/finetune_gemma3.py --model path/to/gemma-3-1b-pt --steps 300 --tokens 8192 --compare
+    python examples/finetune_gemma3.py --width gemma3-1b --layers 6 --steps 300 --tokens 4096 --compare --plot c.png
 
-The data is synthetic (no download): documents of random lengths from a tiny "language" whose next token
-follows from the one before it, so the loss falls. `DataCollatorWithFlattening` packs each batch's documents into
-one row with position ids restarting at each document, as padding-free training does; transformers then
-keeps the documents apart in its attention mask, and backfuse's patched attention takes that mask. LoRA
+`--width` builds a released Gemma 3's width (hidden size, heads, head size, window, vocabulary) with random
+weights and `--layers` layers in the released pattern (five sliding-window layers, then a global one).
+
+The data is synthetic (no download): documents of random lengths from a tiny "language" over the first
+`LANGUAGE` token ids whose next token follows from the one before it, so the loss falls.
+`DataCollatorWithFlattening` packs each batch's documents into one row with position ids restarting at each
+document, as padding-free training does; transformers then keeps the documents apart in its attention mask,
+and backfuse's patched attention takes that mask. LoRA
 (PEFT) on the attention and MLP projections is added after `backfuse.patch(model)`; the adapters run as
 PEFT's modules around backfuse's attention. Gradient checkpointing and bf16 are the Trainer's own options.
 
@@ -19,7 +24,9 @@ model's loss and their relative difference), then what backfuse handed back to t
 """
 
 import argparse
+import json
 import tempfile
+import time
 
 import torch
 
@@ -38,9 +45,30 @@ def tiny_config():
                                          layer_types=["sliding_attention", "full_attention"])
 
 
+# Released Gemma 3 widths (their published configs), for `--width`: random weights, no download.
+WIDTHS = {
+    "gemma3-1b": dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512),
+    "gemma3-4b": dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024),
+}
+LANGUAGE = 2048  # token ids the synthetic documents use (all of a smaller vocabulary)
+
+
+def released_config(width: str, layers: int):
+    """A Gemma 3 text config at a released width with `layers` layers, every sixth global."""
+    import transformers
+
+    return transformers.Gemma3TextConfig(**WIDTHS[width], num_hidden_layers=layers, max_position_embeddings=32768,
+                                         attn_implementation="sdpa",
+                                         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                                      for i in range(layers)])
+
+
 def documents(count: int, vocab: int, seed: int = 0) -> list:
-    """Synthetic documents of 8 to 64 tokens: from a random first token, each next one is (5 x + 3) mod (vocab - 1) + 1
-    of the one before it."""
+    """Synthetic documents of 8 to 64 tokens over ids 1..min(vocab, LANGUAGE) - 1: from a random first token, each
+    next one is (5 x + 3) mod (n - 1) + 1 of the one before it."""
+    vocab = min(vocab, LANGUAGE)
     g = torch.Generator().manual_seed(seed)
     docs = []
     for _ in range(count):
@@ -52,8 +80,9 @@ def documents(count: int, vocab: int, seed: int = 0) -> list:
     return docs
 
 
-def model_and_tokens(path: str | None):
-    """(the model in float32 on the device, its vocabulary size): a checkpoint's, or the tiny random-init one."""
+def model_and_tokens(path: str | None, width: str | None = None, layers: int = 6):
+    """(the model in float32 on the device, its vocabulary size): a checkpoint's, a released width's with random
+    weights, or the tiny random-init one."""
     import transformers
 
     torch.manual_seed(0)
@@ -61,18 +90,19 @@ def model_and_tokens(path: str | None):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa",
                                                                   torch_dtype=torch.float32)
     else:
-        model = transformers.Gemma3ForCausalLM(tiny_config())
+        model = transformers.Gemma3ForCausalLM(released_config(width, layers) if width else tiny_config())
     return model.to(DEVICE), model.config.vocab_size
 
 
 def train(steps: int = 20, patched: bool = True, model_path: str | None = None, tokens: int = 256, bf16: bool | None = None,
-          lora: bool = True, checkpointing: bool = True, seed: int = 0):
+          lora: bool = True, checkpointing: bool = True, seed: int = 0, width: str | None = None, layers: int = 6,
+          lr: float | None = None):
     """One fine-tuning run; returns (losses per step, backfuse.fallbacks of the model: {} when every call ran on
     backfuse's kernels)."""
     import peft
     import transformers
 
-    model, vocab = model_and_tokens(model_path)
+    model, vocab = model_and_tokens(model_path, width, layers)
     if patched:
         backfuse.patch(model, quiet=True)
     if lora:
@@ -91,7 +121,8 @@ def train(steps: int = 20, patched: bool = True, model_path: str | None = None, 
 
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
-            output_dir=out, max_steps=steps, per_device_train_batch_size=per_batch, learning_rate=2e-2 if lora else 2e-3,
+            output_dir=out, max_steps=steps, per_device_train_batch_size=per_batch,
+            learning_rate=lr or default_lr(model_path, width, lora),
             lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=seed, data_seed=seed,
             bf16=torch.cuda.is_available() if bf16 is None else bf16, use_cpu=DEVICE == "cpu",
             gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
@@ -102,6 +133,12 @@ def train(steps: int = 20, patched: bool = True, model_path: str | None = None, 
         trainer.remove_callback(transformers.PrinterCallback)  # (this script prints the losses itself)
         trainer.train()
     return losses, backfuse.fallbacks(model)
+
+
+def default_lr(model_path, width, lora: bool) -> float:
+    """AdamW's learning rate: 2e-2 (LoRA) or 2e-3 for the tiny model, 1e-3 or 1e-4 at a released width."""
+    tiny = not (model_path or width)
+    return (2e-2 if tiny else 1e-3) if lora else (2e-3 if tiny else 1e-4)
 
 
 def _plot(path: str, ours: list, theirs: list) -> None:
@@ -133,23 +170,43 @@ def _positive(text: str) -> int:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a local Gemma 3 checkpoint (default: a tiny random-init Gemma 3)")
+    ap.add_argument("--width", choices=sorted(WIDTHS), help="a released Gemma 3's width, random weights")
+    ap.add_argument("--layers", type=_positive, default=6, help="with --width: decoder layers (default 6)")
     ap.add_argument("--steps", type=_positive, default=20)
     ap.add_argument("--tokens", type=_positive, default=256, help="tokens per packed batch, about (default 256)")
     ap.add_argument("--compare", action="store_true", help="also train the unpatched model and print both losses")
     ap.add_argument("--plot", metavar="PNG", help="with --compare: both loss curves as a PNG")
     ap.add_argument("--no-bf16", action="store_true", help="float32 (the default on a CPU)")
+    ap.add_argument("--lr", type=float, help="AdamW's learning rate (default: 2e-2 for the tiny model, 1e-3 otherwise)")
+    ap.add_argument("--json", metavar="FILE", help="both runs' losses per step as JSON")
     args = ap.parse_args(argv)
     if args.plot and not args.compare:
         ap.error("--plot draws both curves: add --compare")
+    if args.model and args.width:
+        ap.error("--model and --width both name the model: pass one")
     bf16 = False if args.no_bf16 else None
-    ours, handed_back = train(args.steps, True, args.model, args.tokens, bf16)
-    theirs = train(args.steps, False, args.model, args.tokens, bf16)[0] if args.compare else None
+    run = dict(model_path=args.model, tokens=args.tokens, bf16=bf16, width=args.width, layers=args.layers, lr=args.lr)
+    start = time.perf_counter()
+    ours, handed_back = train(args.steps, True, **run)
+    seconds = {"patched": time.perf_counter() - start}
+    if args.compare:
+        start = time.perf_counter()
+        theirs = train(args.steps, False, **run)[0]
+        seconds["unpatched"] = time.perf_counter() - start
+    else:
+        theirs = None
     for step, loss in enumerate(ours):
         if theirs is None:
             print(f"{step} {loss:.4f}")
         else:
             print(f"{step} {loss:.4f} {theirs[step]:.4f} {abs(loss - theirs[step]) / abs(theirs[step]):.1e}")
     print(f"handed back to the model's code: {handed_back or 'nothing'}")
+    print("seconds a run (model build and first compiles included): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "patched": ours, "unpatched": theirs, "seconds": seconds,
+                       "handed_back": {str(k): v for k, v in handed_back.items()}}, f, indent=1)
     if args.plot:
         _plot(args.plot, ours, theirs)
 
