@@ -77,3 +77,34 @@ def test_e2e_leaves_liger_out_where_it_has_no_patch_or_is_not_installed(monkeypa
         "liger_ms": None, "liger_patched_ms": None, "loss": None}
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert e2e.run_entry("gemma3-1b", (1, 8), variants=("liger",)) == {"liger_ms": None, "loss": None}
+
+
+@pytest.mark.parametrize("kernel, kind", [
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "products"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "products"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "products"),
+    ("triton_tem_fused_addmm_3", "products"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "attention"),
+    ("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
+    ("attention_backward_kernel", "attention"),
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention_0", "rest"),
+    ("triton_per_fused_add_mean_mul_pow_rsqrt_5", "rest"),
+    ("norm_rope_kernel", "rest"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "rest"),
+])
+def test_e2e_splits_kernels_by_what_they_compute(kernel, kind):
+    assert e2e.kind_of(kernel) == kind
+
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the profiler's kernels exist on a GPU")
+def test_e2e_kernel_split_finds_a_steps_products_and_attention():
+    a = torch.randn(256, 256, device=DEVICE, requires_grad=True)
+    q = torch.randn(1, 2, 128, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        (a @ a).sum().backward()
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+
+    split = e2e.kernel_split(step, steps=2)
+    assert split["products_ms"] > 0 and split["attention_ms"] > 0 and split["rest_ms"] > 0 and split["kernels"] >= 4

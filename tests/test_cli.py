@@ -317,6 +317,13 @@ def test_bench_merge_refuses_before_running(tmp_path, capsys):
     assert json.loads(into.read_text()) == _h200()
 
 
+def test_bench_split_needs_e2e(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--split"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--split splits --e2e's steps: add --e2e [MODEL ...]" in err and "Traceback" not in err
+
+
 # ---- report from anywhere; export into new directories --------------------------------------
 
 def test_report_from_another_directory_finds_the_checkout(tmp_path, monkeypatch, capsys):

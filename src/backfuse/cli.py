@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--memory", action="store_true",
                        help="instead: peak memory of a training step of 2-layer Gemma 3 4B (2x4096 tokens) and 27B "
                        "(1x4096), patched against unpatched, eager and compiled (needs a CUDA GPU; JSON under \"memory\")")
+    bench.add_argument("--split", action="store_true",
+                       help="with --e2e: also each variant's GPU time a step by kind of kernel (products, attention, the "
+                       "rest; the profiler over 3 more steps), under \"<variant>_split\"")
     bench.add_argument("--steps", type=_at_least(1), default=20, help="--train, --models: timed steps per case (default 20)")
 
     check = sub.add_parser(
@@ -253,6 +256,8 @@ def _dispatch(parser, args) -> int:
         return _sol(problems, args.gpu)
     if args.command == "bench" and args.merge and not args.json:
         parser.error("--merge needs --json FILE")
+    if args.command == "bench" and args.split and args.e2e is None:
+        parser.error("--split splits --e2e's steps: add --e2e [MODEL ...]")
     if args.command == "bench" and args.models is not None:
         return _bench_models(args)
     if args.command == "bench" and args.dynamic is not None:
@@ -414,7 +419,7 @@ def _bench_e2e(args) -> int:
     for done, (name, tokens, layers) in enumerate(todo, 1):
         key = f"{name}/{'x'.join(map(str, tokens))}"
         log(f"[{done}/{len(todo)}] {key}")
-        entry = e2e.run_entry(name, tokens, layers=layers, steps=steps,
+        entry = e2e.run_entry(name, tokens, layers=layers, steps=steps, split=args.split,
                               variants=e2e.MEMORY_VARIANTS if section == "memory" else e2e.VARIANTS)
         if section == "memory":
             entry = {"patched_peak_mib": entry["patched_peak_mib"], "hf_peak_mib": entry["hf_peak_mib"],

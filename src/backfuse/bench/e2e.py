@@ -22,6 +22,8 @@ Variants:
                         cross-entropy), where `liger-kernel` is installed (Gemma only)
     liger_patched       Liger's patch, then backfuse's
 Liger patches transformers' classes as well as the model, so its variants run each in a process of their own.
+With `--split` each variant's GPU time a step is also split by kind of kernel: products, attention, the rest
+(`kernel_split`), where a fused attention block's gain can come from and where it cannot.
 """
 
 from __future__ import annotations
@@ -141,9 +143,57 @@ def loss_of(name: str, out) -> torch.Tensor:
     return out.sample.float().square().mean() if name in WAN else out.loss
 
 
+# What a kernel computes, from its name (`kind_of`): inductor's generated pointwise and reduction kernels are
+# "rest" whatever ops they are named after; then attention cores (cuDNN's SDPA, FlashAttention, the efficient
+# kernels, backfuse's Triton attention and its delta pass); then products (cuBLAS and cuBLASLt, CUTLASS,
+# inductor's GEMM templates, backfuse's Gluon GEMMs); everything else (norms, RoPE, activations, residual adds,
+# casts, copies, the loss) is "rest".
+GENERATED = ("triton_poi_", "triton_per_", "triton_red_")
+ATTENTION_NAMES = ("attention", "attn", "fmha", "flash", "sdpa")
+PRODUCT_NAMES = ("gemm", "nvjet", "xmma", "cutlass", "splitkreduce", "_mm_", "addmm", "matmul", "bmm")
+KINDS = ("products", "attention", "rest")
+
+
+def kind_of(kernel: str) -> str:
+    """"products", "attention" or "rest": what a GPU kernel of a training step computes, by its name."""
+    n = kernel.lower()
+    if n.startswith(GENERATED):
+        return "rest"
+    if any(p in n for p in ATTENTION_NAMES):
+        return "attention"
+    return "products" if any(p in n for p in PRODUCT_NAMES) else "rest"
+
+
+def kernel_split(step, steps: int = 3) -> dict:
+    """GPU time per step by kind of kernel (`kind_of`), from the profiler over `steps` steps of `step`:
+    {products_ms, attention_ms, rest_ms, kernels (a step's), rest_top: the three costliest "rest" kernels
+    [name, ms a step]}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    by_kind, rest, count = dict.fromkeys(KINDS, 0.0), {}, 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = e.device_time_total / steps / 1e3
+        kind = kind_of(e.name)
+        by_kind[kind] += ms
+        count += 1
+        if kind == "rest":
+            rest[e.name[:80]] = rest.get(e.name[:80], 0.0) + ms
+    top = sorted(rest.items(), key=lambda kv: -kv[1])[:3]
+    return {**{f"{k}_ms": round(v, 3) for k, v in by_kind.items()}, "kernels": count // steps,
+            "rest_top": [[n, round(ms, 3)] for n, ms in top]}
+
+
 def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = None, warmup: int = 3,
-                steps: int = 10) -> dict:
-    """{ms, host_ms, peak_mib, loss} of one variant: `steps` steps after `warmup`."""
+                steps: int = 10, split: bool = False) -> dict:
+    """{ms, host_ms, peak_mib, loss} of one variant: `steps` steps after `warmup` (with split, "split": the
+    GPU time of a step by kind of kernel, `kernel_split`)."""
     graphs.release()
     torch.cuda.empty_cache()
     call, model = variant(name, which, layers)
@@ -177,13 +227,16 @@ def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = No
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base + graphs.pool_bytes()) / 2**20
     fallbacks = sum(__import__("backfuse").fallbacks(model).values()) if "patched" in which else 0
-    return dict(ms=round(ms, 3), host_ms=round(host, 3), peak_mib=round(peak, 1), loss=first, fallbacks=fallbacks)
+    result = dict(ms=round(ms, 3), host_ms=round(host, 3), peak_mib=round(peak, 1), loss=first, fallbacks=fallbacks)
+    if split:
+        result["split"] = kernel_split(step)
+    return result
 
 
 def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=VARIANTS, warmup: int = 3,
-              steps: int = 10) -> dict:
+              steps: int = 10, split: bool = False) -> dict:
     """The "e2e" entry of one model and token count: per variant its ms, host ms and peak (None where its first
-    loss is not hf's: `<variant>_wrong` then holds that loss)."""
+    loss is not hf's: `<variant>_wrong` then holds that loss); with split, `<variant>_split` (`kernel_split`)."""
     entry, reference = {}, None
     for which in variants:
         if which.startswith("liger") and (name in WAN or importlib.util.find_spec("liger_kernel") is None):
@@ -191,7 +244,7 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
             continue
         start = time.perf_counter()
         r = (_isolated if which.startswith("liger") else run_variant)(name, which, tokens, layers=layers,
-                                                                      warmup=warmup, steps=steps)
+                                                                      warmup=warmup, steps=steps, split=split)
         if reference is None:
             reference = r["loss"]
         ok = abs(r["loss"] - reference) <= LOSS_TOLERANCE * max(1.0, abs(reference))
@@ -202,8 +255,11 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
             entry[f"{which}_wrong"] = r["loss"]
         if r["fallbacks"]:
             entry[f"{which}_fallbacks"] = r["fallbacks"]
+        if "split" in r:
+            entry[f"{which}_split"] = r["split"]
+        kernels = ("; kernels ms: " + ", ".join(f"{k} {r['split'][k + '_ms']:.2f}" for k in KINDS)) if "split" in r else ""
         log(f"    {which}: {r['ms']:.3f} ms a step (host {r['host_ms']:.3f}), peak {r['peak_mib']:.0f} MiB, first loss "
-            f"{r['loss']:.4f}{'' if ok else ' WRONG'} ({time.perf_counter() - start:.1f} s)")
+            f"{r['loss']:.4f}{'' if ok else ' WRONG'}{kernels} ({time.perf_counter() - start:.1f} s)")
         torch.cuda.empty_cache()
     entry["loss"] = reference
     return entry
