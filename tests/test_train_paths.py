@@ -157,6 +157,34 @@ def test_a_loop_of_changing_shapes_is_right_at_every_step(pid, config, shapes):
             check_training_step(pid, m, inputs[s], TOL[torch.bfloat16])
 
 
+@pytest.mark.skipif(not GPU, reason="synchronization exists on a GPU")
+@pytest.mark.parametrize("pid, config, shapes", [
+    ("037", Gemma3CoreConfig(256, 2, 1, 128), [(2, 45), (1, 70), (2, 33), (1, 90)]),
+    ("021", WanXattnConfig(64, 4, qk_norm=True), [(1, 40, 7), (2, 33, 13), (1, 19, 3), (2, 50, 1)])])
+def test_changing_shapes_never_synchronize(pid, config, shapes):
+    """Shapes that change every step, after each was met once (so their calls run from templates, and a
+    new shape's plan is made): no step makes the host wait for the GPU (set_sync_debug_mode("error") raises)."""
+    m = training_module(pid, config, torch.bfloat16)
+    inputs = {s: training_inputs(pid, config, s, torch.bfloat16) for s in shapes}
+    grads = {s: torch.randn_like(inputs[s][0]) for s in shapes}
+
+    def step(s):
+        m.zero_grad(set_to_none=True)
+        for a in inputs[s]:
+            a.grad = None
+        m(*inputs[s]).backward(grads[s])
+
+    step(shapes[0])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in [*shapes[1:], *shapes]:
+            step(s)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("frozen", ["weights", "activations"])
 def test_gradients_left_out(frozen):
     """Frozen parameters (or activations without gradients) get no gradient; the rest are right."""
