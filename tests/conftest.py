@@ -25,16 +25,20 @@ def prob(request):
 # ---------------------------------------------------------- the GPU suite's record --------------------------------
 def pytest_addoption(parser):
     parser.addoption("--gpu-report", metavar="PATH", default=None,
-                     help="on a CUDA GPU: write {commit, failed, tests: {nodeid: passed|failed|skipped}} to PATH "
-                          "(benchmarks/results/gpu-tests.json: what a kernel change must show before it lands)")
+                     help="on a CUDA GPU: write {commit, failed, tests: {nodeid: passed|failed|skipped}, slowest: "
+                          "[[nodeid, seconds]]} to PATH (benchmarks/results/gpu-tests.json: what a kernel change must "
+                          "show before it lands; the slowest tests, where the suite's device time goes)")
 
 
 _outcomes: dict = {}
+_seconds: dict = {}  # nodeid -> seconds over its phases (setup, call, teardown)
+SLOWEST = 30  # tests the report lists by time
 
 
 def pytest_runtest_logreport(report):
     """Each test's outcome: failed if any phase failed, skipped if skipped, else passed once its call passed."""
     now = _outcomes.get(report.nodeid)
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
     if report.failed:
         _outcomes[report.nodeid] = "failed"
     elif report.skipped and now is None:
@@ -63,7 +67,8 @@ def pytest_sessionfinish(session, exitstatus):
     import json
 
     doc = {"commit": _commit(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "failed": sum(v == "failed" for v in _outcomes.values()), "tests": dict(sorted(_outcomes.items()))}
+           "failed": sum(v == "failed" for v in _outcomes.values()), "tests": dict(sorted(_outcomes.items())),
+           "slowest": [[k, round(v, 1)] for k, v in sorted(_seconds.items(), key=lambda kv: -kv[1])[:SLOWEST]]}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)

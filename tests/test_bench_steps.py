@@ -79,6 +79,18 @@ def test_e2e_leaves_liger_out_where_it_has_no_patch_or_is_not_installed(monkeypa
     assert e2e.run_entry("gemma3-1b", (1, 8), variants=("liger",)) == {"liger_ms": None, "loss": None}
 
 
+def test_e2e_keeps_each_variant_as_it_is_measured_and_flags_another_first_loss(monkeypatch):
+    losses = {"hf": 10.4, "compile": 10.41, "patched": 11.9}
+    monkeypatch.setattr(e2e, "run_variant", lambda name, which, tokens, **kw: dict(
+        ms=1.0, host_ms=0.5, peak_mib=7.0, loss=losses[which], fallbacks=0))
+    seen = []
+    entry = e2e.run_entry("gemma3-1b", (1, 8), variants=("hf", "compile", "patched"), progress=lambda e: seen.append(dict(e)))
+    assert [sorted(k for k in e if k.endswith("_ms") and not k.endswith("host_ms")) for e in seen] == [
+        ["hf_ms"], ["compile_ms", "hf_ms"], ["compile_ms", "hf_ms", "patched_ms"]]
+    assert all(e["loss"] == 10.4 for e in seen) and seen[-1] == entry
+    assert entry["compile_ms"] == 1.0 and entry["patched_ms"] is None and entry["patched_wrong"] == 11.9
+
+
 @pytest.mark.parametrize("kernel, kind", [
     ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "products"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "products"),

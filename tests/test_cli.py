@@ -317,11 +317,13 @@ def test_bench_merge_refuses_before_running(tmp_path, capsys):
     assert json.loads(into.read_text()) == _h200()
 
 
-def test_bench_split_needs_e2e(capsys):
+@pytest.mark.parametrize("option, said", [(["--split"], "--split splits --e2e's steps"),
+                                          (["--variants", "compile"], "--variants chooses --e2e's variants")])
+def test_bench_e2e_options_need_e2e(capsys, option, said):
     with pytest.raises(SystemExit) as e:
-        main(["bench", "--split"])
+        main(["bench", *option])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "--split splits --e2e's steps: add --e2e [MODEL ...]" in err and "Traceback" not in err
+    assert e.value.code == 2 and f"{said}: add --e2e [MODEL ...]" in err and "Traceback" not in err
 
 
 # ---- report from anywhere; export into new directories --------------------------------------

@@ -18,6 +18,7 @@ import time
 
 from . import PROBLEM_IDS, __version__, problem
 from .bench import report, schema
+from .bench.e2e import VARIANTS as E2E_VARIANTS
 from .bench.impls import IMPLS
 from .bench.runner import ITERS, ROUNDS, WARMUP, environment, log, run_info, run_problem, smallest_case, to_json
 from .bench.sol import GPUS, sol_ms
@@ -156,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--memory", action="store_true",
                        help="instead: peak memory of a training step of 2-layer Gemma 3 4B (2x4096 tokens) and 27B "
                        "(1x4096), patched against unpatched, eager and compiled (needs a CUDA GPU; JSON under \"memory\")")
+    bench.add_argument("--variants", nargs="+", choices=E2E_VARIANTS, metavar="VARIANT",
+                       help=f"with --e2e: the variants to run, from {', '.join(E2E_VARIANTS)} (default all; hf always "
+                       "runs first: the others' first losses are checked against it)")
     bench.add_argument("--split", action="store_true",
                        help="with --e2e: also each variant's GPU time a step by kind of kernel (products, attention, the "
                        "rest; the profiler over 3 more steps), under \"<variant>_split\"")
@@ -258,6 +262,8 @@ def _dispatch(parser, args) -> int:
         parser.error("--merge needs --json FILE")
     if args.command == "bench" and args.split and args.e2e is None:
         parser.error("--split splits --e2e's steps: add --e2e [MODEL ...]")
+    if args.command == "bench" and args.variants and args.e2e is None:
+        parser.error("--variants chooses --e2e's variants: add --e2e [MODEL ...]")
     if args.command == "bench" and args.models is not None:
         return _bench_models(args)
     if args.command == "bench" and args.dynamic is not None:
@@ -416,19 +422,26 @@ def _bench_e2e(args) -> int:
     doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=3, iters=steps), "problems": {},
            section: {}}
     old = _load_results(args.json) if args.json and args.merge and os.path.exists(args.json) else None
-    for done, (name, tokens, layers) in enumerate(todo, 1):
-        key = f"{name}/{'x'.join(map(str, tokens))}"
-        log(f"[{done}/{len(todo)}] {key}")
-        entry = e2e.run_entry(name, tokens, layers=layers, steps=steps, split=args.split,
-                              variants=e2e.MEMORY_VARIANTS if section == "memory" else e2e.VARIANTS)
+    if section == "memory":
+        variants = e2e.MEMORY_VARIANTS
+    else:
+        variants = ("hf", *(v for v in e2e.VARIANTS if v != "hf" and v in (args.variants or e2e.VARIANTS)))
+
+    def record(key, entry):
+        """The entry (a partial one after each variant) into doc and the JSON file."""
         if section == "memory":
-            entry = {"patched_peak_mib": entry["patched_peak_mib"], "hf_peak_mib": entry["hf_peak_mib"],
-                     "patched_compile_peak_mib": entry["patched_compile_peak_mib"],
-                     "compile_peak_mib": entry["compile_peak_mib"], "layers": 2}
+            entry = {k: entry.get(k) for k in ("patched_peak_mib", "hf_peak_mib", "patched_compile_peak_mib",
+                                                "compile_peak_mib")} | {"layers": 2}
         doc[section][key] = entry
         if args.json:
             _write_file(args.json, json.dumps(doc if old is None else {**old, section: {**old.get(section, {}),
                                                                                         **doc[section]}}, indent=1))
+
+    for done, (name, tokens, layers) in enumerate(todo, 1):
+        key = f"{name}/{'x'.join(map(str, tokens))}"
+        log(f"[{done}/{len(todo)}] {key}")
+        record(key, e2e.run_entry(name, tokens, layers=layers, steps=steps, split=args.split, variants=variants,
+                                  progress=lambda entry, key=key: record(key, dict(entry))))
     print(json.dumps(doc[section], indent=1))
     if args.json:
         log(f"wrote {args.json}")

@@ -234,9 +234,11 @@ def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = No
 
 
 def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=VARIANTS, warmup: int = 3,
-              steps: int = 10, split: bool = False) -> dict:
+              steps: int = 10, split: bool = False, progress=None) -> dict:
     """The "e2e" entry of one model and token count: per variant its ms, host ms and peak (None where its first
-    loss is not hf's: `<variant>_wrong` then holds that loss); with split, `<variant>_split` (`kernel_split`)."""
+    loss is not the first variant's, hf's: `<variant>_wrong` then holds that loss); with split, `<variant>_split`
+    (`kernel_split`). progress, where given, is called with the entry so far after each variant (a run cut
+    short keeps what it measured)."""
     entry, reference = {}, None
     for which in variants:
         if which.startswith("liger") and (name in WAN or importlib.util.find_spec("liger_kernel") is None):
@@ -261,6 +263,9 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
         log(f"    {which}: {r['ms']:.3f} ms a step (host {r['host_ms']:.3f}), peak {r['peak_mib']:.0f} MiB, first loss "
             f"{r['loss']:.4f}{'' if ok else ' WRONG'}{kernels} ({time.perf_counter() - start:.1f} s)")
         torch.cuda.empty_cache()
+        entry["loss"] = reference
+        if progress is not None:
+            progress(entry)
     entry["loss"] = reference
     return entry
 
