@@ -1,6 +1,7 @@
 """Regenerate README's results table (per implementation the arithmetic and geometric means of the
 per-case latencies; older results files get their geometric means computed from those), its training
-table (`bench --train`), its models table (`bench --models`) and the latency plot from benchmarks/results/h200.json.
+tables (`bench --train`, `--models`, `--dynamic`, `--memory`, `--e2e`) and the latency plot from
+benchmarks/results/h200.json.
 
     python scripts/update_readme.py
 """
@@ -18,7 +19,9 @@ PLOT = ROOT / "benchmarks" / "plots" / "h200.png"
 README = ROOT / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 TRAIN_START, TRAIN_END = "<!-- train:start -->", "<!-- train:end -->"
-MODELS_START, MODELS_END = "<!-- models:start -->", "<!-- models:end -->"
+# the training benches' sections: (marker name, table of the section's entries and its run)
+SECTIONS = (("models", report.models_table), ("dynamic", report.dynamic_table), ("memory", report.memory_table),
+            ("e2e", report.e2e_table))
 
 
 def _between(text: str, start: str, end: str, body: str) -> str:
@@ -31,8 +34,10 @@ def main() -> None:
     results = json.loads(RESULTS.read_text())
     text = _between(README.read_text(), START, END, report.readme_table(results))
     text = _between(text, TRAIN_START, TRAIN_END, report.train_readme_table(results))
-    README.write_text(_between(text, MODELS_START, MODELS_END, report.models_table(results.get("models", {}),
-                                                                                          results.get("models_run"))))
+    for name, table in SECTIONS:
+        text = _between(text, f"<!-- {name}:start -->", f"<!-- {name}:end -->",
+                        table(results.get(name, {}), results.get(f"{name}_run")))
+    README.write_text(text)
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     report.plot(results, str(PLOT))
     print(f"updated {README.name} and {PLOT.relative_to(ROOT)}")

@@ -47,17 +47,6 @@ def pytest_runtest_logreport(report):
         _outcomes[report.nodeid] = "passed"
 
 
-def _commit() -> str:
-    """The commit under test: BACKFUSE_COMMIT (a copy of the tree without .git, as the device machine gets), else git's HEAD."""
-    import subprocess
-
-    if os.environ.get("BACKFUSE_COMMIT"):
-        return os.environ["BACKFUSE_COMMIT"]
-    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
-
-
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--gpu-report")
     if not path or hasattr(session.config, "workerinput"):  # xdist workers report to the controller
@@ -66,7 +55,9 @@ def pytest_sessionfinish(session, exitstatus):
         raise pytest.UsageError("--gpu-report records a GPU run; there is no CUDA GPU here")
     import json
 
-    doc = {"commit": _commit(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    from backfuse.bench.runner import commit
+
+    doc = {"commit": commit(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "failed": sum(v == "failed" for v in _outcomes.values()), "tests": dict(sorted(_outcomes.items())),
            "slowest": [[k, round(v, 1)] for k, v in sorted(_seconds.items(), key=lambda kv: -kv[1])[:SLOWEST]]}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -317,6 +317,44 @@ def test_bench_merge_refuses_before_running(tmp_path, capsys):
     assert json.loads(into.read_text()) == _h200()
 
 
+def test_a_training_bench_saves_its_entries_with_the_run_that_measured_them(tmp_path, monkeypatch):
+    """Each training bench writes its section after every entry; --merge keeps the file's other entries (train: per
+    problem and case) and says which earlier run measured those that stay."""
+    import argparse
+
+    monkeypatch.setenv("BACKFUSE_COMMIT", "f" * 40)
+    into = tmp_path / "h200.json"
+    shutil.copy(H200, into)
+    earlier = _h200()
+    with pytest.raises(cli.CLIError, match=r"refusing to merge this run \(cpu\) into .* \(NVIDIA H200\)"):
+        cli._Section(argparse.Namespace(json=str(into), merge=True), "dynamic", warmup=1, steps=24)
+    monkeypatch.setattr(cli, "environment", lambda: {k: earlier[k] for k in ("device", "torch", "triton", "date")})
+    out = cli._Section(argparse.Namespace(json=str(into), merge=True), "dynamic", warmup=1, steps=24)
+    out.entries["gemma3-1b"] = {"backfuse_first_ms": 1.0}
+    out.save()
+    doc = json.loads(into.read_text())
+    assert doc["dynamic"]["gemma3-1b"] == {"backfuse_first_ms": 1.0}
+    assert doc["dynamic"]["gemma3-4b"] == earlier["dynamic"]["gemma3-4b"]  # measured before, kept
+    run = doc["dynamic_run"]
+    assert run["commit"] == "f" * 40 and run["steps"] == 24 and run["warmup"] == 1 and run["device"] == doc["device"]
+    assert run["earlier"] == {"commit": earlier["dynamic_run"]["commit"], "date": earlier["dynamic_run"]["date"]}
+    assert {k: v for k, v in doc.items() if k not in ("dynamic", "dynamic_run")} == {
+        k: v for k, v in earlier.items() if k not in ("dynamic", "dynamic_run")}
+    train = cli._Section(argparse.Namespace(json=str(into), merge=True), "train", warmup=6, steps=15)
+    train.entries["021"] = {"0": {"backfuse_bf16_ms": 0.5}}
+    train.save()
+    doc = json.loads(into.read_text())
+    assert doc["train"]["021"]["0"] == {"backfuse_bf16_ms": 0.5} and doc["train_run"]["earlier"]["commit"] == "824dc59"
+    assert doc["train"]["021"]["1"] == earlier["train"]["021"]["1"] and doc["train"]["072"] == earlier["train"]["072"]
+    fresh = tmp_path / "fresh.json"
+    alone = cli._Section(argparse.Namespace(json=str(fresh), merge=False), "e2e", warmup=3, steps=10)
+    alone.entries["gemma3-1b/8x1024"] = {"hf_ms": 20.0}
+    alone.save()
+    doc = json.loads(fresh.read_text())
+    assert doc["e2e"] == {"gemma3-1b/8x1024": {"hf_ms": 20.0}} and "earlier" not in doc["e2e_run"]
+    assert main(["report", "--results", str(fresh), "--out", str(tmp_path / "r")]) in (0, 1)  # a valid results file
+
+
 @pytest.mark.parametrize("option, said", [(["--split"], "--split splits --e2e's steps"),
                                           (["--variants", "compile"], "--variants chooses --e2e's variants")])
 def test_bench_e2e_options_need_e2e(capsys, option, said):
@@ -520,6 +558,29 @@ def test_gpu_bench_plumbing(tmp_path, capsys, monkeypatch):
     assert len(doc["problems"]["021"]["impls"]["torch_compile"]["cases"]) == 16  # kept by --merge
     assert "021's implementations now cover different cases" in err
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("section", ["models", "dynamic", "memory", "e2e"])
+def test_readme_shows_each_training_section_of_the_results_file(section):
+    """README's training tables are scripts/update_readme.py's, from h200.json's sections and their runs."""
+    doc = _h200()
+    table = getattr(report, f"{section}_table")(doc.get(section, {}), doc.get(f"{section}_run"))
+    readme = (ROOT / "README.md").read_text()
+    assert readme.split(f"<!-- {section}:start -->\n", 1)[1].split(f"\n<!-- {section}:end -->", 1)[0] == table
+
+
+def test_the_e2e_table_compares_with_the_fastest_alternative_and_names_a_wrong_loss():
+    entry = {"hf_ms": 40.0, "compile_ms": 30.0, "liger_ms": 28.0, "liger_peak_mib": 900.0, "liger_patched_ms": None,
+             "liger_patched_wrong": 22.3, "patched_ms": 35.0, "patched_compile_ms": 21.0, "patched_compile_peak_mib": 800.0}
+    table = report.e2e_table({"gemma3-4b/2x4096": entry, "wan2.1-1.3b/1x32760x512": {
+        "hf_ms": 140.0, "compile_ms": 126.0, "liger_ms": None, "liger_patched_ms": None, "patched_ms": 139.0,
+        "patched_compile_ms": 120.0, "patched_compile_peak_mib": 10.0, "compile_peak_mib": 11.0}},
+        {"device": "NVIDIA H200", "date": "2026-12-05", "commit": "a" * 40, "steps": 10})
+    lines = table.splitlines()
+    assert lines[0].startswith("Measured on NVIDIA H200 (2026-12-05, commit aaaaaaa)")
+    assert lines[-2] == ("| gemma3-4b/2x4096 | 40.0 | 30.0 | 28.0 | wrong (first loss 22.300) | 35.0 | 21.0 | "
+                         "0.75 (Liger) | 800, 900 |")
+    assert lines[-1] == "| wan2.1-1.3b/1x32760x512 | 140.0 | 126.0 | – | – | 139.0 | 120.0 | 0.95 (compiled) | 10, 11 |"
 
 
 def test_readme_and_report_show_the_results_file_with_both_means():

@@ -20,7 +20,7 @@ from . import PROBLEM_IDS, __version__, problem
 from .bench import report, schema
 from .bench.e2e import VARIANTS as E2E_VARIANTS
 from .bench.impls import IMPLS
-from .bench.runner import ITERS, ROUNDS, WARMUP, environment, log, run_info, run_problem, smallest_case, to_json
+from .bench.runner import ITERS, ROUNDS, WARMUP, commit, environment, log, run_info, run_problem, smallest_case, to_json
 from .bench.sol import GPUS, sol_ms
 from .export import solution
 from .problem import fused_unusable
@@ -285,13 +285,54 @@ def train_warmup(requested: int) -> int:
     return max(min(requested, 5), 2 * graphs.RECORD_AT)
 
 
+class _Section:
+    """A training bench's results (`bench --train`, `--models`, `--dynamic`, `--e2e`, `--memory`) and their file:
+    `save` writes them after every entry (a run cut short keeps what it measured), over the file's own entries
+    of the section with --merge (train: per problem), with `<section>_run`, the run that measured them (device,
+    versions, date, commit, steps; where merged entries of an earlier run stay, that run's commit and date
+    under "earlier")."""
+
+    def __init__(self, args, section: str, *, warmup: int, steps: int):
+        self.path, self.section = args.json, section
+        if self.path:
+            _check_writable(self.path)
+        self.old = _load_results(self.path) if self.path and args.merge and os.path.exists(self.path) else None
+        device = environment()["device"]
+        if self.old is not None and self.old["device"] != device:
+            raise CLIError(f"refusing to merge this run ({device}) into {self.path} ({self.old['device']}): results from "
+                           "different devices don't mix")
+        self.doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=warmup, iters=steps),
+                    "problems": {}, section: {}}
+        self.run = {**environment(), "commit": commit(), "steps": steps, "warmup": warmup}
+
+    @property
+    def entries(self) -> dict:
+        return self.doc[self.section]
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        section, run = self.section, dict(self.run)
+        if self.old is None:
+            doc = {**self.doc, f"{section}_run": run}
+        else:
+            kept = dict(self.old.get(section, {}))
+            for key, entry in self.entries.items():
+                kept[key] = {**kept.get(key, {}), **entry} if section == "train" else entry
+            stays = any(key not in self.entries or (section == "train" and set(kept[key]) - set(self.entries[key]))
+                        for key in kept)
+            earlier = self.old.get(f"{section}_run", {})
+            if stays and earlier.get("commit") not in (None, run["commit"]):
+                run["earlier"] = {k: earlier[k] for k in ("commit", "date") if k in earlier}
+            doc = {**self.old, section: kept, f"{section}_run": run}
+        _write_file(self.path, json.dumps(doc, indent=1))
+
+
 def _bench_train(problems, args) -> int:
     import torch
 
     from .bench import train
 
-    if args.json:
-        _check_writable(args.json)
     if not torch.cuda.is_available():
         raise CLIError("--train times training steps on a CUDA GPU, and none is visible; without one, `backfuse check` "
                        "and the tests check the training paths' arithmetic in the Triton interpreter")
@@ -299,13 +340,12 @@ def _bench_train(problems, args) -> int:
         raise CLIError("--train compares its own set of implementations (backfuse fp32 and bf16, eager and compiled bf16); "
                        "drop --impl, --plot and --baseline")
     warmup = train_warmup(args.warmup)
-    doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=warmup, iters=args.steps), "problems": {},
-           "train": {}}
+    out = _Section(args, "train", warmup=warmup, steps=args.steps)
     selection = {prob.id: args.cases or list(range(len(prob.workloads))) for prob in problems}
     total, done = sum(map(len, selection.values())), 0
     failed = False
     for prob in problems:
-        entries = doc["train"][prob.id] = {}
+        entries = out.entries[prob.id] = {}
         for index in selection[prob.id]:
             start = time.perf_counter()
             entry = entries[str(index)] = train.run_case(prob, index, "cuda", warmup=warmup, steps=args.steps)
@@ -314,16 +354,10 @@ def _bench_train(problems, args) -> int:
             log(f"[{done}/{total}] {prob.id} case {index} ({report.axes_text(prob.workloads[index].axes)}): "
                 + ", ".join(f"{name} {entry[name + '_ms']:.3f} ms" for name in train.IMPLEMENTATIONS)
                 + f" ({time.perf_counter() - start:.1f} s)")
+            out.save()
         print(report.train_table(prob.id, entries))
         print()
     if args.json:
-        if args.merge and os.path.exists(args.json):
-            old = _load_results(args.json)
-            trained = old.get("train", {})
-            for pid, entries in doc["train"].items():
-                trained[pid] = {**trained.get(pid, {}), **entries}
-            doc = {**old, "train": trained}
-        _write_file(args.json, json.dumps(doc, indent=1))
         log(f"wrote {args.json}")
     return FAILED if failed else 0
 
@@ -340,26 +374,20 @@ def _bench_models(args) -> int:
     if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
         raise CLIError("--models runs its own selection (presets, their layers and token counts; backfuse against the "
                        "model's own code): drop --train, problems, --cases, --impl, --plot and --baseline")
-    if args.json:
-        _check_writable(args.json)
     if not torch.cuda.is_available():
         raise CLIError("--models times training steps on a CUDA GPU, and none is visible; without one the tests check "
                        "every preset's layer against float64 at a few tokens (tests/test_presets.py)")
     warmup = train_warmup(args.warmup)
-    doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=warmup, iters=args.steps), "problems": {},
-           "models": {}}
-    old = _load_results(args.json) if args.json and args.merge and os.path.exists(args.json) else None
+    out = _Section(args, "models", warmup=warmup, steps=args.steps)
     todo = models.entries(args.models)
     for done, (key, preset, local, tokens) in enumerate(todo, 1):
         start = time.perf_counter()
-        entry = doc["models"][key] = models.run_entry(preset, local, tokens, "cuda", warmup=warmup, steps=args.steps)
+        entry = out.entries[key] = models.run_entry(preset, local, tokens, "cuda", warmup=warmup, steps=args.steps)
         log(f"[{done}/{len(todo)}] {key}: " + ", ".join(f"{name} {entry[name + '_ms']:.3f} ms"
                                                      for name in models.IMPLEMENTATIONS)
             + f" ({time.perf_counter() - start:.1f} s)")
-        if args.json:  # after every entry: a long run cut short keeps what it measured
-            _write_file(args.json, json.dumps(doc if old is None else {**old, "models": {**old.get("models", {}),
-                                                                                         **doc["models"]}}, indent=1))
-    print(report.models_table(doc["models"]))
+        out.save()
+    print(report.models_table(out.entries))
     if args.json:
         log(f"wrote {args.json}")
     return 0
@@ -377,22 +405,16 @@ def _bench_dynamic(args) -> int:
     if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
         raise CLIError("--dynamic runs its own selection (entries, their shapes; backfuse against the model's own "
                        "code): drop --train, problems, --cases, --impl, --plot and --baseline")
-    if args.json:
-        _check_writable(args.json)
     if not torch.cuda.is_available():
         raise CLIError("--dynamic times training steps on a CUDA GPU, and none is visible")
-    doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=1, iters=2 * dynamic.SHAPES),
-           "problems": {}, "dynamic": {}}
-    old = _load_results(args.json) if args.json and args.merge and os.path.exists(args.json) else None
+    out = _Section(args, "dynamic", warmup=1, steps=2 * dynamic.SHAPES)
     for done, key in enumerate(todo, 1):
         start = time.perf_counter()
         log(f"[{done}/{len(todo)}] {key}")
-        doc["dynamic"][key] = dynamic.run_entry(key, "cuda", seed=args.seed)
+        out.entries[key] = dynamic.run_entry(key, "cuda", seed=args.seed)
         log(f"[{done}/{len(todo)}] {key} ({time.perf_counter() - start:.1f} s)")
-        if args.json:
-            _write_file(args.json, json.dumps(doc if old is None else {**old, "dynamic": {**old.get("dynamic", {}),
-                                                                                          **doc["dynamic"]}}, indent=1))
-    print(report.dynamic_table(doc["dynamic"]))
+        out.save()
+    print(report.dynamic_table(out.entries))
     if args.json:
         log(f"wrote {args.json}")
     return 0
@@ -414,35 +436,29 @@ def _bench_e2e(args) -> int:
         section, todo = "e2e", [(name, e2e.TOKENS[name], None) for name in args.e2e or e2e.TOKENS]
     if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
         raise CLIError(f"--{section} runs its own selection: drop --train, problems, --cases, --impl, --plot and --baseline")
-    if args.json:
-        _check_writable(args.json)
     if not torch.cuda.is_available():
         raise CLIError(f"--{section} times training steps on a CUDA GPU, and none is visible")
     steps = min(args.steps, 10)
-    doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=3, iters=steps), "problems": {},
-           section: {}}
-    old = _load_results(args.json) if args.json and args.merge and os.path.exists(args.json) else None
+    out = _Section(args, section, warmup=3, steps=steps)
     if section == "memory":
         variants = e2e.MEMORY_VARIANTS
     else:
         variants = ("hf", *(v for v in e2e.VARIANTS if v != "hf" and v in (args.variants or e2e.VARIANTS)))
 
     def record(key, entry):
-        """The entry (a partial one after each variant) into doc and the JSON file."""
+        """The entry (a partial one after each variant) into the results and their file."""
         if section == "memory":
             entry = {k: entry.get(k) for k in ("patched_peak_mib", "hf_peak_mib", "patched_compile_peak_mib",
                                                 "compile_peak_mib")} | {"layers": 2}
-        doc[section][key] = entry
-        if args.json:
-            _write_file(args.json, json.dumps(doc if old is None else {**old, section: {**old.get(section, {}),
-                                                                                        **doc[section]}}, indent=1))
+        out.entries[key] = entry
+        out.save()
 
     for done, (name, tokens, layers) in enumerate(todo, 1):
         key = f"{name}/{'x'.join(map(str, tokens))}"
         log(f"[{done}/{len(todo)}] {key}")
         record(key, e2e.run_entry(name, tokens, layers=layers, steps=steps, split=args.split, variants=variants,
                                   progress=lambda entry, key=key: record(key, dict(entry))))
-    print(json.dumps(doc[section], indent=1))
+    print(json.dumps(out.entries, indent=1))
     if args.json:
         log(f"wrote {args.json}")
     return 0

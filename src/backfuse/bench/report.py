@@ -379,17 +379,27 @@ def train_readme_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def run_line(run: dict | None, what: str) -> list:
+    """The lines above a training table naming the run that measured it (a results file's `<section>_run`): device,
+    versions, date, commit; empty without one."""
+    if not run:
+        return []
+    short = lambda c: c[:7] if len(c) >= 40 and all(ch in "0123456789abcdef" for ch in c[:40]) else c  # noqa: E731
+    parts = [run[k] if k == "date" else f"{k} {run[k]}" for k in ("torch", "triton", "date") if k in run]
+    parts.append(f"commit {short(run['commit'])}")
+    if "earlier" in run:
+        parts.append(f"entries it did not measure: commit {short(run['earlier'].get('commit', '?'))}")
+    return [f"Measured on {run.get('device', 'a GPU')} ({', '.join(parts)}): {what}", ""]
+
+
 def models_table(entries: dict, run: dict | None = None) -> str:
     """Markdown table of `bench --models`: per preset layer and token count, ms per bfloat16 training step
     of backfuse, the model's own code eager and compiled, the ratio, and peak memory; then the geometric
     mean of the ratios. run (a results file's "models_run"): the run's device, versions, date, commit."""
     if not entries:
         return "(no `bench --models` results yet)"
-    head = []
-    if run:
-        head = [f"Measured on {run['device']} (torch {run['torch']}, triton {run['triton']}, {run['date']}, commit "
-                f"{run['commit']}): one bfloat16 training step, {run['steps']} steps queued back to back after "
-                f"{run['warmup']}, one synchronization at the end; ms per step.", ""]
+    head = run_line(run, f"one bfloat16 training step, {run.get('steps')} steps queued back to back after "
+                         f"{run.get('warmup')}, one synchronization at the end; ms per step.") if run else []
     lines = head + ["| layer / tokens | backfuse | model's code (bf16) | compiled | backfuse / compiled | peak MiB (backfuse, "
              "model's code) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     ratios = []
@@ -404,17 +414,72 @@ def models_table(entries: dict, run: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def dynamic_table(entries: dict) -> str:
+def dynamic_table(entries: dict, run: dict | None = None) -> str:
     """Markdown table of `bench --dynamic`: per entry, ms per step of each pass of the changing-shape loop for
-    backfuse, the model's code eager and compiled, and backfuse's second pass against the others."""
+    backfuse, the model's code eager and compiled, and backfuse's second pass against the others. run: the
+    results file's "dynamic_run"."""
     if not entries:
         return "(no `bench --dynamic` results yet)"
-    lines = ["| entry | backfuse 1st / 2nd | model's code 1st / 2nd | compiled 1st / 2nd | 2nd: / compiled, / eager | "
-             "1st: / eager |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = run_line(run, "12 shapes in random order one step each (the 1st pass), then the same 12 again (the "
+                          "2nd), after one warm-up step; ms per step.")
+    lines += ["| entry | backfuse 1st / 2nd | model's code 1st / 2nd | compiled 1st / 2nd | 2nd: / compiled, / eager | "
+              "1st: / eager |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for key, e in entries.items():
         pair = lambda impl: f"{e[impl + '_first_ms']:.2f} / {e[impl + '_second_ms']:.2f}"  # noqa: E731
         lines.append(f"| {key} | {pair('backfuse')} | {pair('eager')} | {pair('compile')} | "
                      f"{e['backfuse_second_ms'] / e['compile_second_ms']:.2f}, "
                      f"{e['backfuse_second_ms'] / e['eager_second_ms']:.2f} | "
                      f"{e['backfuse_first_ms'] / e['eager_first_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def memory_table(entries: dict, run: dict | None = None) -> str:
+    """Markdown table of `bench --memory`: per model and token count, the peak MiB of a training step, unpatched and
+    patched, eager and compiled. run: the results file's "memory_run"."""
+    if not entries:
+        return "(no `bench --memory` results yet)"
+    lines = run_line(run, "the most memory a bfloat16 training step allocates above what was allocated before it, "
+                          "MiB.") + [
+        "| model / tokens | layers | eager: unpatched | eager: patched | compiled: unpatched | compiled: patched |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    mib = lambda v: "–" if v is None else f"{v:.0f}"  # noqa: E731
+    for key, e in entries.items():
+        lines.append(f"| {key} | {e.get('layers', '')} | {mib(e.get('hf_peak_mib'))} | {mib(e.get('patched_peak_mib'))} | "
+                     f"{mib(e.get('compile_peak_mib'))} | {mib(e.get('patched_compile_peak_mib'))} |")
+    return "\n".join(lines)
+
+
+E2E_COLUMNS = (("hf", "as shipped"), ("compile", "compiled"), ("liger", "Liger"), ("liger_patched", "Liger + patched"),
+               ("patched", "patched"), ("patched_compile", "patched + compiled"))
+
+
+def e2e_table(entries: dict, run: dict | None = None) -> str:
+    """Markdown table of `bench --e2e`: per model and token count, ms per training step of each variant ("wrong"
+    where its first loss was not the unpatched model's, "–" where it did not run), patched + compiled against the
+    fastest alternative in the run (compiled or Liger), and the two's peaks. run: the results file's "e2e_run"."""
+    if not entries:
+        return "(no `bench --e2e` results yet)"
+    lines = run_line(run, "a released model's whole training step (its layers at full width in the released pattern), "
+                          f"{run.get('steps') if run else ''} steps queued back to back after warm-up, one "
+                          "synchronization at the end; ms per step.") + [
+        "| model / tokens | " + " | ".join(label for _, label in E2E_COLUMNS) + " | patched + compiled / fastest "
+        "alternative | peak MiB (patched + compiled, that alternative) |",
+        "| --- | " + " | ".join("---:" for _ in E2E_COLUMNS) + " | ---: | ---: |"]
+
+    def cell(e, v):
+        if f"{v}_wrong" in e:
+            return f"wrong (first loss {e[f'{v}_wrong']:.3f})"
+        ms = e.get(f"{v}_ms")
+        return "–" if ms is None else f"{ms:.1f}"
+
+    for key, e in entries.items():
+        alternatives = [(e[f"{v}_ms"], v) for v in ("compile", "liger") if e.get(f"{v}_ms") is not None]
+        ours = e.get("patched_compile_ms")
+        if alternatives and ours is not None:
+            best, which = min(alternatives)
+            ratio = f"{ours / best:.2f} ({dict(E2E_COLUMNS)[which]})"
+            peaks = f"{e.get('patched_compile_peak_mib', 0):.0f}, {e.get(f'{which}_peak_mib', 0):.0f}"
+        else:
+            ratio = peaks = "–"
+        lines.append(f"| {key} | " + " | ".join(cell(e, v) for v, _ in E2E_COLUMNS) + f" | {ratio} | {peaks} |")
     return "\n".join(lines)

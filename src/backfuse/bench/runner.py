@@ -141,6 +141,25 @@ def environment() -> dict:
     }
 
 
+def commit() -> str:
+    """The commit of the code that runs: BACKFUSE_COMMIT where set (a copy of the tree without .git, as the device
+    machine gets), else git's HEAD of the checkout backfuse runs from, "+changes" after it where the package's
+    sources differ from it; "unknown" outside a checkout."""
+    import subprocess
+
+    if os.environ.get("BACKFUSE_COMMIT"):
+        return os.environ["BACKFUSE_COMMIT"]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here)
+        if head.returncode != 0:
+            return "unknown"
+        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=here).returncode != 0
+    except OSError:  # no git
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if changed else "")
+
+
 def run_info(device, *, timing: bool, rounds: int, warmup: int = WARMUP, iters: int = ITERS) -> dict:
     """What a run measured, for the top level of a results file (fields added after the first schema).
 

@@ -11,7 +11,10 @@ nothing was checked, as for the reference itself), and optionally "index" (the o
 and (added) "launches" (kernel launches per call) and "busy_ms" (the median time per call that at
 least one of its device activities ran: latency less the idle gaps, e.g. waits on the host), each
 null untimed and absent in older files. Optional top-level objects: "train" (`bench --train`, per
-problem and case index) and "models" (`bench --models`, per "<preset>/<tokens>[/local]").
+problem and case index), "models" (`bench --models`, per "<preset>/<tokens>[/local]"), "dynamic"
+(`bench --dynamic`, per entry), "memory" and "e2e" (`bench --memory`, `--e2e`, per "<model>/<tokens>"),
+each with "<section>_run": the run that measured it (device, versions, date, commit, steps, warm-up; where
+a merge kept entries of an earlier run, "earlier": that run's commit and date).
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ _TOP = (
     ("triton_interpret", lambda v: isinstance(v, bool), "true or false", False),
     ("train", lambda v: isinstance(v, dict), "an object of problems by id (`bench --train`)", False),
     ("models", lambda v: isinstance(v, dict), 'an object of "<preset>/<tokens>" entries (`bench --models`)', False),
+    ("dynamic", lambda v: isinstance(v, dict), "an object of entries by name (`bench --dynamic`)", False),
+    ("memory", lambda v: isinstance(v, dict), 'an object of "<model>/<tokens>" entries (`bench --memory`)', False),
+    ("e2e", lambda v: isinstance(v, dict), 'an object of "<model>/<tokens>" entries (`bench --e2e`)', False),
+    *((f"{section}_run", lambda v: isinstance(v, dict) and isinstance(v.get("commit"), str),
+       f"the run that measured \"{section}\": an object with its device, versions, date and commit", False)
+      for section in ("train", "models", "dynamic", "memory", "e2e")),
 )
 # `bench --models`: per preset layer and token count, one bfloat16 training step's figures.
 _MODEL_ENTRY = tuple((name, _is_number, "a number", True) for name in ("backfuse_ms", "hf_bf16_ms", "compile_bf16_ms")) + tuple(
