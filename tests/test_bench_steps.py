@@ -6,7 +6,7 @@ import torch
 from conftest import DEVICE
 
 import backfuse
-from backfuse.bench import dynamic, e2e, train
+from backfuse.bench import dynamic, e2e, report, train
 from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig
 from backfuse.ops.wan_xattn.spec import WanXattnConfig
 
@@ -89,6 +89,19 @@ def test_e2e_keeps_each_variant_as_it_is_measured_and_flags_another_first_loss(m
         ["hf_ms"], ["compile_ms", "hf_ms"], ["compile_ms", "hf_ms", "patched_ms"]]
     assert all(e["loss"] == 10.4 for e in seen) and seen[-1] == entry
     assert entry["compile_ms"] == 1.0 and entry["patched_ms"] is None and entry["patched_wrong"] == 11.9
+
+
+def test_e2e_records_a_failing_variant_and_runs_the_next(monkeypatch):
+    def run(name, which, tokens, **kw):
+        if which == "compile":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return dict(ms=1.0, host_ms=0.5, peak_mib=7.0, loss=10.4, fallbacks=0)
+
+    monkeypatch.setattr(e2e, "run_variant", run)
+    entry = e2e.run_entry("gemma3-1b", (1, 8), variants=("hf", "compile", "patched"))
+    assert entry["compile_ms"] is None and entry["compile_error"] == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert entry["hf_ms"] == entry["patched_ms"] == 1.0
+    assert "| failed |" in report.e2e_table({"gemma3-1b/1x8": entry})
 
 
 @pytest.mark.parametrize("kernel, kind", [

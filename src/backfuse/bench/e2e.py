@@ -236,8 +236,9 @@ def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = No
 def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=VARIANTS, warmup: int = 3,
               steps: int = 10, split: bool = False, progress=None) -> dict:
     """The "e2e" entry of one model and token count: per variant its ms, host ms and peak (None where its first
-    loss is not the first variant's, hf's: `<variant>_wrong` then holds that loss); with split, `<variant>_split`
-    (`kernel_split`). progress, where given, is called with the entry so far after each variant (a run cut
+    loss is not the first variant's, hf's: `<variant>_wrong` then holds that loss; None where it failed, out of
+    memory or in a compile: `<variant>_error` then holds the error's first line, and the next variant runs); with
+    split, `<variant>_split` (`kernel_split`). progress, where given, is called with the entry so far after each variant (a run cut
     short keeps what it measured)."""
     entry, reference = {}, None
     for which in variants:
@@ -245,8 +246,17 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
             entry[f"{which}_ms"] = None  # Liger has no Wan patch; or it is not installed
             continue
         start = time.perf_counter()
-        r = (_isolated if which.startswith("liger") else run_variant)(name, which, tokens, layers=layers,
-                                                                      warmup=warmup, steps=steps, split=split)
+        try:
+            r = (_isolated if which.startswith("liger") else run_variant)(name, which, tokens, layers=layers,
+                                                                          warmup=warmup, steps=steps, split=split)
+        except (RuntimeError, subprocess.CalledProcessError) as e:  # out of memory, a compile's error: the next runs
+            entry[f"{which}_ms"] = None
+            entry[f"{which}_error"] = _first_line(e)
+            log(f"    {which}: failed ({entry[f'{which}_error']})")
+            torch.cuda.empty_cache()
+            if progress is not None:
+                progress(entry)
+            continue
         if reference is None:
             reference = r["loss"]
         ok = abs(r["loss"] - reference) <= LOSS_TOLERANCE * max(1.0, abs(reference))
@@ -270,9 +280,23 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
     return entry
 
 
+def _first_line(e: Exception) -> str:
+    """An exception's first line (a failed process: the last line it wrote to stderr), at most 200 characters."""
+    if isinstance(e, subprocess.CalledProcessError):
+        said = [line for line in (e.stderr or "").splitlines() if line.strip()]
+        text = said[-1] if said else f"exit status {e.returncode}"
+    else:
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text[:200]
+
+
 def _isolated(name: str, which: str, tokens: tuple, **kw) -> dict:
-    """run_variant in a process of its own (Liger's patch replaces transformers' classes for the process)."""
+    """run_variant in a process of its own (Liger's patch replaces transformers' classes for the process); its
+    stderr passed on as it comes, and kept for a failure's message."""
     code = ("import json, sys; from backfuse.bench import e2e; "
             f"print(json.dumps(e2e.run_variant({name!r}, {which!r}, {tuple(tokens)!r}, **{kw!r})))")
-    done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(done.stderr)
+    if done.returncode != 0:
+        raise subprocess.CalledProcessError(done.returncode, "e2e variant", done.stdout, done.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -455,8 +455,9 @@ E2E_COLUMNS = (("hf", "as shipped"), ("compile", "compiled"), ("liger", "Liger")
 
 def e2e_table(entries: dict, run: dict | None = None) -> str:
     """Markdown table of `bench --e2e`: per model and token count, ms per training step of each variant ("wrong"
-    where its first loss was not the unpatched model's, "–" where it did not run), patched + compiled against the
-    fastest alternative in the run (compiled or Liger), and the two's peaks. run: the results file's "e2e_run"."""
+    where its first loss was not the unpatched model's, "failed" where it raised, "–" where it did not run),
+    patched + compiled against the fastest alternative in the run (compiled or Liger), and the two's peaks. run:
+    the results file's "e2e_run"."""
     if not entries:
         return "(no `bench --e2e` results yet)"
     lines = run_line(run, "a released model's whole training step (its layers at full width in the released pattern), "
@@ -467,6 +468,8 @@ def e2e_table(entries: dict, run: dict | None = None) -> str:
         "| --- | " + " | ".join("---:" for _ in E2E_COLUMNS) + " | ---: | ---: |"]
 
     def cell(e, v):
+        if f"{v}_error" in e:
+            return "failed"
         if f"{v}_wrong" in e:
             return f"wrong (first loss {e[f'{v}_wrong']:.3f})"
         ms = e.get(f"{v}_ms")
