@@ -355,6 +355,20 @@ def test_a_training_bench_saves_its_entries_with_the_run_that_measured_them(tmp_
     assert main(["report", "--results", str(fresh), "--out", str(tmp_path / "r")]) in (0, 1)  # a valid results file
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--models", "--dynamic"], "--models and --dynamic are separate runs: pass one"),
+    (["--e2e", "--memory"], "--e2e and --memory are separate runs: pass one"),
+    (["--train", "--e2e", "gemma3-1b"], "--train and --e2e are separate runs: pass one"),
+    (["021", "--dynamic"], "--dynamic runs its own selection"),
+    (["--memory", "--impl", "backfuse"], "--memory runs its own selection"),
+])
+def test_bench_runs_one_training_bench_at_a_time(capsys, argv, said):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("option, said", [(["--split"], "--split splits --e2e's steps"),
                                           (["--variants", "compile"], "--variants chooses --e2e's variants")])
 def test_bench_e2e_options_need_e2e(capsys, option, said):

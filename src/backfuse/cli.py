@@ -264,6 +264,8 @@ def _dispatch(parser, args) -> int:
         parser.error("--split splits --e2e's steps: add --e2e [MODEL ...]")
     if args.command == "bench" and args.variants and args.e2e is None:
         parser.error("--variants chooses --e2e's variants: add --e2e [MODEL ...]")
+    if args.command == "bench":
+        _one_training_run(parser, args)
     if args.command == "bench" and args.models is not None:
         return _bench_models(args)
     if args.command == "bench" and args.dynamic is not None:
@@ -273,6 +275,18 @@ def _dispatch(parser, args) -> int:
     if args.command == "bench" and args.train:
         return _bench_train(problems, args)
     return _bench(problems, args, timing=args.command == "bench")
+
+
+def _one_training_run(parser, args) -> None:
+    """Refuse two training benches in one call, and the official cases' selection on those that choose their own."""
+    runs = [name for name, on in (("--train", args.train), ("--models", args.models is not None),
+                                  ("--dynamic", args.dynamic is not None), ("--e2e", args.e2e is not None),
+                                  ("--memory", args.memory)) if on]
+    if len(runs) > 1:
+        parser.error(f"{' and '.join(runs)} are separate runs: pass one")
+    if runs and runs[0] != "--train" and (args.problems or args.cases or args.impl or args.plot or args.baseline):
+        parser.error(f"{runs[0]} runs its own selection (what it times against the model's own code): drop problems, "
+                     "--cases, --impl, --plot and --baseline")
 
 
 def train_warmup(requested: int) -> int:
@@ -371,9 +385,6 @@ def _bench_models(args) -> int:
     for name in args.models:
         if name not in presets.PRESETS:
             raise CLIError(f"--models: no preset {name!r}; there are {', '.join(presets.PRESETS)}")
-    if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
-        raise CLIError("--models runs its own selection (presets, their layers and token counts; backfuse against the "
-                       "model's own code): drop --train, problems, --cases, --impl, --plot and --baseline")
     if not torch.cuda.is_available():
         raise CLIError("--models times training steps on a CUDA GPU, and none is visible; without one the tests check "
                        "every preset's layer against float64 at a few tokens (tests/test_presets.py)")
@@ -402,9 +413,6 @@ def _bench_dynamic(args) -> int:
     for key in todo:
         if key not in dynamic.ENTRIES:
             raise CLIError(f"--dynamic: no entry {key!r}; there are {', '.join(dynamic.ENTRIES)}")
-    if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
-        raise CLIError("--dynamic runs its own selection (entries, their shapes; backfuse against the model's own "
-                       "code): drop --train, problems, --cases, --impl, --plot and --baseline")
     if not torch.cuda.is_available():
         raise CLIError("--dynamic times training steps on a CUDA GPU, and none is visible")
     out = _Section(args, "dynamic", warmup=1, steps=2 * dynamic.SHAPES)
@@ -426,16 +434,12 @@ def _bench_e2e(args) -> int:
     from .bench import e2e
 
     if args.memory:
-        if args.e2e is not None:
-            raise CLIError("--memory and --e2e are separate runs: pass one")
         section, todo = "memory", [(name, tokens, 2) for name, tokens in e2e.MEMORY]
     else:
         for name in args.e2e:
             if name not in e2e.TOKENS:
                 raise CLIError(f"--e2e: no model {name!r}; there are {', '.join(e2e.TOKENS)}")
         section, todo = "e2e", [(name, e2e.TOKENS[name], None) for name in args.e2e or e2e.TOKENS]
-    if args.train or args.problems or args.cases or args.impl or args.plot or args.baseline:
-        raise CLIError(f"--{section} runs its own selection: drop --train, problems, --cases, --impl, --plot and --baseline")
     if not torch.cuda.is_available():
         raise CLIError(f"--{section} times training steps on a CUDA GPU, and none is visible")
     steps = min(args.steps, 10)
