@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--split", action="store_true",
                        help="with --e2e: also each variant's GPU time a step by kind of kernel (products, attention, the "
                        "rest; the profiler over 3 more steps), under \"<variant>_split\"")
-    bench.add_argument("--steps", type=_at_least(1), default=20, help="--train, --models: timed steps per case (default 20)")
+    bench.add_argument("--steps", type=_at_least(1), default=20,
+                       help="--train, --models: timed steps per case (default 20); --e2e, --memory: per variant, at most 10")
 
     check = sub.add_parser(
         "check",
