@@ -1,6 +1,8 @@
 """The training benches' own pieces on the CPU (the timing needs a GPU): `bench --dynamic`'s shapes and
 steps, `bench --e2e`'s models, `bench --train`'s host floor."""
 
+import functools
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -89,6 +91,26 @@ def test_e2e_keeps_each_variant_as_it_is_measured_and_flags_another_first_loss(m
         ["hf_ms"], ["compile_ms", "hf_ms"], ["compile_ms", "hf_ms", "patched_ms"]]
     assert all(e["loss"] == 10.4 for e in seen) and seen[-1] == entry
     assert entry["compile_ms"] == 1.0 and entry["patched_ms"] is None and entry["patched_wrong"] == 11.9
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the smoke run is the CPU's; the GPU runs the released widths in `bench --e2e`")
+def test_e2e_runs_each_family_end_to_end_at_a_tiny_width(monkeypatch):
+    """`bench --e2e`'s whole path (transformers' and diffusers' classes built in the released pattern, the batch,
+    the loss, patched and not, the first losses compared) on the CPU at tiny widths: what the device's run would
+    meet first."""
+    pytest.importorskip("diffusers")
+    monkeypatch.setattr(e2e, "VOCAB", 96)
+    monkeypatch.setitem(e2e.MODELS, "tiny-gemma3", ("gemma3", 32, 64, 2, 1, 16, 16, 4))
+    monkeypatch.setitem(e2e.MODELS, "tiny-gemma2", ("gemma2", 32, 64, 2, 1, 16, 16, 4))
+    monkeypatch.setitem(e2e.WAN, "tiny-wan", (1, 4, 32))
+    monkeypatch.setattr(e2e, "WAN_LATENTS", (2, 4, 4))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))  # (no C++ build here)
+    variants = ("hf", "compile", "patched", "patched_compile")
+    for name, tokens, layers in (("tiny-gemma3", (2, 9), 6), ("tiny-gemma2", (1, 11), 2), ("tiny-wan", (1, 8, 5), 1)):
+        entry = e2e.run_entry(name, tokens, layers=layers, variants=variants, warmup=1, steps=1, device="cpu")
+        assert all(entry[f"{v}_ms"] is not None for v in variants), entry
+        assert not any(k.endswith(("_wrong", "_error", "_fallbacks")) for k in entry), entry
+        assert entry["patched_peak_mib"] is None  # (no peak off a GPU)
 
 
 def test_e2e_records_a_failing_variant_and_runs_the_next(monkeypatch):

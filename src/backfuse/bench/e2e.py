@@ -106,11 +106,11 @@ def _build_wan(name: str, blocks: int, seed: int, device):
     return model
 
 
-def variant(name: str, which: str, layers: int | None = None):
+def variant(name: str, which: str, layers: int | None = None, device="cuda"):
     """(model as the step calls it, the model whose parameters it trains)."""
     import backfuse
 
-    model = build(name, layers)
+    model = build(name, layers, device=device)
     if which.startswith("liger"):
         import liger_kernel.transformers as liger
 
@@ -191,13 +191,15 @@ def kernel_split(step, steps: int = 3) -> dict:
 
 
 def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = None, warmup: int = 3,
-                steps: int = 10, split: bool = False) -> dict:
+                steps: int = 10, split: bool = False, device="cuda") -> dict:
     """{ms, host_ms, peak_mib, loss} of one variant: `steps` steps after `warmup` (with split, "split": the
-    GPU time of a step by kind of kernel, `kernel_split`)."""
+    GPU time of a step by kind of kernel, `kernel_split`). On the CPU (the tests' smoke runs) no peak."""
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     graphs.release()
     torch.cuda.empty_cache()
-    call, model = variant(name, which, layers)
-    inputs = batch(name, tokens)
+    call, model = variant(name, which, layers, device)
+    inputs = batch(name, tokens, device=device)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
@@ -205,36 +207,38 @@ def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = No
             p.grad = None
         loss = loss_of(name, call(**inputs))
         loss.backward()
-        return loss
+        return loss.detach()
 
     first = float(step())
     for _ in range(warmup - 1):
         step()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     issued = time.perf_counter()
-    torch.cuda.synchronize()
+    sync()
     ms = (time.perf_counter() - t0) / steps * 1e3
     host = (issued - t0) / steps * 1e3
     for p in params:
         p.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base + graphs.pool_bytes()) / 2**20
+    peak = None
+    if cuda:
+        sync()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        sync()
+        peak = round((torch.cuda.max_memory_allocated() - base + graphs.pool_bytes()) / 2**20, 1)
     fallbacks = sum(__import__("backfuse").fallbacks(model).values()) if "patched" in which else 0
-    result = dict(ms=round(ms, 3), host_ms=round(host, 3), peak_mib=round(peak, 1), loss=first, fallbacks=fallbacks)
+    result = dict(ms=round(ms, 3), host_ms=round(host, 3), peak_mib=peak, loss=first, fallbacks=fallbacks)
     if split:
         result["split"] = kernel_split(step)
     return result
 
 
 def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=VARIANTS, warmup: int = 3,
-              steps: int = 10, split: bool = False, progress=None) -> dict:
+              steps: int = 10, split: bool = False, progress=None, device="cuda") -> dict:
     """The "e2e" entry of one model and token count: per variant its ms, host ms and peak (None where its first
     loss is not the first variant's, hf's: `<variant>_wrong` then holds that loss; None where it failed, out of
     memory or in a compile: `<variant>_error` then holds the error's first line, and the next variant runs); with
@@ -248,8 +252,9 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
         start = time.perf_counter()
         try:
             r = (_isolated if which.startswith("liger") else run_variant)(name, which, tokens, layers=layers,
-                                                                          warmup=warmup, steps=steps, split=split)
-        except (RuntimeError, subprocess.CalledProcessError) as e:  # out of memory, a compile's error: the next runs
+                                                                          warmup=warmup, steps=steps, split=split,
+                                                                          device=device)
+        except Exception as e:  # out of memory, a compile's error, a failed process: recorded, and the next runs
             entry[f"{which}_ms"] = None
             entry[f"{which}_error"] = _first_line(e)
             log(f"    {which}: failed ({entry[f'{which}_error']})")
@@ -270,7 +275,8 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
         if "split" in r:
             entry[f"{which}_split"] = r["split"]
         kernels = ("; kernels ms: " + ", ".join(f"{k} {r['split'][k + '_ms']:.2f}" for k in KINDS)) if "split" in r else ""
-        log(f"    {which}: {r['ms']:.3f} ms a step (host {r['host_ms']:.3f}), peak {r['peak_mib']:.0f} MiB, first loss "
+        peak = "" if r["peak_mib"] is None else f", peak {r['peak_mib']:.0f} MiB"
+        log(f"    {which}: {r['ms']:.3f} ms a step (host {r['host_ms']:.3f}){peak}, first loss "
             f"{r['loss']:.4f}{'' if ok else ' WRONG'}{kernels} ({time.perf_counter() - start:.1f} s)")
         torch.cuda.empty_cache()
         entry["loss"] = reference
