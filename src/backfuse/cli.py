@@ -291,13 +291,11 @@ def _one_training_run(parser, args) -> None:
 
 
 def train_warmup(requested: int) -> int:
-    """Untimed steps before `--train` / `--models` time theirs: the requested count up to 5, and at least what a
-    loop whose addresses alternate between two sets needs to have recorded both sets' graphs (a call is
-    recorded at its `graphs.RECORD_AT`-th call at the same addresses), so that the timed steps are the
-    steady state."""
-    from .kernels import graphs
+    """Untimed steps before `--train` / `--models` time theirs: the requested count up to 5, and at least
+    `e2e.steady_after()`, so that the timed steps are a long fixed-shape run's steady state."""
+    from .bench import e2e
 
-    return max(min(requested, 5), 2 * graphs.RECORD_AT)
+    return max(min(requested, 5), e2e.steady_after())
 
 
 class _Section:
