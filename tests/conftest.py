@@ -24,6 +24,9 @@ def prob(request):
 
 # ---------------------------------------------------------- the GPU suite's record --------------------------------
 def pytest_addoption(parser):
+    parser.addoption("--memcheck", action="store_true",
+                     help="in the Triton interpreter: fail a test whose kernels load, store or add outside the memory "
+                          "of their tensor arguments (tests/memcheck.py; slower)")
     parser.addoption("--gpu-report", metavar="PATH", default=None,
                      help="on a CUDA GPU: write {commit, failed, tests: {nodeid: passed|failed|skipped}, slowest: "
                           "[[nodeid, seconds]]} to PATH (benchmarks/results/gpu-tests.json: what a kernel change must "
@@ -64,3 +67,12 @@ def pytest_sessionfinish(session, exitstatus):
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
+
+
+def pytest_configure(config):
+    if config.getoption("--memcheck", default=False):
+        if torch.cuda.is_available():
+            raise pytest.UsageError("--memcheck checks the Triton interpreter's accesses; on a GPU use compute-sanitizer")
+        import memcheck
+
+        memcheck.install()
