@@ -9,6 +9,8 @@ Where a masked access is allowed its masked-off lanes are not checked (they touc
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 _launches: list = []  # (kernel name, [(first byte, one past the last)] of its tensor arguments' allocations)
@@ -76,10 +78,14 @@ def install() -> None:
 
     def wrap(method, what, ptr_at, mask_at=None):
         original = getattr(builder, method)
+        names = list(inspect.signature(original).parameters)[1:]  # (after self)
 
-        def checked(self, *args):
-            _check(args[ptr_at], None if mask_at is None else args[mask_at], what)
-            return original(self, *args)
+        def argument(args, kwargs, at):
+            return args[at] if at < len(args) else kwargs.get(names[at])
+
+        def checked(self, *args, **kwargs):
+            _check(argument(args, kwargs, ptr_at), None if mask_at is None else argument(args, kwargs, mask_at), what)
+            return original(self, *args, **kwargs)
 
         setattr(builder, method, checked)
 
