@@ -129,6 +129,50 @@ def test_what_a_patch_does_not_cover_runs_the_models_own_code():
     assert backfuse.unpatch(model) == 2 and backfuse.fallbacks(model) == {}
 
 
+def test_a_mask_or_soft_cap_the_modules_code_reads_otherwise_runs_that_code():
+    """A caller's own 4-dim mask is served only where the attention function reads it as backfuse does: eager
+    adds a bool mask to the logits as 0 / 1, so that runs the module's code (and gives its result), while a
+    float one is served. A soft cap on Gemma 3 (whose code applies none) and Gemma 2's cap under SDPA (which
+    takes none) run the module's code too; an integer mask under SDPA is the module's own error."""
+    s = 7
+    visible = torch.tril(torch.ones(s, s, dtype=torch.bool, device=DEVICE))
+    visible[5:, :3] = False  # a hole no causal mask has
+    additive = torch.zeros(s, s, device=DEVICE).masked_fill(~visible, torch.finfo(torch.float32).min)
+    ids = torch.randint(1, 96, (1, s), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    base = _gemma("gemma2", torch.float32)
+    ours = copy.deepcopy(base)
+    backfuse.patch(ours, quiet=True)
+    for mask, served in ((visible, False), (additive, True)):
+        expected = base(input_ids=ids, attention_mask=mask[None, None]).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = ours(input_ids=ids, attention_mask=mask[None, None]).logits
+        said = [str(w.message) for w in caught if issubclass(w.category, backfuse.BackfuseWarning)]
+        assert (said == []) == served, said
+        assert (got - expected).abs().max() <= 2e-3 * expected.abs().max()
+    assert backfuse.fallbacks(ours) == {"a torch.bool mask under eager attention (eager adds the mask to the logits as "
+                                        "numbers)": 2}
+    ours.config._attn_implementation = "sdpa"
+    with pytest.warns(backfuse.BackfuseWarning, match="Gemma 2's soft cap under 'sdpa' attention"), \
+            pytest.raises(ValueError, match="does not support `softcap`"):
+        ours(input_ids=ids)
+    capped = _gemma("gemma3", torch.float32)
+    capped.config._attn_implementation = "sdpa"
+    for layer in capped.model.layers:
+        layer.self_attn.attn_logit_softcapping = 0.5
+    ours = copy.deepcopy(capped)
+    backfuse.patch(ours, quiet=True)
+    with pytest.warns(backfuse.BackfuseWarning, match="attn_logit_softcapping=0.5 on a Gemma3Attention"):
+        got = ours(input_ids=ids).logits
+    assert torch.equal(got, capped(input_ids=ids).logits)
+    ours = _gemma("gemma3", torch.float32)
+    ours.config._attn_implementation = "sdpa"
+    backfuse.patch(ours, quiet=True)
+    with pytest.warns(backfuse.BackfuseWarning, match="a torch.int64 mask under SDPA"), \
+            pytest.raises(RuntimeError, match="attn_mask dtype"):
+        ours(input_ids=ids, attention_mask=visible.long()[None, None])
+
+
 def test_a_patched_model_on_eager_attention_without_a_mask_runs_its_own_code():
     model = _gemma("gemma3", torch.float32)
     backfuse.patch(model, quiet=True)

@@ -10,14 +10,18 @@ state, so a recomputation (gradient checkpointing, reentrant or not) decides the
   transformers built and passed the layer. A 4-dim mask ([B or 1, 1, S, S]: bool for SDPA, 0 / finfo.min
   for eager) goes to the kernels as it is, so causality, the sliding window, padding, packed documents
   (position ids that restart) and Gemma 3's bidirectional image blocks are whatever transformers made of
-  them; the kernels skip the key blocks it hides from every query of a block. None under SDPA is its
-  `is_causal` attention (causal, no window: transformers passes None only where nothing else is masked,
-  so the op runs without a window there too); None under eager attends to every key, which the op does
-  not take.
+  them; the kernels skip the key blocks it hides from every query of a block. A caller's own 4-dim mask
+  is served only where the attention function reads it as the op does (bool: visible keys; float: added
+  to the logits): eager adds any mask to the logits, so a bool one runs the module's code there. None
+  under SDPA is its `is_causal` attention (causal, no window: transformers passes None only where nothing
+  else is masked, so the op runs without a window there too); None under eager attends to every key,
+  which the op does not take.
 - projections: plain bias-free `nn.Linear` layers are fused into the call (`F.gemma3_core`); any others
   (PEFT's LoRA layers, quantized weights, biases, hooks, parametrizations) run as the module's own modules,
   and backfuse computes what lies between them (`F.gemma3_attention`: QK norm, RoPE, attention), so an
   adapter trains as it would without backfuse; the QK norms must be the model's own RMSNorm;
+- the soft cap the module's code applies (Gemma 2 under eager; none in Gemma 3, whose code passes its
+  config's cap to no attention function, so a cap set there is refused);
 - no KV cache (in training the patched model passes use_cache=False unless told otherwise: `wrap_model`),
   attention dropout off (or eval mode), causal attention, no attention weights asked for.
 
@@ -86,6 +90,9 @@ def _why_not(module, hidden_states, position_embeddings, attention_mask, cache, 
         return "attention weights asked for (output_attentions)"
     if position_embeddings is None:
         return "no position embeddings"
+    cap = _soft_cap(module, impl)
+    if isinstance(cap, str):
+        return cap
     if attention_mask is None:
         if impl == "eager":
             return "eager attention without a mask (every key visible)"
@@ -95,12 +102,49 @@ def _why_not(module, hidden_states, position_embeddings, attention_mask, cache, 
         b, s = hidden_states.shape[:2]
         if attention_mask.shape[0] not in (1, b) or tuple(attention_mask.shape[1:]) != (1, s, s):
             return f"an attention mask of shape {tuple(attention_mask.shape)} (backfuse takes [{b} or 1, 1, {s}, {s}])"
+        reason = _mask_meaning(attention_mask, impl, _query_dtype(hidden_states))
+        if reason:
+            return reason
     for name in ("q_norm", "k_norm"):
         if hasattr(module, name):
             reason = _own_norm(module, name)
             if reason:
                 return reason
     return None
+
+
+def _soft_cap(module, impl: str):
+    """The soft cap the module's own code applies (None, or the cap), or why backfuse cannot know it (a str).
+    Gemma 2's attention passes its cap to the attention function: eager applies it, SDPA does not take one
+    (transformers raises, or ignores it in older versions), so only eager is served with a cap. Gemma 3's
+    attention keeps `attn_logit_softcapping` from its config but passes it to no attention function (the
+    released configs set None): a cap there is refused, not guessed."""
+    cap = getattr(module, "attn_logit_softcapping", None)
+    if cap is None:
+        return None
+    if type(module).__name__ != "Gemma2Attention":
+        return (f"attn_logit_softcapping={cap} on a {type(module).__name__} (its code passes the cap to no attention "
+                "function in the transformers versions backfuse knows; not guessed)")
+    if impl != "eager":
+        return f"Gemma 2's soft cap under {impl!r} attention (only eager applies it)"
+    return cap
+
+
+def _mask_meaning(mask, impl: str, dtype) -> str | None:
+    """Why a 4-dim mask does not mean to the module's attention function what it means to backfuse's op (bool:
+    which keys are visible; float: added to the logits), or None. Eager adds the mask to the logits whatever
+    its type, so only a float one is served there; SDPA takes bool, float32 or the query's dtype (else raises)."""
+    if impl == "eager" and not mask.is_floating_point():
+        return f"a {mask.dtype} mask under eager attention (eager adds the mask to the logits as numbers)"
+    if impl == "sdpa" and mask.dtype != torch.bool and mask.dtype not in (torch.float32, dtype):
+        return f"a {mask.dtype} mask under SDPA (SDPA takes bool or float masks)"
+    return None
+
+
+def _query_dtype(hidden_states):
+    """The dtype the module's attention function sees its query in (autocast's where it is on)."""
+    kind = hidden_states.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden_states.dtype
 
 
 def _plain_projections(module) -> bool:
@@ -115,9 +159,7 @@ def bind(module) -> None:
     own = module.forward
     state = {"forward": own, "fallbacks": Counter()}
     setattr(module, PATCHED, state)
-    config = module.config
-    softcap = getattr(module, "attn_logit_softcapping", None)
-    eps = getattr(config, "rms_norm_eps", 1e-6)
+    eps = getattr(module.config, "rms_norm_eps", 1e-6)
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values", args[0] if args else None))
@@ -128,7 +170,7 @@ def bind(module) -> None:
         cos, sin = position_embeddings
         q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
         norms = (None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight)
-        scalars = (module.scaling, softcap, getattr(q_norm, "eps", eps))
+        scalars = (module.scaling, _soft_cap(module, module.config._attn_implementation), getattr(q_norm, "eps", eps))
         if _plain_projections(module):
             out = F.gemma3_core(hidden_states, cos, sin, module.q_proj.weight, module.k_proj.weight,
                                 module.v_proj.weight, module.o_proj.weight, *norms, *scalars, window=0,
