@@ -261,3 +261,37 @@ def test_a_forward_replaced_on_the_module_is_not_the_class_code():
     norm_q.forward = lambda x: torch.nn.RMSNorm.forward(norm_q, x)
     with pytest.warns(backfuse.BackfuseWarning, match="norm_q has hooks or its forward replaced"):
         _wan_step(torch.float32)(wan)
+
+
+def test_a_wan_processor_backfuse_cannot_vouch_for_runs_its_own_code():
+    """A Wan attention is served only where the processor `patch` replaced is diffusers' own on an exact backend:
+    a user's processor runs (its result, with a warning); diffusers' backend and context-parallel settings made
+    after `patch` reach the replaced processor, and a quantized backend (SageAttention) is not served."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    class Scaled(WanAttnProcessor):  # a user's processor: diffusers' computation, then its own change
+        def __call__(self, *args, **kwargs):
+            return 2 * super().__call__(*args, **kwargs)
+
+    x, t, text = (torch.randn(s, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+                  for s in ((1, 4, 2, 4, 4), (1,), (1, 5, 24)))
+    t = torch.tensor([500], device=DEVICE)
+    base = _wan(torch.float32)
+    base.blocks[0].attn2.set_processor(Scaled())
+    ours = copy.deepcopy(base)
+    backfuse.patch(ours, quiet=True)
+    with pytest.warns(backfuse.BackfuseWarning, match="the processor it replaced is a .*Scaled, not diffusers' WanAttnProcessor"):
+        got = ours(x, t, text, return_dict=False)[0]
+    assert torch.equal(got, base(x, t, text, return_dict=False)[0])
+    ours = _wan(torch.float32)
+    backfuse.patch(ours, quiet=True)
+    attn2 = ours.blocks[0].attn2
+    ours.set_attention_backend("_native_math")
+    assert attn2.processor.own._attention_backend.value == "_native_math"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", backfuse.BackfuseWarning)
+        ours(x, t, text)
+    attn2.processor._attention_backend = "sage"
+    assert attn2.processor.own._attention_backend == "sage"
+    with pytest.warns(backfuse.BackfuseWarning, match="attention backend 'sage' .quantized"), pytest.raises(Exception):
+        ours(x, t, text)  # diffusers' own processor: SageAttention is not installed here

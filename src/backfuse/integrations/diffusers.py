@@ -5,14 +5,17 @@ computes the whole attention (q, k, v projections with biases, RMSNorm of q and 
 softmax(Q K^T / sqrt(head size)) V, the output projection) as one `F.wan_xattn` call, when: the text
 context is all there is (no image context: `add_k_proj` is None), there is no attention mask and no
 rotary embedding, the projections are plain `nn.Linear` (not fused by `fuse_projections`, no LoRA, no
-quantization, hooks or parametrizations), q, k and v have the model width, and the output dropout is off
-(or the module is in eval mode). Otherwise the processor it replaced
-runs, counted by reason (`backfuse.fallbacks(model)`).
+quantization, hooks or parametrizations), q, k and v have the model width, the output dropout is off (or the
+module is in eval mode), and the processor it replaced is diffusers' own `WanAttnProcessor` on an exact
+attention backend (not SageAttention's quantized ones). Otherwise the processor it replaced runs, counted by
+reason (`backfuse.fallbacks(model)`); what diffusers sets on the module's processor afterwards (its attention
+backend, context parallelism) is set on that processor.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 
 import torch
@@ -37,9 +40,17 @@ class WanCrossAttnProcessor:
     def __init__(self, own):
         self.own = own
 
+    # What diffusers sets on a module's processor (`set_attention_backend`, context parallelism) reaches the
+    # processor this one replaced, which computes every call backfuse does not serve.
+    _attention_backend = property(lambda self: getattr(self.own, "_attention_backend", None),
+                                  lambda self, value: setattr(self.own, "_attention_backend", value))
+    _parallel_config = property(lambda self: getattr(self.own, "_parallel_config", None),
+                                lambda self, value: setattr(self.own, "_parallel_config", value))
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
-        reason = _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        reason = _own_processor(self.own) or _why_not(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                                      rotary_emb)
         if reason:
             fall_back(attn, reason)
             return self.own(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
@@ -51,6 +62,22 @@ class WanCrossAttnProcessor:
                           1 / math.sqrt(head_dim), heads=attn.heads, norm_q_weight=norm_q.weight,
                           norm_k_weight=norm_k.weight, eps=eps)
         return attn.to_out[1](out)
+
+
+def _own_processor(own) -> str | None:
+    """Why the replaced processor does not compute what backfuse does, or None: it must be diffusers' own
+    `WanAttnProcessor` (a custom one computes what its author wrote), and its attention backend an exact one
+    (SageAttention's quantize Q, K and P)."""
+    if type(own).__name__ != "WanAttnProcessor" or not type(own).__module__.startswith("diffusers."):
+        return f"the processor it replaced is a {type(own).__module__}.{type(own).__name__}, not diffusers' WanAttnProcessor"
+    backend = getattr(own, "_attention_backend", None)
+    if backend is None:
+        registry = getattr(sys.modules.get("diffusers.models.attention_dispatch"), "_AttentionBackendRegistry", None)
+        backend = getattr(registry, "_active_backend", None)
+    name = getattr(backend, "value", backend)
+    if isinstance(name, str) and "sage" in name:
+        return f"diffusers' attention backend {name!r} (quantized attention; backfuse's is exact)"
+    return None
 
 
 def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb) -> str | None:
