@@ -326,6 +326,8 @@ def test_a_training_bench_saves_its_entries_with_the_run_that_measured_them(tmp_
     into = tmp_path / "h200.json"
     shutil.copy(H200, into)
     earlier = _h200()
+    versions = {k: earlier[k] for k in ("torch", "triton", "date")}
+    monkeypatch.setattr(cli, "environment", lambda: {"device": "cpu", **versions})  # (on any machine)
     with pytest.raises(cli.CLIError, match=r"refusing to merge this run \(cpu\) into .* \(NVIDIA H200\)"):
         cli._Section(argparse.Namespace(json=str(into), merge=True), "dynamic", warmup=1, steps=24)
     monkeypatch.setattr(cli, "environment", lambda: {k: earlier[k] for k in ("device", "torch", "triton", "date")})
