@@ -16,6 +16,7 @@ import torch
 from conftest import DEVICE
 
 import backfuse
+from backfuse import functional as F
 
 transformers = pytest.importorskip("transformers")
 diffusers = pytest.importorskip("diffusers")
@@ -128,6 +129,35 @@ def test_what_a_patch_does_not_cover_runs_the_models_own_code():
         plain = model(input_ids=ids, use_cache=False).logits
     assert ((plain - masked).abs().max() / masked.abs().max()) < 1e-2
     assert backfuse.unpatch(model) == 2 and backfuse.fallbacks(model) == {}
+
+
+def test_every_mask_of_one_shape_reaches_the_op_in_one_layout(monkeypatch):
+    """transformers builds a batch of unpadded rows' mask as one entry broadcast by stride 0, and a padded batch's
+    as a contiguous [B, 1, S, S]: the op takes the first as its [1, 1, S, S] entry and the second as it is (its
+    launches, kept per shape and dtype, bake a mask's strides), and both calls give the model's own result."""
+    seen = []
+    op = F.gemma3_core
+
+    def spy(*args, attention_mask=None, **kwargs):
+        if attention_mask is not None:
+            seen.append((tuple(attention_mask.shape), attention_mask.is_contiguous()))
+        return op(*args, attention_mask=attention_mask, **kwargs)
+
+    monkeypatch.setattr(F, "gemma3_core", spy)
+    base = _gemma("gemma3", torch.float32)
+    base.config._attn_implementation = "sdpa"
+    ours = copy.deepcopy(base)
+    backfuse.patch(ours, quiet=True)
+    ids = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    padded = torch.ones(2, 9, dtype=torch.long, device=DEVICE)
+    padded[0, :3] = 0
+    for mask in (None, padded, None):
+        expected = base(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = ours(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        keep = slice(None) if mask is None else mask.bool()
+        assert (got - expected)[keep].abs().max() <= 2e-3 * expected.abs().max()
+    assert backfuse.fallbacks(ours) == {}
+    assert set(seen) == {((1, 1, 9, 9), True), ((2, 1, 9, 9), True)}, seen
 
 
 def test_a_mask_or_soft_cap_the_modules_code_reads_otherwise_runs_that_code():

@@ -8,10 +8,10 @@ state, so a recomputation (gradient checkpointing, reentrant or not) decides the
 
 - `eager` and `sdpa` attention (the model's `config._attn_implementation`): the mask is the one
   transformers built and passed the layer. A 4-dim mask ([B or 1, 1, S, S]: bool for SDPA, 0 / finfo.min
-  for eager) goes to the kernels as it is, so causality, the sliding window, padding, packed documents
-  (position ids that restart) and Gemma 3's bidirectional image blocks are whatever transformers made of
-  them; the kernels skip the key blocks it hides from every query of a block. A caller's own 4-dim mask
-  is served only where the attention function reads it as the op does (bool: visible keys; float: added
+  for eager) goes to the kernels as it is (in one layout a shape: `_one_layout`), so causality, the sliding
+  window, padding, packed documents (position ids that restart) and Gemma 3's bidirectional image blocks are
+  whatever transformers made of them; the kernels skip the key blocks it hides from every query of a block.
+  A caller's own 4-dim mask is served only where the attention function reads it as the op does (bool: visible keys; float: added
   to the logits): eager adds any mask to the logits, so a bool one runs the module's code there. None
   under SDPA is its `is_causal` attention (causal, no window: transformers passes None only where nothing
   else is masked, so the op runs without a window there too); None under eager attends to every key,
@@ -113,6 +113,18 @@ def _why_not(module, hidden_states, position_embeddings, attention_mask, cache, 
     return None
 
 
+def _one_layout(mask):
+    """A 4-dim mask in the one layout its shape has here: a batch broadcast with stride 0 (what transformers builds
+    where no row is padded) as its single [1, 1, S, S] entry, any other non-contiguous mask as a contiguous copy.
+    The op's kernels read a mask as it lies, with its strides among their arguments; its plans, and the launches
+    kept with them, are told apart by the mask's shape and dtype, so masks of one shape reach it in one layout."""
+    if mask is None:
+        return None
+    if mask.shape[0] > 1 and mask.stride(0) == 0:
+        mask = mask[:1]
+    return mask if mask.is_contiguous() else mask.contiguous()
+
+
 def _soft_cap(module, impl: str):
     """The soft cap the module's own code applies (None, or the cap), or why backfuse cannot know it (a str).
     Gemma 2's attention passes its cap to the attention function: eager applies it, SDPA does not take one
@@ -168,6 +180,7 @@ def bind(module) -> None:
             fall_back(module, reason)
             return own(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         cos, sin = position_embeddings
+        attention_mask = _one_layout(attention_mask)
         q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
         norms = (None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight)
         scalars = (module.scaling, _soft_cap(module, module.config._attn_implementation), getattr(q_norm, "eps", eps))
