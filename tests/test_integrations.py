@@ -256,6 +256,33 @@ def _gemma_norm_forward(self, x):
     return (y * (self.offset + self.weight.float())).to(x.dtype)
 
 
+def test_plain_linear_names_what_makes_a_layer_more_than_its_weight():
+    """`plain_linear` (read at every call of every patched layer, from the module's dicts): a plain layer passes; a
+    parametrized one (its class torch's), hooks, a bias where none is taken, a replaced forward, a weight that is
+    not a floating tensor are each named."""
+    from torch.nn.utils import parametrize
+
+    from backfuse.integrations import plain_linear
+
+    def linear(bias=False):
+        return torch.nn.Linear(4, 4, bias=bias)
+
+    assert plain_linear("q", linear(), bias=False) is None and plain_linear("q", linear(True), bias=True) is None
+    assert plain_linear("q", linear(True), bias=False) == "q has a bias"
+    parametrized = linear()
+    parametrize.register_parametrization(parametrized, "weight", torch.nn.Identity())
+    assert "q is a torch ParametrizedLinear, not a plain nn.Linear" in plain_linear("q", parametrized, bias=False)
+    hooked = linear()
+    hooked.register_forward_pre_hook(lambda m, x: None)
+    assert plain_linear("q", hooked, bias=False) == "q has hooks"
+    replaced = linear()
+    replaced.forward = lambda x: x
+    assert "q's forward is replaced on the module" in plain_linear("q", replaced, bias=False)
+    quantized = linear()
+    quantized.weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.int8), requires_grad=False)
+    assert "not a plain floating tensor" in plain_linear("q", quantized, bias=False)
+
+
 def test_a_forward_replaced_on_the_module_is_not_the_class_code():
     """A projection whose forward is replaced on the instance (accelerate's offloading hooks, a user's function)
     is not read as a plain nn.Linear: Gemma's runs as the module around backfuse's attention, its replacement

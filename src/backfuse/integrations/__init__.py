@@ -107,16 +107,17 @@ def fallbacks(model) -> dict:
 def plain_linear(name: str, linear, *, bias: bool) -> str | None:
     """Why `linear` is not a plain nn.Linear (without a bias unless `bias`) whose weight an op may read in
     place of calling it, or None: no subclass or wrapper (LoRA, quantized layers), hook or parametrization."""
-    if type(linear) is not torch.nn.Linear:
+    if type(linear) is not torch.nn.Linear:  # (a parametrized layer is of a class torch makes for it)
         return (f"{name} is a {type(linear).__module__.split('.')[0]} {type(linear).__name__}, not a plain nn.Linear "
                 "(LoRA, quantized or wrapped projections run the module's own code)")
-    if linear.bias is not None and not bias:
+    params = linear._parameters  # (read as dicts: a patched model runs these checks at every call of every layer)
+    if params.get("bias") is not None and not bias:
         return f"{name} has a bias"
-    if linear._forward_hooks or linear._forward_pre_hooks or getattr(linear, "parametrizations", None):
-        return f"{name} has hooks or parametrizations"
-    if replaced_forward(linear):
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return f"{name} has hooks"
+    if "forward" in linear.__dict__:
         return f"{name}'s forward is replaced on the module ({replaced_forward(linear)})"
-    weight = linear.weight
+    weight = params.get("weight")
     if type(weight) not in (torch.nn.Parameter, torch.Tensor) or not weight.is_floating_point():
         return f"{name}'s weight is a {type(weight).__name__} of {weight.dtype}, not a plain floating tensor"
     return None

@@ -72,9 +72,9 @@ def _liger_gemma_norm(norm, replaced: str) -> bool:
             and getattr(norm, "variance_epsilon", None) == getattr(norm, "eps", None))
 
 
-def _why_not(module, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> str | None:
-    """Why the call must run the module's own code, or None when `F.gemma3_core` computes what it computes."""
-    impl = getattr(module.config, "_attn_implementation", None)
+def _why_not(module, impl, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> str | None:
+    """Why the call must run the module's own code, or None when `F.gemma3_core` computes what it computes; impl:
+    the model's attention implementation."""
     unusable = fused_unusable(hidden_states.device)
     if unusable:
         return f"backfuse's kernels cannot run here: {unusable}"
@@ -175,7 +175,8 @@ def bind(module) -> None:
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values", args[0] if args else None))
-        reason = _why_not(module, hidden_states, position_embeddings, attention_mask, cache, kwargs)
+        impl = getattr(module.config, "_attn_implementation", None)  # (read once: transformers' config reads cost)
+        reason = _why_not(module, impl, hidden_states, position_embeddings, attention_mask, cache, kwargs)
         if reason:
             fall_back(module, reason)
             return own(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
@@ -183,7 +184,7 @@ def bind(module) -> None:
         attention_mask = _one_layout(attention_mask)
         q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
         norms = (None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight)
-        scalars = (module.scaling, _soft_cap(module, module.config._attn_implementation), getattr(q_norm, "eps", eps))
+        scalars = (module.scaling, _soft_cap(module, impl), getattr(q_norm, "eps", eps))
         if _plain_projections(module):
             out = F.gemma3_core(hidden_states, cos, sin, module.q_proj.weight, module.k_proj.weight,
                                 module.v_proj.weight, module.o_proj.weight, *norms, *scalars, window=0,
