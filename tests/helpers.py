@@ -292,3 +292,73 @@ def check_training_step(pid, m, acts, tol, save=True):
     for i, (x, e) in enumerate(zip(acts, exact)):
         if x.requires_grad:
             assert rel_err(x.grad, e.grad) < tol, f"activation {i}"
+
+
+def _flash_attend(q, k, v, scale, causal, window, softcap):
+    """One sequence as FlashAttention computes it: q [Sq, H, D], k, v [Sk, KV, D]; causality aligned to the last
+    key, window (left, right) in positions (-1: none), the logits soft-capped before the mask; a query that sees
+    no key gets 0."""
+    sq, heads, d = q.shape
+    sk = k.shape[0]
+    k, v = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
+    z = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * (scale or d ** -0.5)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None]
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= j <= i
+    if window[0] >= 0:
+        visible &= j >= i - window[0]
+    if window[1] >= 0:
+        visible &= j <= i + window[1]
+    p = torch.softmax(z.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v.double()).to(q.dtype)
+
+
+def _flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return torch.stack([_flash_attend(q[b], k[b], v[b], softmax_scale, causal, window_size, softcap)
+                        for b in range(q.shape[0])])
+
+
+def _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            deterministic=False, return_attn_probs=False, block_table=None):
+    out = torch.zeros_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for a, b, c, e in zip(cq, cq[1:], ck, ck[1:]):
+        out[a:b] = _flash_attend(q[a:b], k[c:e], v[c:e], softmax_scale, causal, window_size, softcap)
+    return out
+
+
+def stand_in_flash_attention(monkeypatch, softcap: bool = True):
+    """FlashAttention's functions (flash_attn_func, flash_attn_varlen_func, by its documented rules, in float64)
+    where transformers imports them, so a model set to `flash_attention_2` runs transformers' own FlashAttention
+    path (unpadding, packed documents from position ids or cu_seq_lens, the window, the soft cap) without the
+    package; softcap=False: a kernel that takes no soft cap. Returns flash(model): the model set to it."""
+    import transformers.modeling_flash_attention_utils as fa
+
+    from backfuse.integrations import transformers as hf
+
+    varlen = _flash_attn_varlen_func
+    if not softcap:
+        def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                   causal=False, window_size=(-1, -1), deterministic=False):
+            return _flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    functions = (_flash_attn_func, varlen, None, fa._pad_input, fa._unpad_input)
+    if not hasattr(fa, "_flash_with_kvcache_fn"):  # (transformers versions without the paged function)
+        functions = functions[:2] + functions[3:]
+    monkeypatch.setattr(fa, "_lazy_imports", lambda *a, **k: functions)
+    for name in ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_process_flash_kwargs_fn"):
+        if hasattr(fa, name):
+            monkeypatch.setattr(fa, name, None)
+    monkeypatch.setattr(hf, "_FLASH", {})
+
+    def flash(model):
+        model.config._attn_implementation_internal = "flash_attention_2"
+        return model
+
+    return flash

@@ -2,7 +2,8 @@
 
 Models (transformers' and diffusers' own classes, random init): Gemma 2 (eager attention, as transformers trains
 its soft cap), Gemma 3 text (SDPA; eager too), Gemma 3 with an image (SigLIP tower, image tokens that see each
-other both ways), Wan 2.1 (diffusers). Batches: no mask, a tokenizer's all-ones mask, left and right padding,
+other both ways), Gemma 2 and 3 on FlashAttention (transformers' own path, its kernel a float64 stand-in:
+`helpers.stand_in_flash_attention`), Wan 2.1 (diffusers). Batches: no mask, a tokenizer's all-ones mask, left and right padding,
 packed documents (position ids restarting, no mask, as `DataCollatorWithFlattening` gives them). Setups: plain,
 PEFT LoRA added after `patch` and before it, gradient checkpointing (reentrant and not), autocast bf16,
 torch.compile.
@@ -138,7 +139,9 @@ def _trained(model) -> dict:
 def _pair(kind: str, setup: str):
     """(unpatched, patched) from the same weights; LoRA before or after `patch` as the setup says."""
     base = _wan() if kind == "wan" else _gemma(kind.split("-")[0] if kind != "gemma3-image" else "image",
-                                              "eager" if kind in ("gemma2", "gemma3-eager") else "sdpa")
+                                              "eager" if kind.startswith("gemma2") or kind == "gemma3-eager" else "sdpa")
+    if kind.endswith("flash"):
+        base.config._attn_implementation_internal = "flash_attention_2"
     base = base.to(DEVICE)
     if setup == "lora_after":
         ours = copy.deepcopy(base)
@@ -161,6 +164,8 @@ CASES = sorted({("gemma3", b, s) for b in BATCHES for s in SETUPS if s not in ("
                | {(m, b, "plain") for m in ("gemma2", "gemma3-eager", "gemma3-image") for b in BATCHES}
                | {(m, "left", s) for m in ("gemma2", "gemma3-image") for s in SETUPS}
                | {("gemma3", "packed", s) for s in ("compile", "bf16")}
+               | {(m, b, "plain") for m in ("gemma2-flash", "gemma3-flash") for b in BATCHES}
+               | {("gemma3-flash", "left", s) for s in ("lora_after", "checkpoint", "bf16", "compile")}
                | {("wan", "none", s) for s in SETUPS})
 # Setups backfuse does not serve in a model: the patched model must say so (a warning) and give the model's result.
 # (Gemma's LoRA layers run as PEFT's modules around backfuse's attention; Wan's cross-attention has no such op yet.)
@@ -168,9 +173,13 @@ FALLS_BACK = {("wan", "lora_after"): "to_q is a peft", ("wan", "lora_before"): "
 
 
 @pytest.mark.parametrize("kind, batch, setup", CASES, ids=["-".join(c) for c in CASES])
-def test_patched_model_computes_what_the_model_computes(kind, batch, setup):
+def test_patched_model_computes_what_the_model_computes(kind, batch, setup, monkeypatch):
     if kind == "wan" and batch != "none":
         pytest.skip("Wan's cross-attention takes no mask")
+    if kind.endswith("flash"):
+        from helpers import stand_in_flash_attention
+
+        stand_in_flash_attention(monkeypatch)
     base, ours = _pair(kind, setup)
     data = _batch(batch, "wan" if kind == "wan" else kind)
     exact = copy.deepcopy(base) if setup == "bf16" else None  # bf16: both against the fp32 model's gradients

@@ -360,3 +360,105 @@ def test_a_wan_processor_backfuse_cannot_vouch_for_runs_its_own_code():
     assert attn2.processor.own._attention_backend == "sage"
     with pytest.warns(backfuse.BackfuseWarning, match="attention backend 'sage' .quantized"), pytest.raises(Exception):
         ours(x, t, text)  # diffusers' own processor: SageAttention is not installed here
+
+
+def _flash_batch(kind: str, seq: int = 11) -> dict:
+    """A batch as collators make it for FlashAttention: padding (left, right, holes no collator makes), or one row
+    of packed documents by position ids restarting (`DataCollatorWithFlattening`) or by its varlen kwargs."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 96, (2, seq), generator=g)
+    mask = torch.ones_like(ids)
+    if kind == "left":
+        mask[1, :4] = 0
+    elif kind == "right":
+        mask[1, seq - 4:] = 0
+    elif kind == "holes":
+        mask[1, 3:6] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = dict(input_ids=ids, labels=labels, attention_mask=mask)
+    if kind in ("packed", "varlen"):
+        flat = ids.reshape(1, -1)[:, :2 * seq - 3]
+        lengths = [seq // 3 + 1, 2, flat.shape[1] - seq // 3 - 3]
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        labels = flat.clone()
+        labels[0, positions[0] == 0] = -100
+        batch = dict(input_ids=flat, labels=labels, position_ids=positions)
+        if kind == "varlen":  # one tensor for both, as a caller computing them once passes them
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    elif kind == "none":
+        del batch["attention_mask"]
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2"])
+@pytest.mark.parametrize("batch", ["none", "left", "right", "holes", "packed", "varlen"])
+def test_a_flash_attention_model_is_served_as_flash_attention_computes(monkeypatch, kind, batch):
+    """A model set to FlashAttention (transformers' own FlashAttention path, its kernel a float64 stand-in): the
+    patched model serves every layer and gives the unpatched model's loss and gradients. Its window counts the real
+    tokens only (holes in a padding mask move it: the real tokens go first for the kernels and back after), padded
+    queries give 0 (their rows reach the loss under left padding), packed documents come from position ids or the
+    varlen kwargs, and Gemma 2's soft cap is applied."""
+    from helpers import stand_in_flash_attention
+
+    flash = stand_in_flash_attention(monkeypatch)
+    base = flash(_gemma(kind, torch.float32))
+    if kind == "gemma2":  # logits of a few units (random init's are ~1e-3), and a cap that bites at them
+        with torch.no_grad():
+            for layer in base.model.layers:
+                layer.self_attn.q_proj.weight.mul_(40)
+                layer.self_attn.k_proj.weight.mul_(40)
+                layer.self_attn.attn_logit_softcapping = 1.0
+    ours = copy.deepcopy(base)
+    backfuse.patch(ours, quiet=True)
+    data = _flash_batch(batch)
+    losses = []
+    for model in (base, ours):
+        model.train()
+        loss = model(**data, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert backfuse.fallbacks(ours) == {}
+    assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
+    theirs = dict(base.named_parameters())
+    for name, p in ours.named_parameters():
+        q = theirs[name].grad
+        assert (p.grad - q).abs().max() <= 3e-2 * q.abs().max().clamp_min(1e-6), name
+
+
+def test_what_flash_attention_takes_otherwise_runs_the_modules_code(monkeypatch):
+    """Under FlashAttention: varlen kwargs as two tensors (backfuse cannot show they hold one set of documents
+    without a sync), Gemma 2's soft cap on a kernel that takes none (transformers raises), and an implementation
+    transformers cannot load run the module's own code, each with a warning naming it."""
+    from helpers import stand_in_flash_attention
+
+    flash = stand_in_flash_attention(monkeypatch)
+    model = flash(_gemma("gemma3", torch.float32))
+    backfuse.patch(model, quiet=True)
+    data = _flash_batch("varlen")
+    data["cu_seq_lens_k"] = data["cu_seq_lens_k"].clone()
+    with pytest.warns(backfuse.BackfuseWarning, match="cu_seq_lens_q and cu_seq_lens_k as two tensors"):
+        model(**data, use_cache=False)
+
+    flash = stand_in_flash_attention(monkeypatch, softcap=False)
+    model = flash(_gemma("gemma2", torch.float32))
+    backfuse.patch(model, quiet=True)
+    with pytest.warns(backfuse.BackfuseWarning, match="Gemma 2's soft cap under 'flash_attention_2', whose kernel takes "
+                                                      "none"), pytest.raises(ValueError, match="softcap"):
+        model(**_flash_batch("none"), use_cache=False)
+
+    import transformers.modeling_flash_attention_utils as fa
+
+    from backfuse.integrations import transformers as hf
+
+    def missing(*args, **kwargs):
+        raise ImportError("no flash_attn here")
+
+    monkeypatch.setattr(fa, "_lazy_imports", missing)
+    monkeypatch.setattr(fa, "_loaded_implementation", None)
+    monkeypatch.setattr(hf, "_FLASH", {})
+    model = flash(_gemma("gemma3", torch.float32))
+    backfuse.patch(model, quiet=True)
+    with pytest.warns(backfuse.BackfuseWarning, match="'flash_attention_2' not loadable here"), \
+            pytest.raises(ImportError, match="no flash_attn here"):
+        model(**_flash_batch("none"), use_cache=False)

@@ -111,11 +111,13 @@ def test_key_padding(kind, window, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("softcap", [None, 30.0], ids=["gemma3", "softcap"])
-def test_packed_documents_equal_each_document_alone(dtype, softcap):
+@pytest.mark.parametrize("softcap, window", [(None, 0), (30.0, 0), (None, 5 if not GPU else 200)],
+                         ids=["gemma3", "softcap", "window"])
+def test_packed_documents_equal_each_document_alone(dtype, softcap, window):
     """cu_seqlens (FlashAttention's varlen form) with RoPE positions restarting per document: each document's
-    output and its tokens' gradients are the float64 layer's on that document alone."""
-    m = _layer(dtype, softcap=softcap)
+    output and its tokens' gradients are the float64 layer's on that document alone (within the sliding window
+    where the layer has one: a sliding-window layer under FlashAttention's varlen path)."""
+    m = _layer(dtype, window, softcap)
     lengths = [SEQ // 3, 1, SEQ - SEQ // 3 - 1 - SEQ // 5, SEQ // 5]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     x, _, _ = _inputs(dtype, 1)

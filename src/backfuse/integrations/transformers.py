@@ -16,12 +16,23 @@ state, so a recomputation (gradient checkpointing, reentrant or not) decides the
   under SDPA is its `is_causal` attention (causal, no window: transformers passes None only where nothing
   else is masked, so the op runs without a window there too); None under eager attends to every key,
   which the op does not take.
+- FlashAttention (`flash_attention_2`, `_3`, and any implementation transformers runs through its
+  `flash_attention_forward`): the attention that `_flash_attention_forward` computes from the same
+  arguments. With no mask: causal within the sliding window where the implementation takes one, one row of
+  packed documents where the batch is one row (FlashAttention's varlen kwargs `cu_seq_lens_q/k` where the
+  caller passed them as one tensor, else documents starting wherever a position id is the row's least, as
+  transformers reads them; computed on the device, no sync); with a [B, S] padding mask: each real query
+  sees the real keys before it, padded queries give 0, as unpadding does; FlashAttention counts a sliding
+  window over the real tokens only, so on a layer whose window bites the real tokens go first for the
+  kernels (a stable sort of the mask, on the device) and back after. Gemma 2's soft cap is served where the
+  implementation takes one (else transformers raises). Queries in fp32 are served in fp32 (transformers passes them on
+  to FlashAttention, which takes half types only).
 - projections: plain bias-free `nn.Linear` layers are fused into the call (`F.gemma3_core`); any others
   (PEFT's LoRA layers, quantized weights, biases, hooks, parametrizations) run as the module's own modules,
   and backfuse computes what lies between them (`F.gemma3_attention`: QK norm, RoPE, attention), so an
   adapter trains as it would without backfuse; the QK norms must be the model's own RMSNorm;
-- the soft cap the module's code applies (Gemma 2 under eager; none in Gemma 3, whose code passes its
-  config's cap to no attention function, so a cap set there is refused);
+- the soft cap the module's code applies (Gemma 2 under eager and FlashAttention; none in Gemma 3, whose
+  code passes its config's cap to no attention function, so a cap set there is refused);
 - no KV cache (in training the patched model passes use_cache=False unless told otherwise: `wrap_model`),
   attention dropout off (or eval mode), causal attention, no attention weights asked for.
 
@@ -32,6 +43,8 @@ by `backfuse.fallbacks(model)`.
 from __future__ import annotations
 
 import inspect
+import sys
+import weakref
 from collections import Counter
 
 import torch
@@ -72,27 +85,41 @@ def _liger_gemma_norm(norm, replaced: str) -> bool:
             and getattr(norm, "variance_epsilon", None) == getattr(norm, "eps", None))
 
 
-def _why_not(module, impl, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> str | None:
-    """Why the call must run the module's own code, or None when `F.gemma3_core` computes what it computes; impl:
-    the model's attention implementation."""
+def _served(module, impl, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> str | dict:
+    """Why the call must run the module's own code (a str), or how `F.gemma3_core` computes what it computes: the
+    op's mask arguments (window, attention_mask, cu_seqlens), its soft cap, and `rows`: a [B, S] mask whose zero
+    rows the module's attention gives as 0 (FlashAttention's padded queries), or None. impl: the model's
+    attention implementation."""
     unusable = fused_unusable(hidden_states.device)
     if unusable:
         return f"backfuse's kernels cannot run here: {unusable}"
     if cache is not None:
         return "a KV cache (pass use_cache=False in training)"
-    if impl not in SERVED:
-        return f"attention implementation {impl!r} (backfuse serves {' and '.join(map(repr, SERVED))})"
+    flash = False if impl in SERVED else _flash_features(impl)
+    if flash is None:
+        return f"attention implementation {impl!r} (backfuse serves {', '.join(map(repr, SERVED))} and FlashAttention's)"
+    if isinstance(flash, str):
+        return flash
     if module.training and module.attention_dropout:
         return "attention dropout"
-    if not getattr(module, "is_causal", True):
+    causal = kwargs.get("is_causal") if flash and kwargs.get("is_causal") is not None else getattr(module, "is_causal", True)
+    if not causal:
         return "bidirectional attention"
     if kwargs.get("output_attentions"):
         return "attention weights asked for (output_attentions)"
     if position_embeddings is None:
         return "no position embeddings"
-    cap = _soft_cap(module, impl)
+    cap = _soft_cap(module, impl, flash)
     if isinstance(cap, str):
         return cap
+    for name in ("q_norm", "k_norm"):
+        if hasattr(module, name):
+            reason = _own_norm(module, name)
+            if reason:
+                return reason
+    if flash:
+        masks = _flash_masks(module, flash, hidden_states, attention_mask, kwargs)
+        return masks if isinstance(masks, str) else dict(masks, softcap=cap)
     if attention_mask is None:
         if impl == "eager":
             return "eager attention without a mask (every key visible)"
@@ -105,12 +132,113 @@ def _why_not(module, impl, hidden_states, position_embeddings, attention_mask, c
         reason = _mask_meaning(attention_mask, impl, _query_dtype(hidden_states))
         if reason:
             return reason
-    for name in ("q_norm", "k_norm"):
-        if hasattr(module, name):
-            reason = _own_norm(module, name)
-            if reason:
-                return reason
-    return None
+    return dict(window=0, attention_mask=_one_layout(attention_mask), cu_seqlens=None, rows=None, softcap=cap)
+
+
+FLASH_UNSUPPORTED = ("block_table", "k_cache", "v_cache", "s_aux")  # paged caches, attention sinks
+VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _flash_masks(module, flash: dict, hidden_states, attention_mask, kwargs) -> str | dict:
+    """The op's mask arguments for what transformers' `_flash_attention_forward` computes from this call's
+    arguments (in its order: a padding mask, then the varlen kwargs, then position ids that pack documents in
+    one row), or why backfuse cannot take it."""
+    for name in FLASH_UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            return f"{name} under flash attention (a paged cache or attention sinks)"
+    b, s = hidden_states.shape[:2]
+    window = module.sliding_window if flash["window_size"] and module.sliding_window else 0
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, s):
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            return f"an attention mask of shape {shape} under flash attention (backfuse takes the [{b}, {s}] padding mask)"
+        if window and s > window:  # the window counts real tokens only: they go first, in their order
+            order, inverse, mask = _real_first(attention_mask)
+            return dict(window=window, attention_mask=mask, cu_seqlens=None, rows=mask, order=(order, inverse))
+        return dict(window=0, attention_mask=attention_mask.contiguous(), cu_seqlens=None, rows=attention_mask)
+    if all(kwargs.get(name) is not None for name in VARLEN):
+        cu = kwargs["cu_seq_lens_q"]
+        if kwargs["cu_seq_lens_k"] is not cu:
+            return ("cu_seq_lens_q and cu_seq_lens_k as two tensors (backfuse takes one set of documents; pass them as "
+                    "one tensor, or position ids)")
+        if b != 1:
+            return f"cu_seq_lens over a batch of {b} rows (FlashAttention flattens them into one)"
+        return dict(window=window, attention_mask=None, cu_seqlens=cu, rows=None)
+    positions = kwargs.get("position_ids")
+    if b == 1 and s > 1 and isinstance(positions, torch.Tensor) and positions.numel() == s:
+        return dict(window=window, attention_mask=None, cu_seqlens=_documents(positions), rows=None)
+    return dict(window=window, attention_mask=None, cu_seqlens=None, rows=None)
+
+
+def _real_first(mask):
+    """(order, inverse, mask in that order) of a [B, S] padding mask: each row's real tokens first, in their order,
+    then its padding, as FlashAttention's unpadding lines them up; on the device (no sync), one a forward's layers
+    share."""
+    seen, version, found = _last_order
+    if seen is not None and seen() is mask and version == mask._version:
+        return found
+    order = torch.argsort((mask == 0).to(torch.int8), dim=1, stable=True)
+    found = (order, torch.argsort(order, dim=1), (mask != 0).gather(1, order))
+    if not torch.compiler.is_compiling():
+        _last_order[:] = [weakref.ref(mask), mask._version, found]
+    return found
+
+
+def _reordered(t, order):
+    """t [B or 1, S, ...] with its tokens in `order` [B, S] (a broadcast batch taken per row)."""
+    index = order.view(*order.shape, *([1] * (t.dim() - 2))).expand(order.shape[0], -1, *t.shape[2:])
+    return t.expand(order.shape[0], *t.shape[1:]).gather(1, index)
+
+
+_last_order = [None, -1, None]
+_last_documents = [None, -1, None]  # (the position ids, their version, their documents): one a forward's layers share
+
+
+def _documents(positions):
+    """FlashAttention's cu_seqlens of the documents transformers reads from one row of position ids (a document
+    starting wherever the position is the row's least; tokens before the first start one more), as a fixed
+    [S + 1] tensor: the starts, then S for the documents that are not there (empty). On the device: no sync."""
+    seen, version, cu = _last_documents
+    compiling = torch.compiler.is_compiling()
+    if not compiling and seen is not None and seen() is positions and version == positions._version:
+        return cu
+    pos = positions.reshape(-1)
+    s = pos.numel()
+    t = torch.arange(s, device=pos.device)
+    firsts = torch.where(pos == pos.min(), t, s)
+    firsts[0] = 0
+    cu = torch.cat([firsts.sort().values, firsts.new_full((1,), s)]).to(torch.int32)
+    if not compiling:
+        _last_documents[:] = [weakref.ref(positions), positions._version, cu]
+    return cu
+
+
+_FLASH = {}  # implementation -> (its attention function, what it takes or why not)
+
+
+def _flash_features(impl):
+    """What transformers' FlashAttention path runs for `impl`: the features its kernel takes (transformers'
+    `supports_mapping`: window_size, softcap, ...), why backfuse cannot tell (a str), or None where `impl` is not
+    run by transformers' `flash_attention_forward`."""
+    functions = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
+    fn = functions.get(impl) if functions is not None and isinstance(impl, str) else None
+    known = _FLASH.get(impl)
+    if known is not None and known[0] is fn:
+        return known[1]
+    features = None
+    wrapper = getattr(sys.modules.get("transformers.integrations.flash_attention"), "flash_attention_forward", None)
+    if fn is not None and fn is wrapper:
+        try:
+            from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+
+            loaded = lazy_import_flash_attention(impl)
+            process = loaded[1][0] if isinstance(loaded[1], tuple) else loaded[1]
+            supports = process.keywords["supports_mapping"]
+            features = {name: bool(supports.get(name)) for name in ("window_size", "softcap")}
+        except Exception as e:  # noqa: BLE001 (what the model's own call would meet: it reports it itself)
+            features = f"flash attention implementation {impl!r} not loadable here ({type(e).__name__}: {e})"
+    _FLASH[impl] = (fn, features)
+    return features
 
 
 def _one_layout(mask):
@@ -125,20 +253,23 @@ def _one_layout(mask):
     return mask if mask.is_contiguous() else mask.contiguous()
 
 
-def _soft_cap(module, impl: str):
+def _soft_cap(module, impl: str, flash=None):
     """The soft cap the module's own code applies (None, or the cap), or why backfuse cannot know it (a str).
-    Gemma 2's attention passes its cap to the attention function: eager applies it, SDPA does not take one
-    (transformers raises, or ignores it in older versions), so only eager is served with a cap. Gemma 3's
-    attention keeps `attn_logit_softcapping` from its config but passes it to no attention function (the
-    released configs set None): a cap there is refused, not guessed."""
+    Gemma 2's attention passes its cap to the attention function: eager applies it, FlashAttention where its
+    kernel takes one (transformers raises otherwise), SDPA does not take one (transformers raises, or ignores
+    it in older versions), so eager and FlashAttention are served with a cap. Gemma 3's attention keeps
+    `attn_logit_softcapping` from its config but passes it to no attention function (the released configs set
+    None): a cap there is refused, not guessed. flash: `_flash_features(impl)` under FlashAttention."""
     cap = getattr(module, "attn_logit_softcapping", None)
     if cap is None:
         return None
     if type(module).__name__ != "Gemma2Attention":
         return (f"attn_logit_softcapping={cap} on a {type(module).__name__} (its code passes the cap to no attention "
                 "function in the transformers versions backfuse knows; not guessed)")
-    if impl != "eager":
-        return f"Gemma 2's soft cap under {impl!r} attention (only eager applies it)"
+    if flash and not flash["softcap"]:
+        return f"Gemma 2's soft cap under {impl!r}, whose kernel takes none (transformers raises)"
+    if impl != "eager" and not flash:
+        return f"Gemma 2's soft cap under {impl!r} attention (only eager and FlashAttention apply it)"
     return cap
 
 
@@ -176,26 +307,33 @@ def bind(module) -> None:
     def forward(hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values", args[0] if args else None))
         impl = getattr(module.config, "_attn_implementation", None)  # (read once: transformers' config reads cost)
-        reason = _why_not(module, impl, hidden_states, position_embeddings, attention_mask, cache, kwargs)
-        if reason:
-            fall_back(module, reason)
+        served = _served(module, impl, hidden_states, position_embeddings, attention_mask, cache, kwargs)
+        if isinstance(served, str):
+            fall_back(module, served)
             return own(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         cos, sin = position_embeddings
-        attention_mask = _one_layout(attention_mask)
+        order, inverse = served.get("order") or (None, None)
+        if order is not None:  # (FlashAttention's window over the real tokens: they go first, and back after)
+            cos, sin = _reordered(cos, order), _reordered(sin, order)
         q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
         norms = (None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight)
-        scalars = (module.scaling, _soft_cap(module, impl), getattr(q_norm, "eps", eps))
+        scalars = (module.scaling, served["softcap"], getattr(q_norm, "eps", eps))
+        masks = dict(window=served["window"], attention_mask=served["attention_mask"], cu_seqlens=served["cu_seqlens"])
+        rows = served["rows"]  # FlashAttention's padded queries, whose attention is 0
         if _plain_projections(module):
-            out = F.gemma3_core(hidden_states, cos, sin, module.q_proj.weight, module.k_proj.weight,
-                                module.v_proj.weight, module.o_proj.weight, *norms, *scalars, window=0,
-                                head_dim=module.head_dim, attention_mask=attention_mask)
-            return out, None
-        # The projections as the module's own modules run them (LoRA adapters, quantized weights, hooks), the
-        # attention between them backfuse's.
+            x = hidden_states if order is None else _reordered(hidden_states, order)
+            out = F.gemma3_core(x, cos, sin, module.q_proj.weight, module.k_proj.weight, module.v_proj.weight,
+                                module.o_proj.weight, *norms, *scalars, head_dim=module.head_dim, **masks)
+            out = out if rows is None else out * rows[..., None].to(out.dtype)  # (o_proj has no bias)
+            return (out if order is None else _reordered(out, inverse)), None
+        # The projections as the module's own modules run them (LoRA adapters, quantized weights, hooks; in the
+        # tokens' own order, as a LoRA dropout draws its mask), the attention between them backfuse's.
         q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
-        a = F.gemma3_attention(q, k, v, cos, sin, *norms, *scalars, window=0, head_dim=module.head_dim,
-                               attention_mask=attention_mask)
-        return module.o_proj(a), None
+        if order is not None:
+            q, k, v = (_reordered(t, order) for t in (q, k, v))
+        a = F.gemma3_attention(q, k, v, cos, sin, *norms, *scalars, head_dim=module.head_dim, **masks)
+        a = a if rows is None else a * rows[..., None].to(a.dtype)
+        return module.o_proj(a if order is None else _reordered(a, inverse)), None
 
     module.forward = forward
 
