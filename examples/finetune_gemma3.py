@@ -119,13 +119,15 @@ def train(steps: int = 20, patched: bool = True, model_path: str | None = None, 
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
 
+    # (transformers 5.25 renamed gradient_checkpointing activation_checkpointing; earlier 5.x know the old name only)
+    named = "activation" if "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__ else "gradient"
+    checkpoint = {f"{named}_checkpointing": checkpointing, f"{named}_checkpointing_kwargs": {"use_reentrant": False}}
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=per_batch,
             learning_rate=lr or default_lr(model_path, width, lora),
             lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], seed=seed, data_seed=seed,
-            bf16=torch.cuda.is_available() if bf16 is None else bf16, use_cpu=DEVICE == "cpu",
-            gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
+            bf16=torch.cuda.is_available() if bf16 is None else bf16, use_cpu=DEVICE == "cpu", **checkpoint,
             remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                        data_collator=transformers.DataCollatorWithFlattening(),
