@@ -215,9 +215,6 @@ class Problem:
     def scalar_specs(self) -> tuple:
         return tuple(spec for spec in self.inputs if isinstance(spec, Scalar))
 
-    def output_shapes(self, axes: dict) -> tuple:
-        return tuple(spec.shape(axes) for spec in self.outputs)
-
     # ---- workloads -----------------------------------------------------------------------
     @functools.cached_property
     def workloads(self) -> tuple:
