@@ -426,6 +426,31 @@ def test_a_flash_attention_model_is_served_as_flash_attention_computes(monkeypat
         assert (p.grad - q).abs().max() <= 3e-2 * q.abs().max().clamp_min(1e-6), name
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "flash"])
+@pytest.mark.parametrize("batch", ["left", "packed"])
+def test_a_patched_model_serves_inference_mode(monkeypatch, impl, batch):
+    """Under torch.inference_mode, on inputs made there (inference tensors count no versions, so what a forward's
+    layers share from its padding mask or position ids is made afresh): the patched model serves every layer and
+    gives the unpatched model's logits."""
+    from helpers import stand_in_flash_attention
+
+    base = _gemma("gemma3", torch.float32)
+    if impl == "flash":
+        base = stand_in_flash_attention(monkeypatch)(base)
+    else:
+        base.config._attn_implementation_internal = impl
+    ours = copy.deepcopy(base)
+    backfuse.patch(ours, quiet=True)
+    with torch.inference_mode():
+        data = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in _flash_batch(batch).items()
+                if k != "labels"}
+        assert data["input_ids"].is_inference()
+        expected, got = (m.eval()(**data, use_cache=False).logits for m in (base, ours))
+    assert backfuse.fallbacks(ours) == {}
+    real = data["attention_mask"].bool() if "attention_mask" in data else torch.ones_like(data["input_ids"], dtype=torch.bool)
+    assert (got - expected)[real].abs().max() <= 1e-3 * expected.abs().max()
+
+
 def test_what_flash_attention_takes_otherwise_runs_the_modules_code(monkeypatch):
     """Under FlashAttention: varlen kwargs as two tensors (backfuse cannot show they hold one set of documents
     without a sync), Gemma 2's soft cap on a kernel that takes none (transformers raises), and an implementation

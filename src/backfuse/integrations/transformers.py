@@ -170,18 +170,30 @@ def _flash_masks(module, flash: dict, hidden_states, attention_mask, kwargs) -> 
     return dict(window=window, attention_mask=None, cu_seqlens=None, rows=None)
 
 
-def _real_first(mask):
+class _Shared:
+    """What the layers of one forward derive from one of its tensors (the padding mask, the position ids), made once:
+    kept for the last tensor seen while it is alive and unchanged (its version counter). Made afresh under
+    torch.compile (which traces the making) and for inference tensors (they count no versions)."""
+
+    def __init__(self, make):
+        self.make = make
+        self.seen, self.version, self.value = None, -1, None
+
+    def __call__(self, t):
+        if torch.compiler.is_compiling() or t.is_inference():
+            return self.make(t)
+        if self.seen is not None and self.seen() is t and self.version == t._version:
+            return self.value
+        self.value = self.make(t)
+        self.seen, self.version = weakref.ref(t), t._version
+        return self.value
+
+
+def _order_real_first(mask):
     """(order, inverse, mask in that order) of a [B, S] padding mask: each row's real tokens first, in their order,
-    then its padding, as FlashAttention's unpadding lines them up; on the device (no sync), one a forward's layers
-    share."""
-    seen, version, found = _last_order
-    if seen is not None and seen() is mask and version == mask._version:
-        return found
+    then its padding, as FlashAttention's unpadding lines them up; on the device (no sync)."""
     order = torch.argsort((mask == 0).to(torch.int8), dim=1, stable=True)
-    found = (order, torch.argsort(order, dim=1), (mask != 0).gather(1, order))
-    if not torch.compiler.is_compiling():
-        _last_order[:] = [weakref.ref(mask), mask._version, found]
-    return found
+    return order, torch.argsort(order, dim=1), (mask != 0).gather(1, order)
 
 
 def _reordered(t, order):
@@ -190,27 +202,19 @@ def _reordered(t, order):
     return t.expand(order.shape[0], *t.shape[1:]).gather(1, index)
 
 
-_last_order = [None, -1, None]
-_last_documents = [None, -1, None]  # (the position ids, their version, their documents): one a forward's layers share
-
-
-def _documents(positions):
+def _documents_of(positions):
     """FlashAttention's cu_seqlens of the documents transformers reads from one row of position ids (a document
     starting wherever the position is the row's least; tokens before the first start one more), as a fixed
     [S + 1] tensor: the starts, then S for the documents that are not there (empty). On the device: no sync."""
-    seen, version, cu = _last_documents
-    compiling = torch.compiler.is_compiling()
-    if not compiling and seen is not None and seen() is positions and version == positions._version:
-        return cu
     pos = positions.reshape(-1)
     s = pos.numel()
     t = torch.arange(s, device=pos.device)
     firsts = torch.where(pos == pos.min(), t, s)
     firsts[0] = 0
-    cu = torch.cat([firsts.sort().values, firsts.new_full((1,), s)]).to(torch.int32)
-    if not compiling:
-        _last_documents[:] = [weakref.ref(positions), positions._version, cu]
-    return cu
+    return torch.cat([firsts.sort().values, firsts.new_full((1,), s)]).to(torch.int32)
+
+
+_real_first, _documents = _Shared(_order_real_first), _Shared(_documents_of)
 
 
 _FLASH = {}  # implementation -> (its attention function, what it takes or why not)
