@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from conftest import DEVICE
+from helpers import rel_err
 
 import backfuse
 from backfuse import functional as F
@@ -449,6 +450,82 @@ def test_a_patched_model_serves_inference_mode(monkeypatch, impl, batch):
     assert backfuse.fallbacks(ours) == {}
     real = data["attention_mask"].bool() if "attention_mask" in data else torch.ones_like(data["input_ids"], dtype=torch.bool)
     assert (got - expected)[real].abs().max() <= 1e-3 * expected.abs().max()
+
+
+def test_paligemma_2s_prefix_is_served_by_the_mask_transformers_builds():
+    """PaliGemma 2 (a SigLIP tower before a Gemma 2, released for fine-tuning): its attention modules are not causal,
+    and the 4-dim mask transformers builds (the image and the prefix see each other both ways, the suffix is causal,
+    padding) alone decides what each query sees. The patched model serves every call with that mask (Gemma 2's soft
+    cap included) and trains as the unpatched one: loss and every gradient."""
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, sliding_window=4, max_position_embeddings=64, model_type="gemma2")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=4, model_type="siglip_vision_model")
+    config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=95, projection_dim=32,
+                                          attn_implementation="eager")
+    torch.manual_seed(0)
+    base = transformers.PaliGemmaForConditionalGeneration(config).to(DEVICE)
+    ours = copy.deepcopy(base)
+    assert backfuse.patch(ours, quiet=True) == {"Gemma2Attention": 2}
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 90, (2, 24), generator=g)
+    ids[:, :16] = 95  # the image's tokens
+    suffix = torch.zeros_like(ids)
+    suffix[:, 20:] = 1
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    batch = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g), token_type_ids=suffix,
+                 attention_mask=mask, labels=ids.masked_fill((suffix == 0) | (mask == 0), -100))
+    losses = []
+    for model in (base, ours):
+        model.train()
+        loss = model(**{k: v.to(DEVICE) for k, v in batch.items()}, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert backfuse.fallbacks(ours) == {}
+    assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses
+    theirs = dict(base.named_parameters())
+    for name, p in ours.named_parameters():
+        q = theirs[name].grad
+        assert (p.grad is None) == (q is None), name  # (the tower's last norm takes no part)
+        assert q is None or (p.grad - q).abs().max() <= 3e-2 * q.abs().max().clamp_min(1e-6), name
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_bidirectional_gemma_3_is_served_where_its_mask_decides(impl):
+    """Gemma 3 as an encoder (`use_bidirectional_attention`, as EmbeddingGemma): the 4-dim mask transformers passes
+    (padding; the window both ways) alone decides, and the patched model serves the call, giving the unpatched
+    hidden states and gradients. Without a mask (a module called alone) SDPA would attend both ways by the module's
+    flag: that is refused."""
+    config = transformers.Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                                           max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
+                                           use_bidirectional_attention=True, attn_implementation=impl)
+    torch.manual_seed(0)
+    base = transformers.Gemma3TextModel(config).to(DEVICE)
+    ours = copy.deepcopy(base)
+    backfuse.patch(ours, quiet=True)
+    ids = torch.randint(1, 90, (2, 11), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    outs = []
+    weights = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE) * mask[..., None]
+    for model in (base, ours):
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        (out * weights).sum().backward()  # (a loss that reads the real tokens' states in every direction)
+        outs.append(out)
+    assert backfuse.fallbacks(ours) == {}
+    real = mask.bool()
+    assert rel_err(outs[1][real], outs[0][real]) < 3e-3
+    theirs = dict(base.named_parameters())
+    for name, p in ours.named_parameters():
+        assert rel_err(p.grad, theirs[name].grad) < 3e-2, name
+    if impl == "sdpa":  # no mask: SDPA attends both ways by the module's flag, which the op does not
+        attention = ours.layers[1].self_attn
+        x = torch.randn(2, 11, 32, device=DEVICE)
+        turns = (torch.ones(2, 11, 16, device=DEVICE), torch.zeros(2, 11, 16, device=DEVICE))  # (RoPE turning nothing)
+        with pytest.warns(backfuse.BackfuseWarning, match="bidirectional attention"):
+            attention(x, turns, None)
 
 
 def test_what_flash_attention_takes_otherwise_runs_the_modules_code(monkeypatch):

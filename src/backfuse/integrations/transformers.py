@@ -10,7 +10,10 @@ state, so a recomputation (gradient checkpointing, reentrant or not) decides the
   transformers built and passed the layer. A 4-dim mask ([B or 1, 1, S, S]: bool for SDPA, 0 / finfo.min
   for eager) goes to the kernels as it is (in one layout a shape: `_one_layout`), so causality, the sliding
   window, padding, packed documents (position ids that restart) and Gemma 3's bidirectional image blocks are
-  whatever transformers made of them; the kernels skip the key blocks it hides from every query of a block.
+  whatever transformers made of them, as are a module's that is not causal (PaliGemma 2's Gemma 2 layers, whose
+  image and prefix see each other both ways; a bidirectional Gemma 3 encoder): the mask alone decides there, for
+  the op as for transformers' attention functions. The kernels skip the key blocks it hides from every query of a
+  block.
   A caller's own 4-dim mask is served only where the attention function reads it as the op does (bool: visible keys; float: added
   to the logits): eager adds any mask to the logits, so a bool one runs the module's code there. None
   under SDPA is its `is_causal` attention (causal, no window: transformers passes None only where nothing
@@ -102,8 +105,11 @@ def _served(module, impl, hidden_states, position_embeddings, attention_mask, ca
         return flash
     if module.training and module.attention_dropout:
         return "attention dropout"
-    causal = kwargs.get("is_causal") if flash and kwargs.get("is_causal") is not None else getattr(module, "is_causal", True)
-    if not causal:
+    # (causality is the flag's only where no 4-dim mask decides: FlashAttention, or SDPA without a mask; a module
+    # not causal under a mask transformers built, PaliGemma's prefix, is served by that mask)
+    causal = kwargs.get("is_causal") if impl != "eager" and kwargs.get("is_causal") is not None else \
+        getattr(module, "is_causal", True)
+    if not causal and (flash or attention_mask is None):
         return "bidirectional attention"
     if kwargs.get("output_attentions"):
         return "attention weights asked for (output_attentions)"
