@@ -77,6 +77,8 @@ def _worker(rank, port, out):
             results[wrapper] = dict(losses=(losses / WORLD).cpu(), params=params)
         if rank == 0:
             torch.save(results, out)
+        dist.barrier()  # both ranks done before either tears its process group down (a rank that fails stops the
+        # other through mp.spawn)
     finally:
         dist.destroy_process_group()
 
