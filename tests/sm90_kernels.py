@@ -36,9 +36,10 @@ def _sm90_cases(dtype: str):
                            t.bwd_warps, t.bwd_stages)
     yield ("bounds", attention.attention_bounds_kernel, ptr | {"starts": "*i32"},
            dict(CAUSAL=True, WINDOW=True, DOCS=True, MASK=3, BR=64, BN=64), 4, 1)
-    yield ("norm/RoPE backward", rope.norm_rope_backward_kernel,
-           {n: "*fp32" for n in ("dout", "x", "w", "cos", "sin", "parts", "ranges")} | {"dx": f"*{dtype}"},
-           dict(D=128, LD_DOUT=3072, LD_X=5120, LD_DX=5120, BT=32, RANGES=True, NORM=True), 4, 1)
+    for pairs in (False, True):
+        yield (f"norm/RoPE backward pairs={pairs}", rope.norm_rope_backward_kernel,
+               {n: "*fp32" for n in ("dout", "x", "w", "cos", "sin", "parts", "ranges")} | {"dx": f"*{dtype}"},
+               dict(D=128, LD_DOUT=3072, LD_X=5120, LD_DX=5120, BT=32, RANGES=True, NORM=True, PAIRS=pairs), 4, 1)
     yield ("cast", passes.cast_kernel, {"src": "*fp32", "dst": f"*{dtype}", "ranges": "*fp32", "state": "*fp32"},
            dict(BLOCK=8192, UPSTREAM=True, RANGES=True), 8, 1)
     yield ("guard check", passes.guard_check_kernel, {"maxima": "*fp32", "flags": "*i32", "state": "*fp32", "log": "*fp32"},
