@@ -126,8 +126,14 @@ def _op_args(case):
     """(op, args) of a custom op at a small config: the official operators' inputs, 037 with each kind of mask."""
     pid, _, mask = case.partition("-")
     _, _, fwd = _forward_inputs(pid)
+    if pid == "021" and mask == "self":  # the self-attention: the video its own context, norms and RoPE tables
+        video, hidden = fwd[0], fwd[0].shape[-1]
+        norms = [(1 + 0.1 * torch.randn(hidden, device=DEVICE)).requires_grad_() for _ in range(2)]
+        angles = torch.rand(video.shape[1], hidden // 16, device=DEVICE)
+        return torch.ops.backfuse.wan_xattn_forward.default, (video, video, *fwd[2:10], *norms, angles.cos(),
+                                                              angles.sin(), fwd[10], 16, 1e-6)
     if pid == "021":
-        return torch.ops.backfuse.wan_xattn_forward.default, (*fwd[:10], None, None, fwd[10], 16, 1e-6)
+        return torch.ops.backfuse.wan_xattn_forward.default, (*fwd[:10], None, None, None, None, fwd[10], 16, 1e-6)
     if pid == "072":
         return torch.ops.backfuse.qkv_gqa_forward.default, (*fwd, 256)
     b, s = fwd[0].shape[:2]
@@ -144,7 +150,8 @@ def _op_args(case):
     return torch.ops.backfuse.gemma3_core_forward.default, (*fwd[:9], *masks[mask], *fwd[9:], 0, 0)
 
 
-@pytest.mark.parametrize("case", ["021", "072", "037", "037-padding", "037-documents", "037-additive", "037-attention"])
+@pytest.mark.parametrize("case", ["021", "021-self", "072", "037", "037-padding", "037-documents", "037-additive",
+                                  "037-attention"])
 def test_custom_ops_keep_torch_librarys_contract(case):
     """torch.library.opcheck: the schema (no output aliases an input or another output: the parameter
     gradients each in memory of their own), the fake kernels' shapes and the autograd registration. (Its

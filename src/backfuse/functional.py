@@ -107,8 +107,10 @@ def _site(plan):
 _WAN_LABEL = "backfuse.functional.wan_xattn"
 
 
-def _wan_plan(tensors, scale, heads, save, eps=1e-6):
-    key = ("021", _signature(tensors), heads, save, eps, torch.are_deterministic_algorithms_enabled())
+def _wan_plan(tensors, scale, heads, save, eps=1e-6, rope: bool = False):
+    """The plan of a wan_xattn call: tensors the 10 inputs, then the norms' weights where there are norms, then
+    the RoPE tables where rope."""
+    key = ("021", _signature(tensors), heads, save, eps, rope, torch.are_deterministic_algorithms_enabled())
     plan = _plans.get(key)
     if plan is None:
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
@@ -117,7 +119,7 @@ def _wan_plan(tensors, scale, heads, save, eps=1e-6):
         if hidden is None or hidden % heads:
             raise ValueError(f"{_WAN_LABEL}: input 'video_latents' must be [batch, tokens, hidden] with hidden a multiple "
                              f"of heads={heads}, got shape {tuple(tensors[0].shape)}")
-        norm = len(tensors) > 10
+        norm = len(tensors) - 2 * rope > 10
         try:
             config = WanXattnConfig(hidden, heads, qk_norm=norm)
         except ValueError as e:
@@ -128,17 +130,38 @@ def _wan_plan(tensors, scale, heads, save, eps=1e-6):
             for n in ("query", "key", "value", "output") for kind in ("weight", "bias")]
         if norm:
             specs += [Tensor("norm_q_weight", (hidden,)), Tensor("norm_k_weight", (hidden,))]
-        axes = _validate(_WAN_LABEL, "021", specs, tensors)
+        axes = _validate(_WAN_LABEL, "021", specs, tensors[:len(specs)])
+        if rope:
+            _check_rope_tables(tensors[len(specs):], axes[nv], axes[nt], hidden // heads, tensors[0].device)
         device = tensors[0].device
         plan = _plans[key] = _wan.Plan(axes[b], axes[nv], axes[nt], config, tensors[0].dtype, save=save,
-                                       sms=_sm_count(device), deterministic=key[-1], eps=eps)
+                                       sms=_sm_count(device), deterministic=key[-1], eps=eps, rope=rope)
     return plan
+
+
+def _check_rope_tables(tables, video_tokens: int, text_tokens: int, head_dim: int, device) -> None:
+    """wan_xattn's rope tables: floating [Nv, D] or [1, Nv, 1, D] (diffusers' layout), no gradient, on the
+    video's device; the attention a self-attention (its context as long as the video: a row per token)."""
+    if text_tokens != video_tokens:
+        raise ValueError(f"{_WAN_LABEL}: rope turns a self-attention's queries and keys by their video positions: "
+                         f"input 'text_embeddings' must be the video itself ({video_tokens} tokens), got {text_tokens}")
+    for name, t in zip(("rope_cos", "rope_sin"), tables):
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else None
+        if shape not in ((video_tokens, head_dim), (1, video_tokens, 1, head_dim)) or not t.is_floating_point():
+            what = f"{t.dtype} {shape}" if shape is not None else type(t).__name__
+            raise ValueError(f"{_WAN_LABEL}: input '{name}' must be a floating tensor [{video_tokens}, {head_dim}] or "
+                             f"[1, {video_tokens}, 1, {head_dim}] (a row per video token), got {what}")
+        if t.device != device:
+            raise ValueError(f"{_WAN_LABEL}: input '{name}' is on {t.device}, video_latents on {device}")
+        if t.requires_grad:
+            raise ValueError(f"{_WAN_LABEL}: input '{name}' requires a gradient, and the RoPE tables take none here "
+                             f"(pass it detached)")
 
 
 class _WanXattn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scale, heads, save, eps, *tensors):
-        plan = _wan_plan(tensors, scale, heads, save, eps)
+    def forward(ctx, scale, heads, save, eps, rope, *tensors):
+        plan = _wan_plan(tensors, scale, heads, save, eps, rope)
         tensors = _contiguous(tensors)
         out, acts = _wan.forward(tensors, scale, plan)
         ctx.save_for_backward(*tensors, *([] if acts is None else [acts]))
@@ -147,34 +170,40 @@ class _WanXattn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        needs = tuple(ctx.needs_input_grad[4:])
+        needs = tuple(ctx.needs_input_grad[5:])
         if not any(needs):
-            return (None,) * (4 + ctx.count)
+            return (None,) * (5 + ctx.count)
         saved = ctx.saved_tensors
         acts = saved[ctx.count] if len(saved) > ctx.count else None
         with _attributed(ctx.site):
             grads = _wan.backward(saved[:ctx.count], grad_out, ctx.scale, _needs_plan(ctx.plan, needs), acts)
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
 
 
 def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, scale, *,
-              heads: int = 16, norm_q_weight=None, norm_k_weight=None, eps: float = 1e-6,
+              heads: int = 16, norm_q_weight=None, norm_k_weight=None, eps: float = 1e-6, rope=None,
               save_activations: bool = True):
-    """Wan-style text-to-video cross-attention (`ops/wan_xattn/training.py`): video [B, Nv, hidden],
-    text [B, Nt, hidden], the four projections' weights [hidden, hidden] and biases [hidden], `heads`
-    heads of hidden / heads; with norm_q_weight and norm_k_weight ([hidden] each), q and k RMS-normed
-    across all heads (eps) as Wan 2.1 / 2.2's cross-attention does; softmax(scale * Q K^T) V, no mask
-    -> [B, Nv, hidden]."""
+    """Wan-style attention (`ops/wan_xattn/training.py`): video [B, Nv, hidden], text [B, Nt, hidden], the four
+    projections' weights [hidden, hidden] and biases [hidden], `heads` heads of hidden / heads; with norm_q_weight
+    and norm_k_weight ([hidden] each), q and k RMS-normed across all heads (eps) as Wan 2.1 / 2.2's attentions
+    do; softmax(scale * Q K^T) V, no mask -> [B, Nv, hidden]. The text-to-video cross-attention, or with
+    rope=(cos, sin) the self-attention (text: the video itself): q and k, after their norms, turned on
+    interleaved pairs as diffusers' Wan does (pair i of a head by cos[t, 2i] and sin[t, 2i + 1] at video token t;
+    tables [Nv, D] or diffusers' [1, Nv, 1, D], floating, without gradient)."""
     scale = check_real(scale, f"{_WAN_LABEL}: input 'scale'")
     eps = check_real(eps, f"{_WAN_LABEL}: eps")
     if (norm_q_weight is None) != (norm_k_weight is None):
         raise ValueError(f"{_WAN_LABEL}: norm_q_weight and norm_k_weight are both tensors (the q, k norms) or both None")
+    if rope is not None and (not isinstance(rope, (tuple, list)) or len(rope) != 2):
+        raise ValueError(f"{_WAN_LABEL}: rope must be (cos, sin), two tables, got {type(rope).__name__}")
     norms = [] if norm_q_weight is None else [norm_q_weight, norm_k_weight]
+    tables = [] if rope is None else list(rope)  # (never autocast: the tables stay in their own dtype)
     tensors = _autocast([video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, *norms])
     if torch.compiler.is_compiling():
-        return torch.ops.backfuse.wan_xattn_forward(*tensors, *([None, None] if not norms else []), scale, heads, eps)[0]
+        return torch.ops.backfuse.wan_xattn_forward(*tensors, *([None, None] if not norms else []),
+                                                    *(tables or [None, None]), scale, heads, eps)[0]
     with _autocast_off(tensors):
-        return _WanXattn.apply(scale, heads, save_activations, eps, *tensors)
+        return _WanXattn.apply(scale, heads, save_activations, eps, bool(tables), *tensors, *tables)
 
 
 # ---------------------------------------------------------------- 072 -------------------------------------------
@@ -541,32 +570,35 @@ def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, 
     torch.library.register_autograd(f"backfuse::{name}_forward", formula, setup_context=setup_context, lib=_LIB)
 
 
-def _wan_tensors(tensors):
-    """The op's tensors as the eager path takes them: the norm weights only where there are norms."""
-    return tensors[:10] if tensors[10] is None else tensors
+def _wan_tensors(tensors) -> tuple:
+    """(the op's tensors as the eager path takes them: the norm weights only where there are norms, the RoPE
+    tables only where there is RoPE; rope)."""
+    rope = tensors[12] is not None
+    return [t for t in tensors if t is not None], rope
 
 
 def _wan_forward_op(*args):
     *tensors, scale, heads, eps = args
-    tensors = _wan_tensors(tensors)
-    plan = _wan_plan(tensors, scale, heads, True, eps)
+    tensors, rope = _wan_tensors(tensors)
+    plan = _wan_plan(tensors, scale, heads, True, eps, rope)
     out, acts = _wan.forward(_contiguous(tensors), scale, plan)
     return out, acts
 
 
 def _wan_backward_op(grads, *args):
     *tensors, acts, scale, heads, eps, needs = args
-    tensors = _wan_tensors(tensors)
-    plan = _needs_plan(_wan_plan(tensors, scale, heads, True, eps), tuple(needs), own=True)
+    tensors, rope = _wan_tensors(tensors)
+    plan = _needs_plan(_wan_plan(tensors, scale, heads, True, eps, rope), tuple(needs), own=True)
     out = _wan.backward(_contiguous(tensors), grads[0], scale, plan, acts)
-    return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out]
+    return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out[:12]]
 
 
 def _wan_fake_forward(*args):
     *tensors, scale, heads, eps = args
     video, text = tensors[:2]
     config = WanXattnConfig(video.shape[2], heads, qk_norm=tensors[10] is not None)
-    plan = _wan.Plan(video.shape[0], video.shape[1], text.shape[1], config, video.dtype, eps=eps)
+    plan = _wan.Plan(video.shape[0], video.shape[1], text.shape[1], config, video.dtype, eps=eps,
+                     rope=tensors[12] is not None)
     return torch.empty_like(video), video.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
@@ -576,7 +608,8 @@ def _wan_fake_backward(grads, *args):
 
 
 _register("wan_xattn", ["video_latents", "text_embeddings", "query_weight", "query_bias", "key_weight", "key_bias",
-                        "value_weight", "value_bias", "output_weight", "output_bias", "norm_q_weight?", "norm_k_weight?"],
+                        "value_weight", "value_bias", "output_weight", "output_bias", "norm_q_weight?", "norm_k_weight?",
+                        "rope_cos?", "rope_sin?"],
           "float scale, int heads, float eps", 1, _wan_forward_op, _wan_backward_op, _wan_fake_forward,
           _wan_fake_backward, range(12))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kernels.schedule import cdiv
-from ..kernels.triton import attention, passes
+from ..kernels.triton import attention, passes, rope
 from .masks import Masking
 from .program import Kernel, constant, torch_step
 
@@ -36,6 +36,8 @@ FORWARD = Kernel(attention.attention_forward_kernel)
 DELTA = Kernel(attention.attention_delta_kernel)
 BACKWARD = Kernel(attention.attention_backward_kernel)
 BOUNDS = Kernel(attention.attention_bounds_kernel)
+ROPE = Kernel(rope.norm_rope_kernel)
+ROPE_BACKWARD = Kernel(rope.norm_rope_backward_kernel)
 
 _dummies: dict = {}
 
@@ -115,6 +117,29 @@ def row_norm(x, w, out, eps: float, rstd=None):
                                               T=tokens, eps=float(eps)),
                     W=width, BW=bw, LD_X=x.stride(0), LD_OUT=(x if only else out).stride(0), BT=bt, RSTD=only,
                     num_warps=8 if bw >= 4096 else 4)
+
+
+ROPE_ROWS = 32  # tokens a program of the RoPE steps turns
+
+
+def rope_pairs(x, cos, sin, head_dim: int):
+    """x turned in place by RoPE on interleaved pairs (`kernels/triton/rope.py`, PAIRS): x token-major rows
+    [T, heads * D]; cos, sin [rows, D] fp32 tables, token t reading row t % rows."""
+    tokens, width = x.shape
+    return ROPE((cdiv(tokens, ROPE_ROWS), width // head_dim),
+                dict(x=x, w=cos, cos=cos, sin=sin, out=x, T=tokens, cos_rows=cos.shape[0], eps=0.0),
+                D=head_dim, LD_X=x.stride(0), LD_OUT=x.stride(0), BT=ROPE_ROWS, NORM=False, PAIRS=True, num_warps=4)
+
+
+def rope_pairs_backward(dx, cos, sin, head_dim: int, guard, region: str):
+    """dx turned back in place (the transpose of `rope_pairs`), its range checked as `region` (fp16)."""
+    tokens, width = dx.shape
+    ranges, _, checked = _guarded(guard, dx.device)
+    return ROPE_BACKWARD((cdiv(tokens, ROPE_ROWS), width // head_dim),
+                         dict(dout=dx, x=dx, w=cos, cos=cos, sin=sin, dx=dx, parts=cos, ranges=ranges, T=tokens,
+                              cos_rows=cos.shape[0], eps=0.0, r_dx=_slot(guard, region)),
+                         D=head_dim, LD_DOUT=dx.stride(0), LD_X=dx.stride(0), LD_DX=dx.stride(0), BT=ROPE_ROWS,
+                         RANGES=checked, NORM=False, PAIRS=True, num_warps=4)
 
 
 def row_norm_parts(tokens: int) -> int:

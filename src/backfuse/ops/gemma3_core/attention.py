@@ -201,7 +201,7 @@ def _norm_rope_backward(p: Plan, g, inputs, s, w, gq, gk, eps: float) -> list:
             dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst, parts=parts,
                  ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps), r_dx=steps._slot(g, region)),
             D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=rows, RANGES=checked,
-            NORM=cfg.qk_norm, num_warps=warps))
+            NORM=cfg.qk_norm, PAIRS=False, num_warps=warps))
     if n[3]:
         launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
     if n[4]:

@@ -4,17 +4,20 @@ at any width and head count (`WanXattnConfig`), on float32, bfloat16 or float16 
 Forward (products in the inputs' dtype for bfloat16 and float16; on fp16 copies for float32; fp32 sums):
     Q = video Wq^T + bq, K = text Wk^T + bk, V = text Wv^T + bv      (cuBLAS, the bias in its epilogue)
     with qk_norm: Q, K = RMSNorm(Q) wq_norm, RMSNorm(K) wk_norm        (across all heads, as Wan's norm_q/k)
+    with rope: Q, K = RoPE(Q), RoPE(K) on interleaved pairs            (Wan's self-attention: text is the
+                                                                       video, cos/sin a row per video token)
     O, lse = attention(Q, K, V) at `scale`, no mask                   (kernels/triton/attention.py)
     out = O Wo^T + bo                                                 (cuBLAS)
 It saves Q, K, V, O, lse (and its fp16 copies of float32 inputs) for the backward, or, with
 save=False, nothing but the inputs: the backward then runs the forward's launches again first. With
 qk_norm it saves, for Q, the projection before the norm and each row's 1 / rms: the attention
-kernels norm Q as they load it (one activation of the video's size less than a normed copy).
+kernels norm Q as they load it (one activation of the video's size less than a normed copy); with rope
+Q is normed and turned into a copy of its own.
 
 Backward from dOut:
     dC = dOut Wo, grad_Wo = dOut^T O, grad_bo = sum dOut
-    delta = rowsum(dC * O); dQ, dK, dV = attention backward (with qk_norm: the norms' backward, in place,
-    and their weights' gradients)
+    delta = rowsum(dC * O); dQ, dK, dV = attention backward (with rope: RoPE's transpose, in place; with
+    qk_norm: the norms' backward, in place, and their weights' gradients)
     grad_video = dQ Wq, grad_Wq = dQ^T video, grad_bq = sum dQ
     grad_text = dK Wk + dV Wv, grad_Wk = dK^T text, grad_bk = sum dK, grad_Wv = dV^T text, grad_bv = sum dV
 The products of gradients nobody needs are skipped. On fp16 products the upstream gradient is scaled
@@ -64,10 +67,17 @@ class Plan:
     needs: tuple = (True,) * (NEEDS + 2)
     own_grads: bool = False  # each parameter gradient in memory of its own (`Outputs.separate`)
     eps: float = 1e-6  # the q, k norms'
+    rope: bool = False  # Q and K turned by RoPE on interleaved pairs after their norms (the self-attention's)
 
     @property
     def norm(self) -> bool:
         return self.config.qk_norm
+
+    @property
+    def q_on_load(self) -> bool:
+        """The attention norms Q as it loads it (the rows before the norm and their 1 / rms saved): with the q
+        norm and without RoPE, which must turn the normed rows."""
+        return self.norm and not self.rope
 
     @property
     def compute(self) -> torch.dtype:
@@ -106,7 +116,7 @@ class Plan:
     def activations(self):
         """What the forward leaves for the backward (saved, or the backward's own recomputation)."""
         tv, tt, d, c = self.tv, self.tt, self.config.hidden, self.compute
-        specs = [Buffer("q_rstd", (tv,), torch.float32) if self.norm else Buffer("q", (tv, d), c), Buffer("o", (tv, d), c),
+        specs = [Buffer("q_rstd", (tv,), torch.float32) if self.q_on_load else Buffer("q", (tv, d), c), Buffer("o", (tv, d), c),
                  Buffer("lse", (self.batch * self.config.heads, self.nv), torch.float32)]
         if self.casts:
             specs += [Buffer("kv", (tt, 2 * d), c), Buffer("video_c", (tv, d), c), Buffer("text_c", (tt, d), c),
@@ -114,7 +124,7 @@ class Plan:
         else:
             specs += [Buffer("k_raw" if self.norm else "k", (tt, d), c), Buffer("v", (tt, d), c)]
         if self.norm:  # the projections before their norms (the norms' backward reads them, and the attention
-            # norms Q as it loads it: q_rstd), and normed K
+            # norms Q as it loads it: q_rstd; with rope, normed and turned Q: q), and normed K
             specs += [Buffer("q_raw", (tv, d), c), Buffer("k", (tt, d), c)]
         return Arena(specs)
 
@@ -178,9 +188,18 @@ def _guard(plan: Plan, direction: str, device, owner: int = 0):
                         owner=owner)
 
 
+def _tables(p: Plan, inputs) -> tuple:
+    """(cos, sin) of the inputs' RoPE tables, [Nv, D] each (after the norms' weights), or (None, None)."""
+    if not p.rope:
+        return None, None
+    at = 10 + 2 * p.norm
+    return tuple(t.view(p.nv, p.config.head_dim) for t in inputs[at:at + 2])
+
+
 def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
-    """The forward up to O and lse, from the inputs x (video, text, wq, bq, wk, bk, wv, bv, wo[, nq, nk])
-    into the activations a and the scratch s (the output weight's fp16 copy too: the backward reads it)."""
+    """The forward up to O and lse, from the inputs x (video, text, wq, bq, wk, bk, wv, bv, wo[, nq, nk][,
+    cos, sin]: the inputs without bo) into the activations a and the scratch s (the output weight's fp16
+    copy too: the backward reads it)."""
     video, text, wq, bq, wk, bk, wv, bv, wo = x[:9]
     d = p.config.hidden
     q_out = a.q_raw if p.norm else a.q
@@ -198,23 +217,27 @@ def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
                     addmm(bv, text.view(p.tt, d), wv.T, a.v)]
         v = a.v
     if p.norm:
-        launches += [steps.row_norm(a.q_raw, None, None, p.eps, rstd=a.q_rstd), steps.row_norm(k_raw, x[10], a.k, p.eps)]
+        launches += [steps.row_norm(a.q_raw, x[9], a.q, p.eps) if p.rope else
+                     steps.row_norm(a.q_raw, None, None, p.eps, rstd=a.q_rstd), steps.row_norm(k_raw, x[10], a.k, p.eps)]
     k = a.k if p.norm else k_raw
+    if p.rope:
+        cos, sin = _tables(p, [*x[:9], None, *x[9:]])
+        launches += [steps.rope_pairs(a.q, cos, sin, p.config.head_dim), steps.rope_pairs(k, cos, sin, p.config.head_dim)]
     q, q_norm = _queries(p, a, x[9] if p.norm else None)
     launches.append(steps.attention_forward(p.attention, p.tiles, q, k, v, a.o, a.lse, scale, g, q_norm=q_norm))
     return launches
 
 
 def _queries(p: Plan, a, norm_weight) -> tuple:
-    """(q, q_norm) of the attention launches: with the q norm, the rows before it and the norm to apply as
-    they are loaded (no normed copy of Q is kept), else Q."""
-    return (a.q_raw, (a.q_rstd, norm_weight)) if p.norm else (a.q, None)
+    """(q, q_norm) of the attention launches: with the q norm applied on load, the rows before it and the
+    norm to apply as they are loaded (no normed copy of Q is kept), else Q."""
+    return (a.q_raw, (a.q_rstd, norm_weight)) if p.q_on_load else (a.q, None)
 
 
 def forward(inputs, scale: float, plan: Plan):
     """(out, activations): out [B, Nv, hidden] in the inputs' dtype; activations the allocation the
     backward reads (None with save=False). inputs: video, text, wq, bq, wk, bk, wv, bv, wo, bo (then
-    with qk_norm the norms' weights nq, nk)."""
+    with qk_norm the norms' weights nq, nk; then with rope the tables cos, sin)."""
     video, text, wq, bq, wk, bk, wv, bv, wo, bo = inputs[:10]
     device = video.device
     g = _guard(plan, "forward", device, inputs[2].data_ptr())
@@ -299,6 +322,10 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             else:
                 launches.append(steps.attention_backward(att, p.tiles, 1, q, k, v, dc, a.lse, s.delta, s.dq, dk, dv,
                                                          scale, g, q_norm=q_norm))
+            if p.rope:  # RoPE's transpose, in place: dQ, dK before the turn
+                cos, sin = _tables(p, inputs)
+                launches += [steps.rope_pairs_backward(s.dq, cos, sin, p.config.head_dim, g, "gradient of queries"),
+                             steps.rope_pairs_backward(dk, cos, sin, p.config.head_dim, g, "gradient of keys")]
             if p.norm:  # the norms' backward, in place: dQ, dK before the norms; the norms' weight gradients
                 launches += [steps.row_norm_backward(s.dq, a.q_raw, inputs[10], s.dq, s.parts_nq, p.eps, g,
                                                      "gradient of queries"),
@@ -345,7 +372,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
              getattr(w, "grad_wk", None) if n[4] else None, getattr(w, "grad_bk", None),
              getattr(w, "grad_wv", None) if n[6] else None, getattr(w, "grad_bv", None), getattr(w, "grad_wo", None),
              getattr(w, "grad_bo", None))
-    return grads + ((getattr(w, "grad_nq", None), getattr(w, "grad_nk", None)) if p.norm else ())
+    return grads + ((getattr(w, "grad_nq", None), getattr(w, "grad_nk", None)) if p.norm else ()) + (
+        (None, None) if p.rope else ())  # the RoPE tables take no gradient
 
 
 def problem_backward(problem, inputs, needs: tuple) -> tuple:
