@@ -49,6 +49,23 @@ def tables(n, d, device):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_self_attention_matches_float64(batch, n, hidden, heads, norm, dtype):
+    check(batch, n, hidden, heads, norm, dtype)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuDNN's attention runs on a GPU")
+def test_self_attention_on_cudnn_matches_float64(monkeypatch):
+    """bfloat16 at head size 128: from its shape's second call the plan takes cuDNN's attention (its forward
+    and backward in the call's launches), still right against float64."""
+    from backfuse.train import plans
+
+    monkeypatch.setattr(plans, "CUDNN_AFTER", 2)
+    for _ in range(3):
+        check(1, 300, 256, 2, True, torch.bfloat16)
+    assert any(p.cudnn for k, p in F._plans.items() if k[0] == "021" and k[5])
+
+
+def check(batch, n, hidden, heads, norm, dtype):
+    """One call's output and every gradient against float64."""
     torch.manual_seed(n + hidden)
     d = hidden // heads
     x = (torch.randn(batch, n, hidden, device=DEVICE) / math.sqrt(hidden)).to(dtype).requires_grad_()

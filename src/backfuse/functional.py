@@ -110,7 +110,8 @@ _WAN_LABEL = "backfuse.functional.wan_xattn"
 def _wan_plan(tensors, scale, heads, save, eps=1e-6, rope: bool = False):
     """The plan of a wan_xattn call: tensors the 10 inputs, then the norms' weights where there are norms, then
     the RoPE tables where rope."""
-    key = ("021", _signature(tensors), heads, save, eps, rope, torch.are_deterministic_algorithms_enabled())
+    key = ("021", _signature(tensors), heads, save, eps, rope, rope and _cudnn.enabled(),
+           torch.are_deterministic_algorithms_enabled())
     plan = _plans.get(key)
     if plan is None:
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
@@ -136,7 +137,11 @@ def _wan_plan(tensors, scale, heads, save, eps=1e-6, rope: bool = False):
         device = tensors[0].device
         plan = _plans[key] = _wan.Plan(axes[b], axes[nv], axes[nt], config, tensors[0].dtype, save=save,
                                        sms=_sm_count(device), deterministic=key[-1], eps=eps, rope=rope)
-    return plan
+        # The self-attention's long context on cuDNN's attention once its shape recurs (a plan per new shape
+        # costs ~80 ms a direction); the cross-attention's short text stays on ours.
+        if rope and _cudnn.serves(plan.attention, plan.compute, device, plan.deterministic):
+            _plan_cache.recurring(plan, dataclasses.replace(plan, cudnn=True))
+    return _plan_cache.looked_up(key, plan)
 
 
 def _check_rope_tables(tables, video_tokens: int, text_tokens: int, head_dim: int, device) -> None:

@@ -1,14 +1,18 @@
-"""diffusers' Wan cross-attention on backfuse's `wan_xattn`.
+"""diffusers' Wan attentions on backfuse's `wan_xattn`.
 
-A Wan transformer block's `attn2` (a `WanAttention` with `is_cross_attention`) gets a processor that
-computes the whole attention (q, k, v projections with biases, RMSNorm of q and k across the heads,
-softmax(Q K^T / sqrt(head size)) V, the output projection) as one `F.wan_xattn` call, when: the text
-context is all there is (no image context: `add_k_proj` is None), there is no attention mask and no
-rotary embedding, the projections are plain `nn.Linear` (not fused by `fuse_projections`, no LoRA, no
-quantization, hooks or parametrizations), q, k and v have the model width, the output dropout is off (or the
-module is in eval mode), and the processor it replaced is diffusers' own `WanAttnProcessor` on an exact
-attention backend (not SageAttention's quantized ones). Otherwise the processor it replaced runs, counted by
-reason (`backfuse.fallbacks(model)`); what diffusers sets on the module's processor afterwards (its attention
+Both attentions of a Wan transformer block (`WanAttention`s: `attn1`, the self-attention over the video,
+and `attn2`, the cross-attention to the text) get a processor that computes the whole attention (q, k, v
+projections with biases, RMSNorm of q and k across the heads, softmax(Q K^T / sqrt(head size)) V, the
+output projection) as one `F.wan_xattn` call; the self-attention's q and k turned by its rotary embedding
+after their norms (`rope=`: diffusers' (cos, sin) tables [1, N, 1, D], pairs as `apply_rotary_emb` turns
+them). Served when: the cross-attention's context is the text alone (no image context: `add_k_proj` is None)
+and it has no rotary embedding; the self-attention's rotary embedding is such a pair of tables with a row per
+video token, and it is not split across ranks (context parallelism); there is no attention mask; the
+projections are plain `nn.Linear` (not fused by `fuse_projections`, no LoRA, no quantization, hooks or
+parametrizations); q, k and v have the model width; the output dropout is off (or the module is in eval
+mode); and the processor it replaced is diffusers' own `WanAttnProcessor` on an exact attention backend (not
+SageAttention's quantized ones). Otherwise the processor it replaced runs, counted by reason
+(`backfuse.fallbacks(model)`); what diffusers sets on the module's processor afterwards (its attention
 backend, context parallelism) is set on that processor.
 """
 
@@ -25,17 +29,15 @@ from ..problem import fused_unusable
 from . import PATCHED, fall_back, plain_linear, replaced_forward
 
 
-def _is_wan_cross_attention(module, patched: bool = False) -> bool:
+def _is_wan_attention(module, patched: bool = False) -> bool:
     if type(module).__name__ != "WanAttention" or not type(module).__module__.startswith("diffusers."):
-        return False
-    if not getattr(module, "is_cross_attention", False):
         return False
     return patched == (getattr(module, PATCHED, None) is not None)
 
 
-class WanCrossAttnProcessor:
-    """The processor `bind` sets on a Wan cross-attention: backfuse where it covers the call, else the
-    processor it replaced."""
+class WanAttnProcessor:
+    """The processor `bind` sets on a Wan attention: backfuse where it covers the call, else the processor it
+    replaced."""
 
     def __init__(self, own):
         self.own = own
@@ -49,27 +51,31 @@ class WanCrossAttnProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
                  **kwargs):
-        reason = _own_processor(self.own) or _why_not(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                                      rotary_emb)
+        reason = _own_processor(self.own, encoder_hidden_states is None) or _why_not(
+            attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         if reason:
             fall_back(attn, reason)
             return self.own(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
         head_dim = attn.inner_dim // attn.heads
         norm_q, norm_k = attn.norm_q, attn.norm_k
         eps = norm_q.eps if norm_q.eps is not None else torch.finfo(hidden_states.dtype).eps
-        out = F.wan_xattn(hidden_states, encoder_hidden_states, attn.to_q.weight, attn.to_q.bias, attn.to_k.weight,
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        out = F.wan_xattn(hidden_states, context, attn.to_q.weight, attn.to_q.bias, attn.to_k.weight,
                           attn.to_k.bias, attn.to_v.weight, attn.to_v.bias, attn.to_out[0].weight, attn.to_out[0].bias,
                           1 / math.sqrt(head_dim), heads=attn.heads, norm_q_weight=norm_q.weight,
-                          norm_k_weight=norm_k.weight, eps=eps)
+                          norm_k_weight=norm_k.weight, eps=eps, rope=rotary_emb)
         return attn.to_out[1](out)
 
 
-def _own_processor(own) -> str | None:
+def _own_processor(own, self_attention: bool) -> str | None:
     """Why the replaced processor does not compute what backfuse does, or None: it must be diffusers' own
-    `WanAttnProcessor` (a custom one computes what its author wrote), and its attention backend an exact one
-    (SageAttention's quantize Q, K and P)."""
+    `WanAttnProcessor` (a custom one computes what its author wrote), its attention backend an exact one
+    (SageAttention's quantize Q, K and P), and a self-attention not split across ranks (diffusers' context
+    parallelism gathers the other ranks' keys; the cross-attention's text is whole on every rank)."""
     if type(own).__name__ != "WanAttnProcessor" or not type(own).__module__.startswith("diffusers."):
         return f"the processor it replaced is a {type(own).__module__}.{type(own).__name__}, not diffusers' WanAttnProcessor"
+    if self_attention and getattr(own, "_parallel_config", None) is not None:
+        return "context parallelism (the self-attention's keys are split across ranks)"
     backend = getattr(own, "_attention_backend", None)
     if backend is None:
         registry = getattr(sys.modules.get("diffusers.models.attention_dispatch"), "_AttentionBackendRegistry", None)
@@ -84,14 +90,19 @@ def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_
     unusable = fused_unusable(hidden_states.device)
     if unusable:
         return f"backfuse's kernels cannot run here: {unusable}"
-    if encoder_hidden_states is None:
-        return "self-attention (no text context)"
     if attn.add_k_proj is not None:
         return "image context (I2V)"
     if attention_mask is not None:
         return "an attention mask"
-    if rotary_emb is not None:
-        return "a rotary embedding"
+    if encoder_hidden_states is None:  # the self-attention: turned by its rotary embedding, or not served
+        head_dim = attn.inner_dim // attn.heads
+        tokens = hidden_states.shape[1] if hidden_states.dim() == 3 else None
+        if not (isinstance(rotary_emb, (tuple, list)) and len(rotary_emb) == 2 and all(
+                isinstance(t, torch.Tensor) and tuple(t.shape) == (1, tokens, 1, head_dim) and not t.requires_grad
+                for t in rotary_emb)):
+            return "a self-attention without diffusers' rotary tables (cos, sin) [1, tokens, 1, head size]"
+    elif rotary_emb is not None:
+        return "a rotary embedding on the cross-attention"
     if getattr(attn, "fused_projections", False):
         return "fused projections"
     if attn.kv_inner_dim != attn.inner_dim or attn.to_k.in_features != attn.to_q.in_features:
@@ -115,7 +126,7 @@ def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_
 def bind(module) -> None:
     own = module.get_processor() if hasattr(module, "get_processor") else module.processor
     setattr(module, PATCHED, {"processor": own, "fallbacks": Counter()})
-    module.set_processor(WanCrossAttnProcessor(own))
+    module.set_processor(WanAttnProcessor(own))
 
 
 def unbind(module) -> None:
@@ -124,4 +135,4 @@ def unbind(module) -> None:
     delattr(module, PATCHED)
 
 
-KINDS = [("diffusers WanAttention (cross-attention)", _is_wan_cross_attention, bind, unbind)]
+KINDS = [("diffusers WanAttention", _is_wan_attention, bind, unbind)]

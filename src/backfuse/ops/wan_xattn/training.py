@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import buffers
+from ...kernels.graphs import Allocating
 from ...kernels.schedule import Holds
+from ...train import cudnn, plans, steps
 from ...train import guard as guards
-from ...train import plans, steps
 from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addmm, bases, bytes_of, execute, mm
 from .spec import WanXattnConfig
 
@@ -68,6 +69,7 @@ class Plan:
     own_grads: bool = False  # each parameter gradient in memory of its own (`Outputs.separate`)
     eps: float = 1e-6  # the q, k norms'
     rope: bool = False  # Q and K turned by RoPE on interleaved pairs after their norms (the self-attention's)
+    cudnn: bool = False  # the attention is cuDNN's (`train/cudnn.py: serves`)
 
     @property
     def norm(self) -> bool:
@@ -76,8 +78,8 @@ class Plan:
     @property
     def q_on_load(self) -> bool:
         """The attention norms Q as it loads it (the rows before the norm and their 1 / rms saved): with the q
-        norm and without RoPE, which must turn the normed rows."""
-        return self.norm and not self.rope
+        norm and without RoPE, which must turn the normed rows, or cuDNN's attention, which loads Q as it is."""
+        return self.norm and not (self.rope or self.cudnn)
 
     @property
     def compute(self) -> torch.dtype:
@@ -224,8 +226,17 @@ def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
         cos, sin = _tables(p, [*x[:9], None, *x[9:]])
         launches += [steps.rope_pairs(a.q, cos, sin, p.config.head_dim), steps.rope_pairs(k, cos, sin, p.config.head_dim)]
     q, q_norm = _queries(p, a, x[9] if p.norm else None)
-    launches.append(steps.attention_forward(p.attention, p.tiles, q, k, v, a.o, a.lse, scale, g, q_norm=q_norm))
+    if not p.cudnn:  # (cuDNN's attention allocates its outputs: the callers' `Allocating` steps)
+        launches.append(steps.attention_forward(p.attention, p.tiles, q, k, v, a.o, a.lse, scale, g, q_norm=q_norm))
     return launches
+
+
+def _keys_values(p: Plan, a) -> tuple:
+    """(K, V) as the attention reads them."""
+    if p.casts:
+        d = p.config.hidden
+        return (a.k if p.norm else a.kv[:, :d]), a.kv[:, d:]
+    return a.k, a.v
 
 
 def _queries(p: Plan, a, norm_weight) -> tuple:
@@ -247,11 +258,18 @@ def forward(inputs, scale: float, plan: Plan):
     a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
     out = buffers.empty(video.shape, plan.io, device)
 
+    key = ("wan_xattn forward", plan, scale)
+
     def build():
         a, s = acts.views(a_flat), scratch.views(s_flat)
         launches = _forward_launches(plan, g, inputs[:9] + inputs[10:], a, s, scale)
         o2 = out.view(plan.tv, plan.config.hidden)
-        if plan.casts:  # fp32 output: the bias added in fp32
+        if plan.cudnn:  # O and lse into the saved activations (cuDNN allocates its own), the output projection
+            launches.append(Allocating(
+                key, lambda: cudnn.forward(plan.attention, a.q, *_keys_values(plan, a), scale),
+                lambda o, lse: [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), addmm(bo, o, wo.T, o2)],
+                "cuDNN's attention forward"))
+        elif plan.casts:  # fp32 output: the bias added in fp32
             launches += [mm(a.o, a.wo_c.T, o2), lambda: o2.add_(bo)]
         else:
             launches.append(addmm(bo, a.o, wo.T, o2))
@@ -259,7 +277,7 @@ def forward(inputs, scale: float, plan: Plan):
             launches.append(steps.check(g))
         return launches
 
-    execute(("wan_xattn forward", plan, scale), device, bases(*inputs, out, a_flat, s_flat), build)
+    execute(key, device, bases(*inputs, out, a_flat, s_flat), build)
     if g is not None and device.type != "cuda":
         g.poll()  # the interpreter ran it already: warn now
     return out, (a_flat if plan.save else None)
@@ -281,6 +299,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
     grad_video = buffers.empty(video.shape, p.io, device) if n[0] else None
     grad_text = buffers.empty(text.shape, p.io, device) if n[1] else None
     go = grad_out.contiguous().view(tv, d)
+    key = ("wan_xattn backward", p, scale)
 
     def build():
         s = scratch.views(s_flat)
@@ -302,46 +321,31 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
         dc = (p.upstream_of_attention.views(bytes_of(grad_video)) if n[0] else s).dc
         if n[9]:
             launches += steps.column_sums(go_c, w.grad_bo, s.parts_bo, g, unscale=True)
-        if n[8]:
-            launches.append(mm(go_c.T, a.o, w.grad_wo))
-        if any(n[:8]) or (p.norm and any(n[10:])):
-            att = p.attention
-            launches += [mm(go_c, wo_c, dc), steps.attention_delta(att, a.o, dc, s.delta, g)]
-            if p.split > 1:  # fp32 atomic sums, then their fp16 copies
-                if p.casts:
-                    launches += [steps.zero(s.dkv32),
-                                 steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
-                                                          s.dkv32[:, :d], s.dkv32[:, d:], scale, g, q_norm=q_norm),
-                                 steps.cast(s.dkv32, s.dkv, g, "gradient of keys")]
-                else:
-                    launches += [steps.zero(s.dk32), steps.zero(s.dv32),
-                                 steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
-                                                          s.dk32, s.dv32, scale, g, q_norm=q_norm),
-                                 steps.cast(s.dk32, s.dk, g, "gradient of keys"),
-                                 steps.cast(s.dv32, s.dv, g, "gradient of values")]
-            else:
-                launches.append(steps.attention_backward(att, p.tiles, 1, q, k, v, dc, a.lse, s.delta, s.dq, dk, dv,
-                                                         scale, g, q_norm=q_norm))
+
+        def after(dq, dk, dv) -> list:
+            """From the attention's dQ, dK, dV on: RoPE's and the norms' backward (in place), the bias sums,
+            the products with the inputs."""
+            launches = []
             if p.rope:  # RoPE's transpose, in place: dQ, dK before the turn
                 cos, sin = _tables(p, inputs)
-                launches += [steps.rope_pairs_backward(s.dq, cos, sin, p.config.head_dim, g, "gradient of queries"),
+                launches += [steps.rope_pairs_backward(dq, cos, sin, p.config.head_dim, g, "gradient of queries"),
                              steps.rope_pairs_backward(dk, cos, sin, p.config.head_dim, g, "gradient of keys")]
             if p.norm:  # the norms' backward, in place: dQ, dK before the norms; the norms' weight gradients
-                launches += [steps.row_norm_backward(s.dq, a.q_raw, inputs[10], s.dq, s.parts_nq, p.eps, g,
+                launches += [steps.row_norm_backward(dq, a.q_raw, inputs[10], dq, s.parts_nq, p.eps, g,
                                                      "gradient of queries"),
                              steps.row_norm_backward(dk, k_raw, inputs[11], dk, s.parts_nk, p.eps, g, "gradient of keys")]
                 for need, out, parts, sums in ((n[10], "grad_nq", s.parts_nq, s.sums_nq),
                                                (n[11], "grad_nk", s.parts_nk, s.sums_nk)):
                     if need:
                         launches += steps.column_sums(parts, getattr(w, out), sums, g, unscale=True)
-            for need, out, x, parts in ((n[3], "grad_bq", s.dq, s.parts_bq), (n[5], "grad_bk", dk, s.parts_bk),
+            for need, out, x, parts in ((n[3], "grad_bq", dq, s.parts_bq), (n[5], "grad_bk", dk, s.parts_bk),
                                         (n[7], "grad_bv", dv, s.parts_bv)):
                 if need:
                     launches += steps.column_sums(x, getattr(w, out), parts, g, unscale=True)
             if n[0]:
-                launches.append(mm(s.dq, wq_c, grad_video.view(tv, d)))
+                launches.append(mm(dq, wq_c, grad_video.view(tv, d)))
             if n[2]:
-                launches.append(mm(s.dq.T, video_c, w.grad_wq))
+                launches.append(mm(dq.T, video_c, w.grad_wq))
             if n[1]:
                 gt = grad_text.view(tt, d)
                 launches += [mm(s.dkv, a.wkv_c, gt)] if p.casts else [mm(dk, wk, gt), accumulate(gt, dv, wv)]
@@ -351,6 +355,41 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
                 launches.append(mm(dk.T, text_c, w.grad_wk))
             if not p.casts and n[6]:
                 launches.append(mm(dv.T, text_c, w.grad_wv))
+            return launches
+
+        through_attention = any(n[:8]) or (p.norm and any(n[10:12]))
+        if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest
+            def attention():
+                o, lse = cudnn.forward(p.attention, a.q, k, v, scale) if a_flat is None else (a.o, a.lse)
+                return o, (cudnn.backward(p.attention, a.q, k, v, o, lse, dc, scale) if through_attention else ())
+
+            def rest(o, grads):
+                return ([mm(go_c.T, o, w.grad_wo)] if n[8] else []) + (after(*grads) if through_attention else [])
+
+            launches += [mm(go_c, wo_c, dc)] if through_attention else []
+            launches.append(Allocating(key, attention, rest, "cuDNN's attention backward"))
+        else:
+            if n[8]:
+                launches.append(mm(go_c.T, a.o, w.grad_wo))
+            if through_attention:
+                att = p.attention
+                launches += [mm(go_c, wo_c, dc), steps.attention_delta(att, a.o, dc, s.delta, g)]
+                if p.split > 1:  # fp32 atomic sums, then their fp16 copies
+                    if p.casts:
+                        launches += [steps.zero(s.dkv32),
+                                     steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
+                                                              s.dkv32[:, :d], s.dkv32[:, d:], scale, g, q_norm=q_norm),
+                                     steps.cast(s.dkv32, s.dkv, g, "gradient of keys")]
+                    else:
+                        launches += [steps.zero(s.dk32), steps.zero(s.dv32),
+                                     steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
+                                                              s.dk32, s.dv32, scale, g, q_norm=q_norm),
+                                     steps.cast(s.dk32, s.dk, g, "gradient of keys"),
+                                     steps.cast(s.dv32, s.dv, g, "gradient of values")]
+                else:
+                    launches.append(steps.attention_backward(att, p.tiles, 1, q, k, v, dc, a.lse, s.delta, s.dq, dk, dv,
+                                                             scale, g, q_norm=q_norm))
+                launches += after(s.dq, dk, dv)
         if g is not None and g.scaled:
             products = [grad_video, grad_text] + [getattr(w, name, None) for name in ("grad_wq", "grad_wkv", "grad_wo")]
             launches += [steps.unscale(t, g) for t in products if t is not None]
@@ -359,7 +398,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
         return launches
 
     made = [t for t in (grad_video, grad_text) if t is not None]
-    execute(("wan_xattn backward", p, scale), device,
+    execute(key, device,
             bases(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
