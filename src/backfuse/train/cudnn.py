@@ -56,10 +56,10 @@ def _heads(rows: torch.Tensor, batch: int, seq: int, head_dim: int) -> torch.Ten
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """Token-major rows [B * S, heads * D] of a [B, heads, S, D] result (a copy only where cuDNN did not
-    keep the layout)."""
+    """Token-major rows [B * S, heads * D] of a [B, heads, S, D] result, contiguous (a copy only where cuDNN did
+    not keep the layout: the kernels after it read rows with unit column stride)."""
     b, h, s, d = x.shape
-    return x.transpose(1, 2).reshape(b * s, h * d)
+    return x.transpose(1, 2).reshape(b * s, h * d).contiguous()
 
 
 def forward(a: Attention, q, k, v, scale: float) -> tuple:

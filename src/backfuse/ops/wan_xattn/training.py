@@ -145,13 +145,14 @@ class Plan:
     def backward_scratch(self):
         tv, tt, d, c, fp32 = self.tv, self.tt, self.config.hidden, self.compute, torch.float32
         split = self.split > 1
+        ours = not self.cudnn  # cuDNN's backward allocates dQ, dK, dV itself (and needs no delta)
         specs = [*(() if self.needs[0] else self.upstream_of_attention.specs),
-                 Buffer("delta", (self.batch * self.config.heads, self.nv), fp32),
-                 Buffer("dq", (tv, d), c)]
+                 Buffer("delta", (self.batch * self.config.heads, self.nv), fp32) if ours else None,
+                 Buffer("dq", (tv, d), c) if ours else None]
         if self.casts:
             specs += [Buffer("go_c", (tv, d), c), Buffer("dkv", (tt, 2 * d), c),
                       Buffer("dkv32", (tt, 2 * d), fp32) if split else None]
-        else:
+        elif ours:
             specs += [Buffer("dk", (tt, d), c), Buffer("dv", (tt, d), c),
                       Buffer("dk32", (tt, d), fp32) if split else None, Buffer("dv32", (tt, d), fp32) if split else None]
         specs += [Buffer(f"parts_{name}", (steps.column_sum_parts(rows), d), fp32)
@@ -315,7 +316,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             k_raw, v, dk, dv = a.kv[:, :d], a.kv[:, d:], s.dkv[:, :d], s.dkv[:, d:]
         else:
             go_c, wq_c, wo_c, video_c, text_c = go, wq, wo, video.view(tv, d), text.view(tt, d)
-            k_raw, v, dk, dv = (a.k_raw if p.norm else a.k), a.v, s.dk, s.dv
+            k_raw, v = (a.k_raw if p.norm else a.k), a.v
+            dk, dv = (None, None) if p.cudnn else (s.dk, s.dv)  # (cuDNN's: its own tensors)
         k = a.k if p.norm else k_raw
         q, q_norm = _queries(p, a, inputs[10] if p.norm else None)
         dc = (p.upstream_of_attention.views(bytes_of(grad_video)) if n[0] else s).dc
