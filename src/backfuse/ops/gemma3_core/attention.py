@@ -26,7 +26,6 @@ from ...train import guard as guards
 from ...train import steps
 from ...train.program import Arena, Buffer, Outputs, bases, execute, torch_step
 from . import training
-from .training import NORM_ROPE_BACKWARD
 
 NEEDS = 5  # grad_q, grad_k, grad_v, grad_q_norm_w, grad_k_norm_w
 LABEL = "backfuse.functional.gemma3_attention"
@@ -189,19 +188,9 @@ def _norm_rope_backward(p: Plan, g, inputs, s, w, gq, gk, eps: float) -> list:
     """The RoPE and norm backward from the attention's dQ, dK into grad_q, grad_k, and the norm weights' sums."""
     q, k, v, cos, sin, qnw, knw = inputs
     cfg, t, n = p.config, p.tokens, p.needs
-    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
-    ranges, _, checked = steps._guarded(g, q.device)
-    rows, warps = p.norm_backward_tiles
-    launches = []
-    for d_rot, raw, weight, dst, parts, heads, region in (
-            (s.d_rot_q, q.view(t, -1), qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
-            (s.d_rot_k, k.view(t, -1), knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection")):
-        launches.append(NORM_ROPE_BACKWARD(
-            (cdiv(t, rows), heads),
-            dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst, parts=parts,
-                 ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps), r_dx=steps._slot(g, region)),
-            D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=rows, RANGES=checked,
-            NORM=cfg.qk_norm, PAIRS=False, num_warps=warps))
+    launches = training.norm_rope_backward(
+        p, g, cos, sin, eps, (s.d_rot_q, q.view(t, -1), qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
+        (s.d_rot_k, k.view(t, -1), knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection"))
     if n[3]:
         launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
     if n[4]:

@@ -268,6 +268,23 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
     return out, (a_flat if p.save else None)
 
 
+def norm_rope_backward(p, g, cos, sin, eps: float, *rows_of) -> list:
+    """The norm/RoPE backward launches of the queries and keys (`NORM_ROPE_BACKWARD`): rows_of gives, for each,
+    (gradient after RoPE, rows before the norm, norm weight or None, destination, weight-gradient parts, heads,
+    guard region). p: a plan with `config`, `tokens`, `cos_rows` and `norm_backward_tiles`."""
+    cfg, t = p.config, p.tokens
+    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
+    ranges, _, checked = steps._guarded(g, cos.device)
+    rows, warps = p.norm_backward_tiles
+    return [NORM_ROPE_BACKWARD(
+        (cdiv(t, rows), heads),
+        dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst, parts=parts,
+             ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps), r_dx=steps._slot(g, region)),
+        D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=rows, RANGES=checked,
+        NORM=cfg.qk_norm, PAIRS=False, num_warps=warps)
+        for d_rot, raw, weight, dst, parts, heads, region in rows_of]
+
+
 def _gradients_from_attention(p: Plan, g, inputs, a, s, w, grad_hidden, d_rot_q, d_rot_k, gv, eps: float,
                               in_place: bool = False) -> list:
     """The launches from the attention's gradients d_rot_q, d_rot_k and gv (the v projection's) on: the RoPE
@@ -282,20 +299,9 @@ def _gradients_from_attention(p: Plan, g, inputs, a, s, w, grad_hidden, d_rot_q,
     else:
         q_raw, k_raw, x_c = a.q_raw, a.k_raw, hidden.view(t, cfg.hidden)
         gq, gk = (d_rot_q, d_rot_k) if in_place else (s.gq, s.gk)
-    launches = []
-    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
-    ranges, _, checked = steps._guarded(g, hidden.device)
-    rows, warps = p.norm_backward_tiles
-    for d_rot, raw, weight, dst, parts, heads, region in (
-            (d_rot_q, q_raw, qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
-            (d_rot_k, k_raw, knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection")):
-        launches.append(NORM_ROPE_BACKWARD(
-            (cdiv(t, rows), heads),
-            dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst,
-                 parts=parts, ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps),
-                 r_dx=steps._slot(g, region)),
-            D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=rows,
-            RANGES=checked, NORM=cfg.qk_norm, PAIRS=False, num_warps=warps))
+    launches = norm_rope_backward(p, g, cos, sin, eps,
+                                  (d_rot_q, q_raw, qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
+                                  (d_rot_k, k_raw, knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection"))
     if n[5]:
         launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
     if n[6]:
