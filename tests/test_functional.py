@@ -378,3 +378,36 @@ def test_scalars_are_floats_as_printed():
     prob, grads, fwd = _forward_inputs("021")
     with pytest.raises(TypeError, match=r"^backfuse.functional.wan_xattn: input 'scale' must be a real number, got str$"):
         F.wan_xattn(*fwd[:-1], "x")
+
+
+def _small(op: str, device, **over) -> tuple:
+    """(args, kwargs) of a small call of a training op, with `over` in place of its tensors or scalars."""
+    t = lambda *shape: torch.randn(*shape, device=device)  # noqa: E731
+    if op == "gemma3_core":
+        args = dict(hidden=t(1, 5, 64), cos=t(1, 5, 32), sin=t(1, 5, 32), wq=t(64, 64), wk=t(32, 64), wv=t(32, 64),
+                    wo=t(64, 64), qnw=t(32), knw=t(32), scaling=0.1, softcap=None, eps=1e-6)
+        kwargs = {}
+    else:
+        args = dict(video=t(1, 7, 64), text=t(1, 3, 64), wq=t(64, 64), bq=t(64), wk=t(64, 64), bk=t(64), wv=t(64, 64),
+                    bv=t(64), wo=t(64, 64), bo=t(64), scale=0.125)
+        kwargs = dict(heads=2, norm_q_weight=t(64), norm_k_weight=t(64), eps=over.pop("eps", 1e-6))
+    args.update(over)
+    return list(args.values()), kwargs
+
+
+@pytest.mark.parametrize("op", ["gemma3_core", "wan_xattn"])
+def test_training_ops_refuse_what_they_cannot_take_in_one_line(op):
+    """A negative eps, meta tensors and a first input that is no tensor get an error naming the input, not a
+    failure inside torch's autocast or a NaN."""
+    label = f"backfuse.functional.{op}"
+    eps = "input 'rms_norm_eps'" if op == "gemma3_core" else "eps"
+    args, kwargs = _small(op, "cpu", eps=-1.0)
+    with pytest.raises(ValueError, match=rf"{label}: {eps} must be >= 0, got -1.0"):
+        getattr(F, op)(*args, **kwargs)
+    args, kwargs = _small(op, "meta")
+    with pytest.raises(RuntimeError, match=rf"{label}: the fused kernels run on CUDA tensors, or on CPU tensors in the "
+                                           r"Triton interpreter, not on meta"):
+        getattr(F, op)(*args, **kwargs)
+    args, kwargs = _small(op, "cpu")
+    with pytest.raises(TypeError, match=rf"{label}: input '\w+' must be a torch.Tensor, got NoneType"):
+        getattr(F, op)(None, *args[1:], **kwargs)

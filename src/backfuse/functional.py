@@ -74,10 +74,20 @@ def _validate(label: str, pid: str, specs, tensors) -> dict:
     return axes
 
 
+def _autocasting(tensors) -> str | None:
+    """The first input's device type where autocast is on for it, else None (also where the first input is no
+    tensor, or on a device autocast does not know, such as meta: the validation then says what is wrong)."""
+    device = getattr(tensors[0], "device", None)
+    try:
+        return device.type if device is not None and torch.is_autocast_enabled(device.type) else None
+    except RuntimeError:
+        return None
+
+
 def _autocast(tensors):
     """The floating tensors cast to the autocast dtype where autocast is on for their device."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
+    device = _autocasting(tensors)
+    if device is None:
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
@@ -85,8 +95,16 @@ def _autocast(tensors):
 
 def _autocast_off(tensors):
     """Autocast off inside the op (its products run in the dtype its inputs now have), where it is on."""
-    device = tensors[0].device.type
-    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+    device = _autocasting(tensors)
+    return contextlib.nullcontext() if device is None else torch.autocast(device, enabled=False)
+
+
+def _eps(value, where: str):
+    """An RMSNorm's eps: a real number, at least 0 (a negative one makes a small row's norm NaN)."""
+    eps = check_real(value, where)
+    if isinstance(eps, float) and eps < 0:
+        raise ValueError(f"{where} must be >= 0, got {eps}")
+    return eps
 
 
 _contiguous = _plan_cache.contiguous
@@ -116,6 +134,8 @@ def _wan_plan(tensors, scale, heads, save, eps=1e-6, rope: bool = False):
     if plan is None:
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
             raise ValueError(f"{_WAN_LABEL}: heads must be a positive int, got {heads!r}")
+        if not isinstance(tensors[0], torch.Tensor):
+            raise TypeError(f"{_WAN_LABEL}: input 'video_latents' must be a torch.Tensor, got {type(tensors[0]).__name__}")
         hidden = tensors[0].shape[-1] if tensors[0].dim() == 3 else None
         if hidden is None or hidden % heads:
             raise ValueError(f"{_WAN_LABEL}: input 'video_latents' must be [batch, tokens, hidden] with hidden a multiple "
@@ -196,7 +216,7 @@ def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
     interleaved pairs as diffusers' Wan does (pair i of a head by cos[t, 2i] and sin[t, 2i + 1] at video token t;
     tables [Nv, D] or diffusers' [1, Nv, 1, D], floating, without gradient)."""
     scale = check_real(scale, f"{_WAN_LABEL}: input 'scale'")
-    eps = check_real(eps, f"{_WAN_LABEL}: eps")
+    eps = _eps(eps, f"{_WAN_LABEL}: eps")
     if (norm_q_weight is None) != (norm_k_weight is None):
         raise ValueError(f"{_WAN_LABEL}: norm_q_weight and norm_k_weight are both tensors (the q, k norms) or both None")
     if rope is not None and (not isinstance(rope, (tuple, list)) or len(rope) != 2):
@@ -428,7 +448,7 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
     [documents + 1] cumulative lengths from 0: a query sees only its own document's keys. Both are read on
     the device only (the host never waits), and the kernels skip the key blocks no query of a block sees."""
     scaling = check_real(scaling, f"{_GEMMA_LABEL}: input 'scaling'")
-    eps = check_real(eps, f"{_GEMMA_LABEL}: input 'rms_norm_eps'")
+    eps = _eps(eps, f"{_GEMMA_LABEL}: input 'rms_norm_eps'")
     softcap = _softcap(softcap)
     tensors = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight])
     mask, starts = _gemma_masks(attention_mask, cu_seqlens, tensors[0])
@@ -525,7 +545,7 @@ def gemma3_attention(query_states, key_states, value_states, cos, sin, q_norm_we
     RoPE from cos, sin, causal GQA attention at `scaling` with the soft cap, window and masks of
     `gemma3_core` -> the attention output [B, S, H * D] (what o_proj takes). cos and sin get no gradient."""
     scaling = check_real(scaling, f"{_ATTENTION_LABEL}: input 'scaling'")
-    eps = check_real(eps, f"{_ATTENTION_LABEL}: input 'rms_norm_eps'")
+    eps = _eps(eps, f"{_ATTENTION_LABEL}: input 'rms_norm_eps'")
     softcap = _softcap(softcap)
     tensors = _autocast([query_states, key_states, value_states, cos, sin, q_norm_weight, k_norm_weight])
     mask, starts = _gemma_masks(attention_mask, cu_seqlens, tensors[0])
