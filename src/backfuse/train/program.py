@@ -38,6 +38,25 @@ COMPUTE = {torch.float32: torch.float16, torch.float16: torch.float16, torch.bfl
 SIZES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int32: 4, torch.uint8: 1}
 
 
+class Precision:
+    """What a training plan's input dtype (its field `io`) implies; a base of the ops' plans."""
+
+    @property
+    def compute(self) -> torch.dtype:
+        """The products' operand dtype (`COMPUTE`)."""
+        return COMPUTE[self.io]
+
+    @property
+    def guarded(self) -> bool:
+        """fp16 operands: the range guard watches the call (`train/guard.py`)."""
+        return self.compute == torch.float16
+
+    @property
+    def casts(self) -> bool:
+        """float32 inputs: the call works on fp16 copies of them."""
+        return self.io == torch.float32
+
+
 @dataclass(frozen=True)
 class Buffer:
     name: str

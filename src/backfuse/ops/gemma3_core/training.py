@@ -35,7 +35,7 @@ from ...kernels.schedule import Holds, cdiv
 from ...kernels.triton import rope
 from ...train import cudnn, plans, steps
 from ...train import guard as guards
-from ...train.program import COMPUTE, SIZES, Arena, Buffer, Kernel, Outputs, accumulate, bases, bytes_of, execute, mm
+from ...train.program import SIZES, Arena, Buffer, Kernel, Outputs, Precision, accumulate, bases, bytes_of, execute, mm
 from .spec import Gemma3CoreConfig
 
 NEEDS = 7  # grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w
@@ -53,7 +53,7 @@ ATTENTION_BACKWARD_REGIONS = (None, None, "gradient of v projection")  # dq, dk:
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(Precision):
     """One call's shape and options (see `ops/wan_xattn/training.py: Plan`); softcap 0: none."""
 
     batch: int
@@ -69,18 +69,6 @@ class Plan:
     masking: steps.Masking | None = None  # a mask or packed documents each call passes (`masks`)
     needs: tuple = (True,) * NEEDS
     own_grads: bool = False  # each parameter gradient in memory of its own (`Outputs.separate`)
-
-    @property
-    def compute(self) -> torch.dtype:
-        return COMPUTE[self.io]
-
-    @property
-    def guarded(self) -> bool:
-        return self.compute == torch.float16
-
-    @property
-    def casts(self) -> bool:
-        return self.io == torch.float32
 
     @property
     def tokens(self) -> int:

@@ -25,7 +25,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import plans, steps
-from ...train.program import COMPUTE, SIZES, Arena, Buffer, Outputs, Phases, accumulate, bases, bytes_of, execute, mm
+from ...train.program import SIZES, Arena, Buffer, Outputs, Phases, Precision, accumulate, bases, bytes_of, execute, mm
 from .spec import QkvGqaConfig
 
 NEEDS = 5  # grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv
@@ -37,7 +37,7 @@ BACKWARD_REGIONS = (("grad_query_states", Holds.UPSTREAM), ("grad_key_states (he
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(Precision):
     """One call's shape and options (see `ops/wan_xattn/training.py: Plan`)."""
 
     batch: int
@@ -51,18 +51,6 @@ class Plan:
     needs: tuple = (True,) * NEEDS
     own_grads: bool = False  # each parameter gradient in memory of its own (`Outputs.separate`)
     gq_in_place: bool = False  # the products read the queries' upstream gradient where it is (`reads_in_place`)
-
-    @property
-    def compute(self) -> torch.dtype:
-        return COMPUTE[self.io]
-
-    @property
-    def guarded(self) -> bool:
-        return self.compute == torch.float16
-
-    @property
-    def casts(self) -> bool:
-        return self.io == torch.float32
 
     @property
     def td(self) -> int:

@@ -36,7 +36,7 @@ from ...kernels.graphs import Allocating
 from ...kernels.schedule import Holds
 from ...train import cudnn, plans, steps
 from ...train import guard as guards
-from ...train.program import COMPUTE, Arena, Buffer, Outputs, accumulate, addmm, bases, bytes_of, execute, mm
+from ...train.program import Arena, Buffer, Outputs, Precision, accumulate, addmm, bases, bytes_of, execute, mm
 from .spec import WanXattnConfig
 
 NEEDS = 10  # grad_video, grad_text, grad_Wq, grad_bq, grad_Wk, grad_bk, grad_Wv, grad_bv, grad_Wo, grad_bo
@@ -52,7 +52,7 @@ BACKWARD_REGIONS = (("grad_output", Holds.UPSTREAM), ("gradient of attention out
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(Precision):
     """One call's shape and options: batch, video and text tokens per entry, the config, the inputs'
     dtype, whether the forward saves its activations, the GPU's SM count (0: the interpreter),
     deterministic (no atomic sums), and (backward) the gradients needed."""
@@ -80,19 +80,6 @@ class Plan:
         """The attention norms Q as it loads it (the rows before the norm and their 1 / rms saved): with the q
         norm and without RoPE, which must turn the normed rows, or cuDNN's attention, which loads Q as it is."""
         return self.norm and not (self.rope or self.cudnn)
-
-    @property
-    def compute(self) -> torch.dtype:
-        return COMPUTE[self.io]
-
-    @property
-    def guarded(self) -> bool:
-        return self.compute == torch.float16
-
-    @property
-    def casts(self) -> bool:
-        """float32 inputs: fp16 copies of the activations and weights, K and V stacked (one product)."""
-        return self.io == torch.float32
 
     @property
     def tv(self) -> int:
