@@ -560,21 +560,28 @@ def gemma3_attention(query_states, key_states, value_states, cos, sin, q_norm_we
 _LIB = torch.library.Library("backfuse", "DEF")  # noqa: TOR901 (the ops are defined below)
 
 
-def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, backward, fake_forward, fake_backward,
-              grads_of):
+def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, backward, fake_forward, grads_of):
     """backfuse::<name>_forward (outputs, then the activations it saves) and backfuse::<name>_backward
-    (the gradients of the inputs at grads_of, in that order; empty where not needed), with an autograd
-    formula, for torch.compile: the same training path as the eager ops. A tensor name ending in "?"
-    is an optional input (None: the feature it serves is off)."""
+    (the gradients of the inputs at grads_of, in that order; empty where not needed: backward returns None
+    there), with an autograd formula, for torch.compile: the same training path as the eager ops. A tensor
+    name ending in "?" is an optional input (None: the feature it serves is off)."""
     tensors = ", ".join(f"Tensor? {n[:-1]}" if n.endswith("?") else f"Tensor {n}" for n in tensor_names)
     _LIB.define(f"{name}_forward({tensors}, {scalar_schema}) -> ({', '.join(['Tensor'] * (n_out + 1))})")
     _LIB.define(f"{name}_backward(Tensor[] grads, {tensors}, Tensor acts, {scalar_schema}, bool[] needs) -> Tensor[]")
+    count = len(tensor_names)
+
+    def backward_impl(grads, *args):
+        return [args[0].new_empty(0) if g is None else g for g in backward(grads, *args)]
+
+    def fake_backward(grads, *args):
+        return [torch.empty_like(args[i]) if args[i] is not None and need else args[0].new_empty(0)
+                for i, need in zip(grads_of, args[-1])]
+
     _LIB.impl(f"{name}_forward", forward, "CompositeExplicitAutograd")
-    _LIB.impl(f"{name}_backward", backward, "CompositeExplicitAutograd")
+    _LIB.impl(f"{name}_backward", backward_impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"backfuse::{name}_forward", fake_forward, lib=_LIB)
     torch.library.register_fake(f"backfuse::{name}_backward", fake_backward, lib=_LIB)
     backward_op = getattr(torch.ops.backfuse, f"{name}_backward")
-    count = len(tensor_names)
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:count], output[-1])
@@ -614,8 +621,7 @@ def _wan_backward_op(grads, *args):
     *tensors, acts, scale, heads, eps, needs = args
     tensors, rope = _wan_tensors(tensors)
     plan = _needs_plan(_wan_plan(tensors, scale, heads, True, eps, rope), tuple(needs), own=True)
-    out = _wan.backward(_contiguous(tensors), grads[0], scale, plan, acts)
-    return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out[:12]]
+    return _wan.backward(_contiguous(tensors), grads[0], scale, plan, acts)[:12]
 
 
 def _wan_fake_forward(*args):
@@ -627,16 +633,11 @@ def _wan_fake_forward(*args):
     return torch.empty_like(video), video.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
-def _wan_fake_backward(grads, *args):
-    *tensors, acts, scale, heads, eps, needs = args
-    return [torch.empty_like(t) if t is not None and n else tensors[0].new_empty(0) for t, n in zip(tensors, needs)]
-
-
 _register("wan_xattn", ["video_latents", "text_embeddings", "query_weight", "query_bias", "key_weight", "key_bias",
                         "value_weight", "value_bias", "output_weight", "output_bias", "norm_q_weight?", "norm_k_weight?",
                         "rope_cos?", "rope_sin?"],
           "float scale, int heads, float eps", 1, _wan_forward_op, _wan_backward_op, _wan_fake_forward,
-          _wan_fake_backward, range(12))
+          range(12))
 
 
 def _qkv_forward_op(*args):
@@ -649,8 +650,7 @@ def _qkv_forward_op(*args):
 def _qkv_backward_op(grads, *args):
     *tensors, acts, head_dim, needs = args
     plan = _needs_plan(_qkv_plan(tensors, head_dim, True), tuple(needs), own=True)
-    out = _qkv.backward(_contiguous(tensors), list(grads), plan, acts if acts.numel() else None)
-    return [torch.empty(0, device=tensors[0].device) if g is None else g for g in out]
+    return _qkv.backward(_contiguous(tensors), list(grads), plan, acts if acts.numel() else None)
 
 
 def _qkv_fake_forward(*args):
@@ -663,14 +663,8 @@ def _qkv_fake_forward(*args):
     return q, k, v, dec.new_empty((plan.activations.nbytes if plan.casts else 0,), dtype=torch.uint8)
 
 
-def _qkv_fake_backward(grads, *args):
-    *tensors, acts, head_dim, needs = args
-    return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(tensors, needs)]
-
-
 _register("qkv_gqa", ["decoder_hidden_states", "encoder_hidden_states", "q_weight", "k_weight", "v_weight"],
-          "int head_dim", 3, _qkv_forward_op, _qkv_backward_op, _qkv_fake_forward, _qkv_fake_backward,
-          range(5))
+          "int head_dim", 3, _qkv_forward_op, _qkv_backward_op, _qkv_fake_forward, range(5))
 
 
 def _gemma_forward_op(*args):
@@ -682,8 +676,7 @@ def _gemma_forward_op(*args):
 def _gemma_backward_op(grads, *args):
     *tensors, mask, starts, acts, scaling, softcap, eps, window, head_dim, needs = args
     plan = _needs_plan(_gemma_plan(tensors, softcap, window, True, head_dim or None, mask, starts), tuple(needs), own=True)
-    g = _gemma.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, starts))
-    return [torch.empty(0, device=tensors[0].device) if x is None else x for x in g]
+    return _gemma.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, starts))
 
 
 def _gemma_fake_forward(*args):
@@ -694,16 +687,10 @@ def _gemma_fake_forward(*args):
     return torch.empty_like(hidden), hidden.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
-def _gemma_fake_backward(grads, *args):
-    *tensors, acts, scaling, softcap, eps, window, head_dim, needs = args
-    differentiated = [tensors[i] for i in (0, 3, 4, 5, 6, 7, 8)]
-    return [torch.empty_like(t) if t is not None and n else tensors[0].new_empty(0) for t, n in zip(differentiated, needs)]
-
-
 _register("gemma3_core", ["hidden_states", "cos", "sin", "q_weight", "k_weight", "v_weight", "o_weight",
                           "q_norm_weight?", "k_norm_weight?", "attention_mask?", "starts?"],
           "float scaling, float softcap, float eps, int window, int head_dim", 1, _gemma_forward_op, _gemma_backward_op,
-          _gemma_fake_forward, _gemma_fake_backward, [0, 3, 4, 5, 6, 7, 8])
+          _gemma_fake_forward, [0, 3, 4, 5, 6, 7, 8])
 
 
 def _attention_forward_op(*args):
@@ -716,8 +703,7 @@ def _attention_backward_op(grads, *args):
     *tensors, mask, starts, acts, scaling, softcap, eps, window, head_dim, needs = args
     plan = _needs_plan(_gemma_attention_plan(tensors, softcap, window, True, head_dim or None, mask, starts),
                        tuple(needs), own=True)
-    g = _gemma_attention.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, starts))
-    return [torch.empty(0, device=tensors[0].device) if x is None else x for x in g]
+    return _gemma_attention.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, starts))
 
 
 def _attention_fake_forward(*args):
@@ -728,16 +714,10 @@ def _attention_fake_forward(*args):
     return torch.empty_like(q), q.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
-def _attention_fake_backward(grads, *args):
-    *tensors, acts, scaling, softcap, eps, window, head_dim, needs = args
-    differentiated = [tensors[i] for i in (0, 1, 2, 5, 6)]
-    return [torch.empty_like(t) if t is not None and n else tensors[0].new_empty(0) for t, n in zip(differentiated, needs)]
-
-
 _register("gemma3_attention", ["query_states", "key_states", "value_states", "cos", "sin", "q_norm_weight?",
                                "k_norm_weight?", "attention_mask?", "starts?"],
           "float scaling, float softcap, float eps, int window, int head_dim", 1, _attention_forward_op,
-          _attention_backward_op, _attention_fake_forward, _attention_fake_backward, [0, 1, 2, 5, 6])
+          _attention_backward_op, _attention_fake_forward, [0, 1, 2, 5, 6])
 
 
 # The names of earlier releases.
