@@ -362,6 +362,19 @@ def _check_mask(mask, starts, batch: int, seq: int, device):
                          f"{tuple(starts.shape)}")
 
 
+def _qk_norm(label: str, qnw, knw, head_dim):
+    """(whether there is the QK norm, the head size: head_dim, or where None the norm weights' size)."""
+    norm = qnw is not None or knw is not None
+    if norm and (qnw is None or knw is None):
+        raise ValueError(f"{label}: inputs 'q_norm_weight' and 'k_norm_weight' are both tensors (the QK norm) or both "
+                         "None (no QK norm, as Gemma 2)")
+    if head_dim is None:
+        if not norm:
+            raise ValueError(f"{label}: without the QK norm's weights, pass head_dim=")
+        head_dim = qnw.shape[0] if isinstance(qnw, torch.Tensor) and qnw.dim() == 1 else None
+    return norm, head_dim
+
+
 def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts=None):
     masking = _masks.masking_of(mask, starts)
     key = ("037", _signature(tensors), softcap, window, save, head_dim, _cudnn.enabled(),
@@ -369,14 +382,7 @@ def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts
     plan = _plans.get(key)
     if plan is None:
         hidden, cos, sin, wq, wk, wv, wo, qnw, knw = tensors
-        norm = qnw is not None or knw is not None
-        if norm and (qnw is None or knw is None):
-            raise ValueError(f"{_GEMMA_LABEL}: inputs 'q_norm_weight' and 'k_norm_weight' are both tensors (the QK "
-                             "norm) or both None (no QK norm, as Gemma 2)")
-        if head_dim is None:
-            if not norm:
-                raise ValueError(f"{_GEMMA_LABEL}: without the QK norm's weights, pass head_dim=")
-            head_dim = qnw.shape[0] if isinstance(qnw, torch.Tensor) and qnw.dim() == 1 else None
+        norm, head_dim = _qk_norm(_GEMMA_LABEL, qnw, knw, head_dim)
         for name, t, dims in (("q_norm_weight", qnw, 1), ("q_weight", wq, 2), ("k_weight", wk, 2)):
             if (t is not None or name != "q_norm_weight") and (not isinstance(t, torch.Tensor) or t.dim() != dims):
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -476,14 +482,7 @@ def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=No
     plan = _plans.get(key)
     if plan is None:
         q, k, v, cos, sin, qnw, knw = tensors
-        norm = qnw is not None or knw is not None
-        if norm and (qnw is None or knw is None):
-            raise ValueError(f"{_ATTENTION_LABEL}: inputs 'q_norm_weight' and 'k_norm_weight' are both tensors (the QK "
-                             "norm) or both None (no QK norm, as Gemma 2)")
-        if head_dim is None:
-            if not norm:
-                raise ValueError(f"{_ATTENTION_LABEL}: without the QK norm's weights, pass head_dim=")
-            head_dim = qnw.shape[0] if isinstance(qnw, torch.Tensor) and qnw.dim() == 1 else None
+        norm, head_dim = _qk_norm(_ATTENTION_LABEL, qnw, knw, head_dim)
         for name, t in (("query_states", q), ("key_states", k)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3 or not isinstance(head_dim, int) or t.shape[2] % head_dim:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -501,11 +500,7 @@ def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=No
                  Tensor("sin", (tables, s, head_dim))]
         if norm:
             specs += [Tensor("q_norm_weight", (head_dim,)), Tensor("k_norm_weight", (head_dim,))]
-        axes = _problem("037").validate(tensors[:len(specs)], specs=specs, dtypes=TRAINING_DTYPES, contiguous=False,
-                                        same_dtype=True, label=_ATTENTION_LABEL)
-        reason = fused_unusable(q.device)
-        if reason:
-            raise RuntimeError(f"{_ATTENTION_LABEL}: {reason}")
+        axes = _validate(_ATTENTION_LABEL, "037", specs, tensors[:len(specs)])
         _check_mask(mask, starts, axes[b], axes[s], q.device)
         plan = _plans[key] = _gemma_attention.Plan(axes[b], axes[s], config, q.dtype, softcap=softcap,
                                                    cos_batched=tables != 1 or axes[b] == 1, save=save,
