@@ -96,6 +96,14 @@ class Plan(Precision):
         return self.tiles.dq_atomic and not self.deterministic
 
     @property
+    def stacked(self) -> bool:
+        """The q, k, v projections' gradients side by side in one buffer, G = [dq | dk | dv], and their weights'
+        gradients one product G^T X: on float32's fp16 copies, and where all three weight gradients are wanted in
+        one allocation and the attention is ours (cuDNN's dQ, dK, dV are tensors of their own). Two products
+        fewer a call than one for each weight."""
+        return self.casts or (all(self.needs[1:4]) and not self.own_grads and not self.cudnn)
+
+    @property
     def cos_rows(self) -> int:
         return self.tokens if self.cos_batched else self.seq
 
@@ -153,11 +161,11 @@ class Plan(Precision):
                  Buffer("sums_q", (steps.column_sum_parts(cfg.heads * blocks), cfg.head_dim), fp32),
                  Buffer("sums_k", (steps.column_sum_parts(cfg.kv_heads * blocks), cfg.head_dim), fp32)]
         if self.casts:
-            specs += [Buffer("go_c", (t, cfg.hidden), c), Buffer("g", (t, cfg.q_out + 2 * cfg.kv_out), c)]
-        else:
+            specs.append(Buffer("go_c", (t, cfg.hidden), c))
+        if self.stacked:
+            specs.append(Buffer("g", (t, cfg.q_out + 2 * cfg.kv_out), c))
+        elif ours:  # (with cuDNN's attention: in its dQ, dK, dV, the RoPE and norm backward in place)
             specs += [Buffer("gq", (t, cfg.q_out), c), Buffer("gk", (t, cfg.kv_out), c), Buffer("gv", (t, cfg.kv_out), c)]
-            if not ours:  # in cuDNN's dQ, dK, dV (the RoPE and norm backward in place)
-                specs = specs[:-3]
         if not self.save:
             specs += self.activations.specs
         return Arena(specs)
@@ -166,10 +174,11 @@ class Plan(Precision):
     def weight_grads(self):
         cfg, io, n = self.config, self.io, self.needs
         width = cfg.q_out + 2 * cfg.kv_out
-        return Outputs([Buffer("grad_wqkv", (width, cfg.hidden), io) if self.casts and any(n[1:4]) else None,
-                      Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[1] and not self.casts else None,
-                      Buffer("grad_wk", (cfg.kv_out, cfg.hidden), io) if n[2] and not self.casts else None,
-                      Buffer("grad_wv", (cfg.kv_out, cfg.hidden), io) if n[3] and not self.casts else None,
+        stacked = self.stacked
+        return Outputs([Buffer("grad_wqkv", (width, cfg.hidden), io) if stacked and any(n[1:4]) else None,
+                      Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[1] and not stacked else None,
+                      Buffer("grad_wk", (cfg.kv_out, cfg.hidden), io) if n[2] and not stacked else None,
+                      Buffer("grad_wv", (cfg.kv_out, cfg.hidden), io) if n[3] and not stacked else None,
                       Buffer("grad_wo", (cfg.hidden, cfg.q_out), io) if n[4] else None,
                       Buffer("grad_qnw", (cfg.head_dim,), io) if n[5] else None,
                       Buffer("grad_knw", (cfg.head_dim,), io) if n[6] else None], separate=self.own_grads)
@@ -276,17 +285,20 @@ def norm_rope_backward(p, g, cos, sin, eps: float, *rows_of) -> list:
 def _gradients_from_attention(p: Plan, g, inputs, a, s, w, grad_hidden, d_rot_q, d_rot_k, gv, eps: float,
                               in_place: bool = False) -> list:
     """The launches from the attention's gradients d_rot_q, d_rot_k and gv (the v projection's) on: the RoPE
-    and norm backward into s.gq, s.gk (or s.g; in_place: into d_rot_q, d_rot_k, each program reading its
-    rows before it writes them), the norm weights' gradients and the products with the inputs."""
+    and norm backward into s.gq, s.gk (or s.g's columns where the plan is `stacked`; in_place: into d_rot_q,
+    d_rot_k, each program reading its rows before it writes them), the norm weights' gradients and the
+    products with the inputs."""
     hidden, cos, sin, wq, wk, wv, wo, qnw, knw = inputs
     cfg, t, n = p.config, p.tokens, p.needs
     qo, ko = cfg.q_out, cfg.kv_out
     if p.casts:
         q_raw, k_raw, x_c = a.qkv[:, :qo], a.qkv[:, qo:qo + ko], a.x_c
-        gq, gk = s.g[:, :qo], s.g[:, qo:qo + ko]
     else:
         q_raw, k_raw, x_c = a.q_raw, a.k_raw, hidden.view(t, cfg.hidden)
-        gq, gk = (d_rot_q, d_rot_k) if in_place else (s.gq, s.gk)
+    if in_place:
+        gq, gk = d_rot_q, d_rot_k
+    else:
+        gq, gk = (s.g[:, :qo], s.g[:, qo:qo + ko]) if p.stacked else (s.gq, s.gk)
     launches = norm_rope_backward(p, g, cos, sin, eps,
                                   (d_rot_q, q_raw, qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
                                   (d_rot_k, k_raw, knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection"))
@@ -295,14 +307,13 @@ def _gradients_from_attention(p: Plan, g, inputs, a, s, w, grad_hidden, d_rot_q,
     if n[6]:
         launches += steps.column_sums(s.parts_k, w.grad_knw, s.sums_k, g, unscale=True)
     gh = grad_hidden.view(t, cfg.hidden) if n[0] else None
-    if p.casts:
-        if n[0]:
-            launches.append(mm(s.g, a.wqkv_c, gh))
+    if n[0]:
+        launches += [mm(s.g, a.wqkv_c, gh)] if p.casts else [mm(gq, wq, gh), accumulate(gh, gk, wk),
+                                                             accumulate(gh, gv, wv)]
+    if p.stacked:
         if any(n[1:4]):
             launches.append(mm(s.g.T, x_c, w.grad_wqkv))
     else:
-        if n[0]:
-            launches += [mm(gq, wq, gh), accumulate(gh, gk, wk), accumulate(gh, gv, wv)]
         for need, grad, name in ((n[1], gq, "grad_wq"), (n[2], gk, "grad_wk"), (n[3], gv, "grad_wv")):
             if need:
                 launches.append(mm(grad.T, x_c, getattr(w, name)))
@@ -368,7 +379,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
             launches.append(mm(go_c.T, a.o, w.grad_wo))
         if through_attention:
             att = p.attention
-            gv = s.g[:, qo + ko:] if p.casts else s.gv
+            gv = s.g[:, qo + ko:] if p.stacked else s.gv
             launches += [mm(go_c, wo_c, da), steps.attention_delta(att, a.o, da, s.delta, g)]
             if p.dq_atomic:
                 launches.append(steps.zero(s.d_rot_q))
