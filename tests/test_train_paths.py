@@ -185,6 +185,22 @@ def test_changing_shapes_never_synchronize(pid, config, shapes):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("pid, dtype", [("021", torch.bfloat16), ("021", torch.float16), ("021", torch.float32),
+                                        ("037", torch.bfloat16)])
+def test_split_key_blocks_in_the_training_ops(monkeypatch, pid, dtype):
+    """dK and dV summed by atomics from split key blocks (in fp32, then copied: Wan's side by side where they are
+    stacked), as a GPU's plans split them: the training step against float64 (the interpreter's plans never
+    split by themselves)."""
+    from backfuse.ops.gemma3_core import training as gemma
+    from backfuse.ops.wan_xattn import training as wan
+
+    monkeypatch.setattr((wan if pid == "021" else gemma).Plan, "split", property(lambda self: 2))
+    torch.manual_seed(11)
+    config = WanXattnConfig(64, 2, qk_norm=True) if pid == "021" else Gemma3CoreConfig(64, 4, 2, 16)
+    m = training_module(pid, config, dtype)
+    check_training_step(pid, m, training_inputs(pid, config, (1, 9, 5) if pid == "021" else (1, 13), dtype), TOL[dtype])
+
+
 @pytest.mark.parametrize("frozen", ["weights", "activations"])
 def test_gradients_left_out(frozen):
     """Frozen parameters (or activations without gradients) get no gradient; the rest are right."""

@@ -76,6 +76,15 @@ class Plan(Precision):
         return self.config.qk_norm
 
     @property
+    def stacked(self) -> bool:
+        """dK and dV side by side in one buffer, [dK | dV] (one zero fill and one cast where the attention sums them
+        in fp32, one product for both weights' gradients): on float32's fp16 copies, and on bfloat16 where both
+        weight gradients are wanted in one allocation and the attention is ours. (fp16 inputs keep them apart:
+        the range guard names which of the two left fp16's range.)"""
+        return self.casts or (not self.guarded and self.needs[4] and self.needs[6] and not self.own_grads
+                              and not self.cudnn)
+
+    @property
     def q_on_load(self) -> bool:
         """The attention norms Q as it loads it (the rows before the norm and their 1 / rms saved): with the q
         norm and without RoPE, which must turn the normed rows, or cuDNN's attention, which loads Q as it is."""
@@ -137,8 +146,9 @@ class Plan(Precision):
                  Buffer("delta", (self.batch * self.config.heads, self.nv), fp32) if ours else None,
                  Buffer("dq", (tv, d), c) if ours else None]
         if self.casts:
-            specs += [Buffer("go_c", (tv, d), c), Buffer("dkv", (tt, 2 * d), c),
-                      Buffer("dkv32", (tt, 2 * d), fp32) if split else None]
+            specs.append(Buffer("go_c", (tv, d), c))
+        if self.stacked:
+            specs += [Buffer("dkv", (tt, 2 * d), c), Buffer("dkv32", (tt, 2 * d), fp32) if split else None]
         elif ours:
             specs += [Buffer("dk", (tt, d), c), Buffer("dv", (tt, d), c),
                       Buffer("dk32", (tt, d), fp32) if split else None, Buffer("dv32", (tt, d), fp32) if split else None]
@@ -155,9 +165,9 @@ class Plan(Precision):
     @functools.cached_property
     def weight_grads(self):
         """The parameters' gradients, in one allocation (they live as long as each other: until the
-        optimizer has used them); grad_Wk and grad_Wv as the row blocks of one product on fp16 copies."""
+        optimizer has used them); grad_Wk and grad_Wv as the row blocks of one product where `stacked`."""
         d, io, n = self.config.hidden, self.io, self.needs
-        stacked = self.casts
+        stacked = self.stacked
         return Outputs([Buffer("grad_wq", (d, d), io) if n[2] else None, Buffer("grad_bq", (d,), io) if n[3] else None,
                       Buffer("grad_wkv", (2 * d, d), io) if stacked and (n[4] or n[6]) else None,
                       Buffer("grad_wk", (d, d), io) if n[4] and not stacked else None,
@@ -304,7 +314,10 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
         else:
             go_c, wq_c, wo_c, video_c, text_c = go, wq, wo, video.view(tv, d), text.view(tt, d)
             k_raw, v = (a.k_raw if p.norm else a.k), a.v
-            dk, dv = (None, None) if p.cudnn else (s.dk, s.dv)  # (cuDNN's: its own tensors)
+            if p.cudnn:
+                dk, dv = None, None  # (cuDNN's: its own tensors)
+            else:
+                dk, dv = (s.dkv[:, :d], s.dkv[:, d:]) if p.stacked else (s.dk, s.dv)
         k = a.k if p.norm else k_raw
         q, q_norm = _queries(p, a, inputs[10] if p.norm else None)
         dc = (p.upstream_of_attention.views(bytes_of(grad_video)) if n[0] else s).dc
@@ -338,11 +351,11 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             if n[1]:
                 gt = grad_text.view(tt, d)
                 launches += [mm(s.dkv, a.wkv_c, gt)] if p.casts else [mm(dk, wk, gt), accumulate(gt, dv, wv)]
-            if p.casts and (n[4] or n[6]):
+            if p.stacked and (n[4] or n[6]):
                 launches.append(mm(s.dkv.T, text_c, w.grad_wkv))
-            if not p.casts and n[4]:
+            if not p.stacked and n[4]:
                 launches.append(mm(dk.T, text_c, w.grad_wk))
-            if not p.casts and n[6]:
+            if not p.stacked and n[6]:
                 launches.append(mm(dv.T, text_c, w.grad_wv))
             return launches
 
@@ -363,8 +376,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             if through_attention:
                 att = p.attention
                 launches += [mm(go_c, wo_c, dc), steps.attention_delta(att, a.o, dc, s.delta, g)]
-                if p.split > 1:  # fp32 atomic sums, then their fp16 copies
-                    if p.casts:
+                if p.split > 1:  # fp32 atomic sums, then their copies in the compute dtype
+                    if p.stacked:
                         launches += [steps.zero(s.dkv32),
                                      steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
                                                               s.dkv32[:, :d], s.dkv32[:, d:], scale, g, q_norm=q_norm),
@@ -392,7 +405,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()
-    if p.casts and hasattr(w, "grad_wkv"):
+    if p.stacked and hasattr(w, "grad_wkv"):
         w.grad_wk, w.grad_wv = w.grad_wkv[:d], w.grad_wkv[d:]
         if p.own_grads:
             w.grad_wv = w.grad_wv.clone()
