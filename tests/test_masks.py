@@ -179,3 +179,25 @@ def test_mask_refusals_name_the_input():
     with pytest.raises(ValueError, match="not both"):
         _call(m, x[:1], cos[:1], sin[:1], cu_seqlens=torch.tensor([0, s], dtype=torch.int32, device=DEVICE),
               attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool, device=DEVICE))
+
+
+def test_the_bounds_pass_reads_no_mask_row_past_the_last_query():
+    """A row block that runs past S_q reads none of the mask's rows beyond it (on a GPU: memory past the
+    tensor's end). Here the additive mask is the head of a larger buffer whose next rows hold values that
+    overflow the mask's arithmetic, with numpy's overflow raised (in the interpreter, which reads what a GPU
+    would); the bounds are the causal ones."""
+    import numpy as np
+
+    from backfuse.train import masks, steps
+
+    s = 11  # no row block divides it
+    buffer = torch.full((1, 1, s + 64, s), 3e38, device=DEVICE)
+    buffer[0, 0, :s] = torch.where(torch.ones(s, s, dtype=torch.bool, device=DEVICE).tril(), 0.0,
+                                   torch.finfo(torch.float32).min)
+    mask = buffer[:, :, :s]
+    a = steps.Attention(1, s, s, 2, 2, 16, causal=True, window=0, softcap=0.0, masking=masks.masking_of(mask, None))
+    bounds = torch.empty(2, s, dtype=torch.int32, device=DEVICE)
+    with np.errstate(over="raise", invalid="raise"):
+        steps.attention_bounds(a, bounds, mask, None)()
+    lo, hi = bounds.tolist()
+    assert lo == [0] * s and [h % (1 << 30) for h in hi] == list(range(s))

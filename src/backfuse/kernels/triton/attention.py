@@ -469,7 +469,7 @@ def attention_bounds_kernel(
     rows = tl.program_id(1) * BR + tl.arange(0, BR)
     row_ok = rows < S_q
     r_lo = tl.zeros((BR,), dtype=tl.int32)
-    r_hi = tl.full((BR,), S_k - 1, dtype=tl.int32)
+    r_hi = tl.where(row_ok, S_k - 1, -1)  # (a row past S_q sees no key: the mask is never read for it)
     if CAUSAL:
         r_hi = tl.minimum(r_hi, rows)
     if WINDOW:
