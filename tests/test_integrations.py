@@ -360,8 +360,8 @@ def test_a_wan_processor_backfuse_cannot_vouch_for_runs_its_own_code():
         ours(x, t, text)
     attn1 = ours.blocks[0].attn1
     attn1.processor._parallel_config = object()  # as diffusers' context parallelism sets it
-    with pytest.warns(backfuse.BackfuseWarning, match="context parallelism"), pytest.raises(Exception):
-        ours(x, t, text)  # diffusers' own processor: no process group here
+    with pytest.warns(backfuse.BackfuseWarning, match="context parallelism"):
+        ours(x, t, text)
     attn1.processor._parallel_config = None
     attn2.processor._attention_backend = "sage"
     assert attn2.processor.own._attention_backend == "sage"
