@@ -18,7 +18,8 @@ def _sm90_cases(dtype: str):
     from backfuse.train import steps
 
     # A mask at its widest: 1-byte bool for MASK 2, fp32 (4 bytes a tile element) for MASK 3 (`F._gemma_masks`).
-    ptr = ({n: f"*{dtype}" for n in ("q", "k", "v", "o", "do", "dk", "dv", "q_w")} | {"lo": "*i32", "hi": "*i32"}
+    ptr = ({n: f"*{dtype}" for n in ("q", "k", "v", "o", "do", "dk", "dv", "q_w")}
+           | {n: "*i32" for n in ("lo", "hi", "k_lo", "k_hi")}
            | {n: "*fp32" for n in ("lse", "delta", "ranges", "q_rstd", "dq", "mask")})
     for d in steps.GPU_TILES:
         for softcap in (False, True) if d in steps.GPU_SOFTCAP_TILES else (False,):
@@ -32,10 +33,11 @@ def _sm90_cases(dtype: str):
                 for atomic in sorted({t.dq_atomic, False}):
                     yield (f"{name} backward mask={mask} dq_atomic={atomic}", attention.attention_backward_kernel, ptr,
                            dict(common, LD_DO=8 * d, LD_DQ=8 * d, LD_DK=4 * d, LD_DV=4 * d, KV_BN=t.kv_bn, KV_BM=t.kv_bm,
-                                Q_BM=t.q_bm, Q_BN=t.q_bn, KV_ATOMIC=True, DQ_ATOMIC=atomic, MASK=mask, PRE=1024),
+                                Q_BM=t.q_bm, Q_BN=t.q_bn, KV_ATOMIC=True, DQ_ATOMIC=atomic, MASK=mask),
                            t.bwd_warps, t.bwd_stages)
     yield ("bounds", attention.attention_bounds_kernel, ptr | {"starts": "*i32"},
            dict(CAUSAL=True, WINDOW=True, DOCS=True, MASK=3, BR=64, BN=64), 4, 1)
+    yield "key bounds", attention.attention_key_bounds_kernel, ptr, dict(BR=64, BK=64), 4, 1
     for pairs in (False, True):
         yield (f"norm/RoPE backward pairs={pairs}", rope.norm_rope_backward_kernel,
                {n: "*fp32" for n in ("dout", "x", "w", "cos", "sin", "parts", "ranges")} | {"dx": f"*{dtype}"},

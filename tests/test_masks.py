@@ -196,8 +196,54 @@ def test_the_bounds_pass_reads_no_mask_row_past_the_last_query():
                                    torch.finfo(torch.float32).min)
     mask = buffer[:, :, :s]
     a = steps.Attention(1, s, s, 2, 2, 16, causal=True, window=0, softcap=0.0, masking=masks.masking_of(mask, None))
-    bounds = torch.empty(2, s, dtype=torch.int32, device=DEVICE)
+    bounds = torch.empty(4, s, dtype=torch.int32, device=DEVICE)
     with np.errstate(over="raise", invalid="raise"):
-        steps.attention_bounds(a, bounds, mask, None)()
-    lo, hi = bounds.tolist()
+        for launch in steps.attention_bounds(a, bounds, mask, None):
+            launch()
+    lo, hi, k_lo, k_hi = bounds.tolist()
     assert lo == [0] * s and [h % (1 << 30) for h in hi] == list(range(s))
+    assert k_lo == list(range(s)) and k_hi == [s - 1] * s  # each key seen by the queries from it on, exactly
+
+
+@pytest.mark.parametrize("form", ["bool", "additive", "documents"])
+def test_each_keys_bounds_are_the_queries_that_see_it(form):
+    """`attention_key_bounds_kernel` against the rows' bounds read on the host: a key's [k_lo, k_hi] are the first
+    and last query whose bounds reach it, and it is marked unless exactly those queries see it (no gap between
+    them, none of them partial). The masks mix exact keys (causal, padding, documents) with marked ones: holes, a
+    value added, a query that sees nothing (under an additive mask: every key alike)."""
+    from backfuse.train import masks, steps
+
+    b, s = 2, 45  # no block of the kernels divides it
+    i = torch.arange(s)
+    visible = (i[None, :] <= i[:, None]).repeat(b, 1, 1)
+    starts = None
+    if form == "documents":
+        cut = torch.tensor([0, 13, 29, s])
+        starts = torch.stack([cut[torch.searchsorted(cut, i, right=True) - 1]] * b).to(torch.int32)
+        mask = None
+    else:
+        visible[0, 20:23, 5:9] = False  # holes in some rows: their keys are marked
+        visible[1, :, 40:] = False  # key padding: exact
+        visible[1, 3] = False  # a query that sees nothing
+        if form == "bool":
+            mask = visible[:, None]
+        else:
+            mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None]
+            mask[0, 0, 30, 2] = -0.5  # a value added: row 30 partial
+    mask = None if mask is None else mask.to(DEVICE)
+    starts = None if starts is None else starts.to(DEVICE)
+    a = steps.Attention(b, s, s, 2, 2, 16, causal=True, masking=masks.masking_of(mask, starts))
+    bounds = torch.empty(4, b * s, dtype=torch.int32, device=DEVICE)
+    for launch in steps.attention_bounds(a, bounds, mask, starts):
+        launch()
+    lo, hi, k_lo, k_hi = bounds.view(4, b, s).cpu().to(torch.int64)
+    partial = hi >= 1 << 30
+    hi = hi - partial * (1 << 30)
+    for e in range(b):
+        for j in range(s):
+            seen = [q for q in range(s) if lo[e, q] <= j <= hi[e, q]]
+            exact = not seen or (seen == list(range(seen[0], seen[-1] + 1)) and not any(partial[e, q] for q in seen))
+            assert (k_lo[e, j].item(), k_hi[e, j].item()) == (
+                (seen[0] if seen else s), (seen[-1] if seen else -1) + (0 if exact else 1 << 30)), (e, j, seen)
+    if form != "documents":  # the mask's marked keys are there, and so are exact ones
+        assert (k_hi >= 1 << 30).any() and (k_hi < 1 << 30).any()

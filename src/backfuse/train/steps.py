@@ -36,6 +36,7 @@ FORWARD = Kernel(attention.attention_forward_kernel)
 DELTA = Kernel(attention.attention_delta_kernel)
 BACKWARD = Kernel(attention.attention_backward_kernel)
 BOUNDS = Kernel(attention.attention_bounds_kernel)
+KEY_BOUNDS = Kernel(attention.attention_key_bounds_kernel)
 ROPE = Kernel(rope.norm_rope_kernel)
 ROPE_BACKWARD = Kernel(rope.norm_rope_backward_kernel)
 
@@ -281,32 +282,38 @@ class Attention:
         return max(1, min(sms // max(1, kv_programs), steps // 4))
 
 
-def _mask_args(a: Attention, bounds, mask, q) -> dict:
-    """The attention kernels' mask arguments: bounds [2, B * S_q] int32 (lo, hi), the mask tensor and its
-    element strides (batch, query, key; 0 where broadcast). Unmasked: q stands for the tensors."""
+def _mask_args(a: Attention, bounds, mask, q, keys: bool = False) -> dict:
+    """The attention kernels' mask arguments: bounds [4, B * S] int32 (each query's lo, hi, then each key's:
+    `attention_bounds`), the mask tensor and its element strides (batch, query, key; 0 where broadcast); keys:
+    the keys' bounds too (the backward's). Unmasked: q stands for the tensors."""
     if a.masking is None:
-        return dict(lo=q, hi=q, mask=q, m_sb=0, m_sq=0, m_sk=0)
+        args = dict(lo=q, hi=q, mask=q, m_sb=0, m_sq=0, m_sk=0)
+        return args | (dict(k_lo=q, k_hi=q) if keys else {})
+    args = dict(lo=bounds[0], hi=bounds[1]) | (dict(k_lo=bounds[2], k_hi=bounds[3]) if keys else {})
     if mask is None:
-        return dict(lo=bounds[0], hi=bounds[1], mask=q, m_sb=0, m_sq=0, m_sk=0)
+        return args | dict(mask=q, m_sb=0, m_sq=0, m_sk=0)
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     if a.masking.dense:
         sb = mask.stride(0) if mask.shape[0] > 1 else 0
-        return dict(lo=bounds[0], hi=bounds[1], mask=mask, m_sb=sb, m_sq=mask.stride(2), m_sk=mask.stride(3))
-    return dict(lo=bounds[0], hi=bounds[1], mask=mask, m_sb=mask.stride(0), m_sq=0, m_sk=mask.stride(1))
+        return args | dict(mask=mask, m_sb=sb, m_sq=mask.stride(2), m_sk=mask.stride(3))
+    return args | dict(mask=mask, m_sb=mask.stride(0), m_sq=0, m_sk=mask.stride(1))
 
 
-def attention_bounds(a: Attention, bounds, mask=None, starts=None):
-    """Each query row's bounds into bounds [2, B * S_q] int32 (`attention_bounds_kernel`) from a's
-    causality and window, the documents' starts and the mask (`Masking`)."""
+def attention_bounds(a: Attention, bounds, mask=None, starts=None) -> list:
+    """Launches writing bounds [4, B * S] int32 (a masked attention is a self-attention: S_q = S_k): each query
+    row's bounds (`attention_bounds_kernel`) from a's causality and window, the documents' starts and the mask
+    (`Masking`), then each key's from them (`attention_key_bounds_kernel`)."""
     m = a.masking
     args = _mask_args(a, bounds, mask, bounds)
     rows = 32 if INTERPRETED else 64
-    return BOUNDS((a.batch, cdiv(a.s_q, rows)),
-                  dict(lo=bounds[0], hi=bounds[1], mask=args["mask"], starts=bounds if starts is None else starts,
-                       S_q=a.s_q, S_k=a.s_k, window=a.window, m_sb=args["m_sb"], m_sq=args["m_sq"], m_sk=args["m_sk"]),
-                  CAUSAL=a.causal and not m.dense, WINDOW=a.window > 0 and not m.dense, DOCS=m.documents, MASK=m.mode,
-                  BR=rows, BN=64, num_warps=4)
+    return [BOUNDS((a.batch, cdiv(a.s_q, rows)),
+                   dict(lo=bounds[0], hi=bounds[1], mask=args["mask"], starts=bounds if starts is None else starts,
+                        S_q=a.s_q, S_k=a.s_k, window=a.window, m_sb=args["m_sb"], m_sq=args["m_sq"], m_sk=args["m_sk"]),
+                   CAUSAL=a.causal and not m.dense, WINDOW=a.window > 0 and not m.dense, DOCS=m.documents, MASK=m.mode,
+                   BR=rows, BN=64, num_warps=4),
+            KEY_BOUNDS((a.batch, cdiv(a.s_k, rows)), dict(lo=bounds[0], hi=bounds[1], k_lo=bounds[2], k_hi=bounds[3],
+                                                          S_q=a.s_q, S_k=a.s_k), BR=rows, BK=rows, num_warps=4)]
 
 
 def _query_norm(q_norm, q) -> tuple:
@@ -359,11 +366,11 @@ def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v,
         dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ranges=ranges, q_rstd=q_rstd,
              q_w=q_w, S_q=a.s_q, S_k=a.s_k,
              scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, kv_programs=kv_programs, split=split,
-             r_dq=r_dq, r_dk=r_dk, r_dv=r_dv, **_mask_args(a, bounds, mask, q)),
+             r_dq=r_dq, r_dk=r_dk, r_dv=r_dv, **_mask_args(a, bounds, mask, q, keys=True)),
         LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_DO=do.stride(0), LD_DQ=dq.stride(0),
         LD_DK=dk.stride(0), LD_DV=dv.stride(0), KV_BN=tiles.kv_bn, KV_BM=tiles.kv_bm, Q_BM=tiles.q_bm,
         Q_BN=tiles.q_bn, KV_ATOMIC=split > 1, DQ_ATOMIC=dq_atomic, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
-        Q_NORM=q_norm is not None, PRE=256 if INTERPRETED else 1024, **a.meta(guard))
+        Q_NORM=q_norm is not None, **a.meta(guard))
 
 
 def zero(t):

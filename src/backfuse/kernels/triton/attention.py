@@ -22,7 +22,10 @@ Math. With q.k the product of a query and a key row:
     P = softmax(c) over the visible keys, O = P V, lse = log2 sum_j 2^(c_ij log2 e)
 Only the key blocks inside a query block's bounds are visited (forward, dQ), and only the query blocks
 whose bounds reach a key block (dK, dV): a window's, a document's or padding's other blocks are skipped,
-not masked.
+not masked. The dK, dV programs hold keys fixed, so they read each key's bounds (the queries that see it,
+`attention_key_bounds_kernel`) once; where those are exact for every key of the block (a causal, windowed,
+padded, packed or image-block mask: no hole, no value added) a query is compared with its key's bounds as
+causality is compared, and the rows' bounds and the mask are not read in the loop.
 Backward, from dO:
     delta = rowsum(dO * O),  dP = dO V^T,  dC = P * (dP - delta)
     dS = dC * scale  (* (1 - t^2) with the cap)      -- the gradient of the logits' q.k
@@ -159,20 +162,6 @@ def _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k):
 
 
 @triton.jit
-def _query_range(lo, hi, b, first_col, last_col, S_q, S_k, PRE: tl.constexpr):
-    """[first, last + 1) of the query rows whose bounds reach keys first_col..last_col (empty: first > last)."""
-    first = S_q
-    last = -1
-    for m0 in range(0, S_q, PRE):
-        rows = m0 + tl.arange(0, PRE)
-        lo_r, hi_r, _ = _row_bounds(lo, hi, b, rows, rows < S_q, S_q, S_k)
-        reach = (lo_r <= last_col) & (hi_r >= first_col)
-        first = tl.minimum(first, tl.min(tl.where(reach, rows, S_q)))
-        last = tl.maximum(last, tl.max(tl.where(reach, rows, -1)))
-    return first, last + 1
-
-
-@triton.jit
 def _head_tile(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr):
     """The [R, D] tile of tokens tok ([R]) at `column` of a token-major buffer (zeros where not ok)."""
     d = tl.arange(0, D)
@@ -283,43 +272,14 @@ def attention_delta_kernel(
 
 
 @triton.jit
-def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask, S_q,
-               S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS: tl.constexpr, GROUP: tl.constexpr,
-               D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr,
-               LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr, KV_BN: tl.constexpr, KV_BM: tl.constexpr,
-               KV_ATOMIC: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-               RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr,
-               MASK: tl.constexpr, PRE: tl.constexpr):
-    """dK, dV of KV_BN keys of one (batch entry, KV head), summed over the group's query heads and the
-    visible queries (KV_BM at a time); key blocks in order (the first have the most queries when
-    causal). KV_ATOMIC: `split` programs (a runtime count, so that no length compiles another kernel) share
-    a key block, each over a run of its queries, and add their sums into fp32 dk, dv (zeroed before) by
-    atomics; else split is 1. DQ_ATOMIC: each step also adds its part of
-    dQ, scale dS^T K, into fp32 dq (zeroed before) by atomics."""
-    KV_HEADS: tl.constexpr = HEADS // GROUP
-    per_block = kv_programs // ((S_k + KV_BN - 1) // KV_BN)
-    block = pid // per_block
-    rest = pid % per_block
-    part = rest % split
-    b = rest // split // KV_HEADS
-    kv = rest // split % KV_HEADS
-    cols = block * KV_BN + tl.arange(0, KV_BN)
-    col_ok = cols < S_k
-    kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
-    vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
-    m_lo = 0
-    m_hi = S_q
-    if CAUSAL:
-        m_lo = block * KV_BN // KV_BM * KV_BM
-    if WINDOW:
-        m_hi = tl.minimum(S_q, block * KV_BN + KV_BN - 1 + window)
-    if MASK != MASK_NONE:
-        m_lo, m_hi = _query_range(lo, hi, b, block * KV_BN, tl.minimum(S_k, block * KV_BN + KV_BN) - 1, S_q, S_k, PRE)
-        m_lo = m_lo // KV_BM * KV_BM
-    if KV_ATOMIC:
-        steps = (tl.cdiv(tl.maximum(m_hi - m_lo, 0), KV_BM) + split - 1) // split
-        m_lo = m_lo + part * steps * KV_BM
-        m_hi = tl.minimum(m_hi, m_lo + steps * KV_BM)
+def _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w, lo, hi, mask, S_q, S_k,
+               scale, cap, window, m_sb, m_sq, m_sk, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+               LD_Q: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr, KV_BN: tl.constexpr, KV_BM: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, APPROX_TANH: tl.constexpr,
+               DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr, KEY_SIDE: tl.constexpr):
+    """(dK, dV sums) of one key block over queries [m_lo, m_hi) of the group's heads. With MASK, KEY_SIDE: every
+    key's visible queries are exactly its bounds k_lo2 <= i <= k_hi2 ([KV_BN, 1]: `attention_key_bounds_kernel`),
+    compared as causality is; else each query row's bounds and its mask (`_masked`), loaded a step at a time."""
     dk_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
     dv_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
     for g in range(GROUP):
@@ -335,10 +295,13 @@ def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ran
             s, t = _logits(mma(kt, tl.trans(qt), None), scale, cap, HAS_CAP, APPROX_TANH)  # [keys, queries]
             visible = _visible(rows[None, :], cols[:, None], S_k, window, CAUSAL, WINDOW)
             if MASK != MASK_NONE:
-                lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
-                s, seen = _masked(s, rows[None, :], cols[:, None], lo_r[None, :], hi_r[None, :], b, mask, m_sb, m_sq,
-                                  m_sk, tl.max(part_r.to(tl.int32)) > 0, MASK)
-                visible = visible & seen
+                if KEY_SIDE:
+                    visible = visible & (rows[None, :] >= k_lo2) & (rows[None, :] <= k_hi2)
+                else:
+                    lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
+                    s, seen = _masked(s, rows[None, :], cols[:, None], lo_r[None, :], hi_r[None, :], b, mask, m_sb,
+                                      m_sq, m_sk, tl.max(part_r.to(tl.int32)) > 0, MASK)
+                    visible = visible & seen
             p = tl.where(visible, tl.exp2(s - row_lse[None, :]), 0.0)
             dv_acc = mma(narrow(p, dot_.dtype), dot_, dv_acc)
             ds = p * (mma(vt, tl.trans(dot_), None) - row_delta[None, :])
@@ -350,6 +313,70 @@ def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ran
                 dq_part = mma(tl.trans(ds), kt, tl.zeros((KV_BM, D), dtype=tl.float32)) * scale
                 offs = (b * S_q + rows).to(tl.int64)[:, None] * LD_DQ + h * D + tl.arange(0, D)[None, :]
                 tl.atomic_add(dq + offs, dq_part, mask=row_ok[:, None], sem="relaxed")
+    return dk_acc, dv_acc
+
+
+@triton.jit
+def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, k_lo, k_hi,
+               mask, S_q, S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS: tl.constexpr,
+               GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr,
+               LD_DO: tl.constexpr, LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr,
+               KV_BN: tl.constexpr, KV_BM: tl.constexpr, KV_ATOMIC: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr, APPROX_TANH: tl.constexpr,
+               DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr):
+    """dK, dV of KV_BN keys of one (batch entry, KV head), summed over the group's query heads and the
+    visible queries (KV_BM at a time); key blocks in order (the first have the most queries when
+    causal). KV_ATOMIC: `split` programs (a runtime count, so that no length compiles another kernel) share
+    a key block, each over a run of its queries, and add their sums into fp32 dk, dv (zeroed before) by
+    atomics; else split is 1. DQ_ATOMIC: each step also adds its part of
+    dQ, scale dS^T K, into fp32 dq (zeroed before) by atomics. With MASK the queries visited are those the
+    block's keys' bounds reach (k_lo, k_hi), and where every key's bounds are exact they alone decide."""
+    per_block = kv_programs // ((S_k + KV_BN - 1) // KV_BN)
+    block = pid // per_block
+    rest = pid % per_block
+    part = rest % split
+    KV_HEADS: tl.constexpr = HEADS // GROUP
+    b = rest // split // KV_HEADS
+    kv = rest // split % KV_HEADS
+    cols = block * KV_BN + tl.arange(0, KV_BN)
+    col_ok = cols < S_k
+    kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
+    vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
+    m_lo = 0
+    m_hi = S_q
+    if CAUSAL:
+        m_lo = block * KV_BN // KV_BM * KV_BM
+    if WINDOW:
+        m_hi = tl.minimum(S_q, block * KV_BN + KV_BN - 1 + window)
+    k_lo2 = cols[:, None]  # (read only with MASK)
+    k_hi2 = cols[:, None]
+    k_part = col_ok
+    if MASK != MASK_NONE:
+        k_lo_c, k_hi_c, k_part = _row_bounds(k_lo, k_hi, b, cols, col_ok, S_k, S_q)
+        m_lo = tl.maximum(0, tl.min(k_lo_c)) // KV_BM * KV_BM
+        m_hi = tl.minimum(S_q, tl.max(k_hi_c) + 1)
+        k_lo2 = k_lo_c[:, None]
+        k_hi2 = k_hi_c[:, None]
+    if KV_ATOMIC:
+        steps = (tl.cdiv(tl.maximum(m_hi - m_lo, 0), KV_BM) + split - 1) // split
+        m_lo = m_lo + part * steps * KV_BM
+        m_hi = tl.minimum(m_hi, m_lo + steps * KV_BM)
+    if MASK != MASK_NONE:
+        if tl.max(k_part.to(tl.int32)) == 0:  # every key's bounds exact: compared as causality is
+            dk_acc, dv_acc = _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w,
+                                        lo, hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP, D,
+                                        LD_Q, LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC,
+                                        Q_NORM, MASK, True)
+        else:
+            dk_acc, dv_acc = _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w,
+                                        lo, hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP, D,
+                                        LD_Q, LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC,
+                                        Q_NORM, MASK, False)
+    else:
+        dk_acc, dv_acc = _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w, lo,
+                                    hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q,
+                                    LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC, Q_NORM,
+                                    MASK, False)
     dk_acc = dk_acc * scale
     tok = b * S_k + cols
     if KV_ATOMIC:
@@ -425,7 +452,7 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "kv_programs", "split", "r_dq", "r_dk", "r_dv", "m_sb", "m_sq",
                                "m_sk"])
 def attention_backward_kernel(
-    q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask,
+    q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, k_lo, k_hi, mask,
     S_q, S_k, scale, cap, window, kv_programs, split, r_dq, r_dk, r_dv, m_sb, m_sq, m_sk,
     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr,
@@ -433,7 +460,6 @@ def attention_backward_kernel(
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, KV_ATOMIC: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
     APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr,
-    PRE: tl.constexpr,
 ):
     """Programs [0, kv_programs): dK, dV of a key block (`_key_block`); the rest: dQ of a query block
     (`_query_block`). P is recomputed from lse; one launch of both kinds, each independent of the other.
@@ -441,10 +467,10 @@ def attention_backward_kernel(
     the gradient of the normed queries."""
     pid = tl.program_id(0)
     if pid < kv_programs:
-        _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, mask, S_q,
-                   S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ,
-                   LD_DK, LD_DV, KV_BN, KV_BM, KV_ATOMIC, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, DQ_ATOMIC, Q_NORM,
-                   MASK, PRE)
+        _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, k_lo, k_hi,
+                   mask, S_q, S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q, LD_K, LD_V,
+                   LD_DO, LD_DQ, LD_DK, LD_DV, KV_BN, KV_BM, KV_ATOMIC, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH,
+                   DQ_ATOMIC, Q_NORM, MASK)
     else:
         _query_block(pid - kv_programs, tl.num_programs(0) - kv_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
                      q_w, lo, hi, mask, S_q, S_k, scale, cap, window, r_dq, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q,
@@ -504,3 +530,34 @@ def attention_bounds_kernel(
     else:
         tl.store(lo + b * S_q + rows, tl.where(empty, S_k, r_lo), mask=row_ok)
         tl.store(hi + b * S_q + rows, tl.where(empty, -1, r_hi + partial * _PARTIAL), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["S_q", "S_k"])
+def attention_key_bounds_kernel(lo, hi, k_lo, k_hi, S_q, S_k, BR: tl.constexpr, BK: tl.constexpr):
+    """Each key's bounds [k_lo, k_hi] from the query rows' (`attention_bounds_kernel`'s lo, hi): grid (B, key
+    blocks of BK). k_lo, k_hi are the first and last query whose bounds reach the key; the key is marked
+    (k_hi + _PARTIAL) unless the queries that see it are exactly those (no query between them whose bounds
+    miss it, and none of them partial: its mask read, or every key alike). A key no query sees gets
+    k_lo = S_q, k_hi = -1. The dK, dV programs visit the queries between their keys' bounds, and where no
+    key of theirs is marked, compare each query with its key's bounds alone, as causality is compared."""
+    b = tl.program_id(0)
+    keys = tl.program_id(1) * BK + tl.arange(0, BK)
+    key_ok = keys < S_k
+    first_key = tl.program_id(1) * BK
+    last_key = tl.minimum(S_k, first_key + BK) - 1
+    first = tl.full((BK,), S_q, dtype=tl.int32)
+    last = tl.full((BK,), -1, dtype=tl.int32)
+    count = tl.zeros((BK,), dtype=tl.int32)
+    marked = tl.zeros((BK,), dtype=tl.int32)
+    for m0 in range(0, S_q, BR):
+        rows = m0 + tl.arange(0, BR)
+        lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, rows < S_q, S_q, S_k)
+        if (tl.min(lo_r) <= last_key) & (tl.max(hi_r) >= first_key):  # a row of the block reaches a key of ours
+            reach = (lo_r[:, None] <= keys[None, :]) & (hi_r[:, None] >= keys[None, :])
+            first = tl.minimum(first, tl.min(tl.where(reach, rows[:, None], S_q), 0))
+            last = tl.maximum(last, tl.max(tl.where(reach, rows[:, None], -1), 0))
+            count += tl.sum(reach.to(tl.int32), 0)
+            marked = tl.maximum(marked, tl.max((reach & part_r[:, None]).to(tl.int32), 0))
+    exact = (count == 0) | ((count == last - first + 1) & (marked == 0))
+    tl.store(k_lo + b * S_k + keys, first, mask=key_ok)
+    tl.store(k_hi + b * S_k + keys, tl.where(exact, last, last + _PARTIAL), mask=key_ok)

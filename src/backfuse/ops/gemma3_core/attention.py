@@ -45,7 +45,7 @@ class Plan(training.Plan):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         return Arena([Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c),
                       Buffer("o", (t, cfg.q_out), c), Buffer("lse", (self.batch * cfg.heads, self.seq), fp32),
-                      Buffer("bounds", (2, t), torch.int32) if self.masking is not None else None,
+                      Buffer("bounds", (4, t), torch.int32) if self.masking is not None else None,
                       Buffer("v_c", (t, cfg.kv_out), c) if self.casts else None])
 
     @functools.cached_property
@@ -86,7 +86,7 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> li
     launches += [training._norm_rope(p, q.view(t, cfg.q_out), qnw, cos2, sin2, a.rot_q, cfg.heads, eps),
                  training._norm_rope(p, k.view(t, cfg.kv_out), knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps)]
     if p.masking is not None:
-        launches.append(steps.attention_bounds(p.attention, a.bounds, *masks))
+        launches += steps.attention_bounds(p.attention, a.bounds, *masks)
     launches.append(steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v_c if p.casts else v.view(t, -1),
                                             a.o, a.lse, scaling, g, training.ATTENTION_FORWARD_REGIONS,
                                             bounds=getattr(a, "bounds", None), mask=masks[0]))

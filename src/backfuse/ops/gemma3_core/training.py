@@ -125,7 +125,7 @@ class Plan(Precision):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         specs = [Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c), Buffer("o", (t, cfg.q_out), c),
                  Buffer("lse", (self.batch * cfg.heads, self.seq), fp32),
-                 Buffer("bounds", (2, t), torch.int32) if self.masking is not None else None]
+                 Buffer("bounds", (4, t), torch.int32) if self.masking is not None else None]
         if self.casts:  # raw [q | k | v] in fp32 (v's fp16 copy beside), and the fp16 copies of the inputs
             width = cfg.q_out + 2 * cfg.kv_out
             specs += [Buffer("qkv", (t, width), fp32), Buffer("v", (t, cfg.kv_out), c), Buffer("x_c", (t, cfg.hidden), c),
@@ -223,7 +223,7 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> li
     launches += [_norm_rope(p, q_raw, qnw, cos2, sin2, a.rot_q, cfg.heads, eps),
                  _norm_rope(p, k_raw, knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps)]
     if p.masking is not None:
-        launches.append(steps.attention_bounds(p.attention, a.bounds, *masks))
+        launches += steps.attention_bounds(p.attention, a.bounds, *masks)
     if not p.cudnn:
         launches.append(steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v, a.o, a.lse, scaling, g,
                                                 ATTENTION_FORWARD_REGIONS, bounds=getattr(a, "bounds", None),
