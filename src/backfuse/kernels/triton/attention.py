@@ -185,6 +185,39 @@ def _store_head_tile(base, tok, ok, LD: tl.constexpr, column, D: tl.constexpr, x
     tl.store(base + tok.to(tl.int64)[:, None] * LD + column + d[None, :], narrow(x, base.dtype.element_ty), mask=ok[:, None])
 
 
+@triton.jit
+def _forward_steps(qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq,
+                   m_sk, D: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, BN: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
+                   APPROX_TANH: tl.constexpr, MASK: tl.constexpr):
+    """The forward's online softmax over key blocks [n_lo, n_hi): (m_i, l_i, acc, largest |k|, largest |v|).
+    MASK: what the tiles read (MASK_BOUNDS: the rows' bounds alone, where no row of the block is partial)."""
+    k_max = 0.0
+    v_max = 0.0
+    for n0 in range(n_lo, n_hi, BN):
+        cols = n0 + tl.arange(0, BN)
+        col_ok = cols < S_k
+        kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
+        vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
+        s, t = _logits(mma(qt, tl.trans(kt), None), scale, cap, HAS_CAP, APPROX_TANH)
+        visible = _visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW)
+        if MASK != MASK_NONE:
+            s, seen = _masked(s, rows[:, None], cols[None, :], lo_r[:, None], hi_r[:, None], b, mask, m_sb, m_sq, m_sk,
+                              True, MASK)
+            visible = visible & seen
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = mma(narrow(p, vt.dtype), vt, acc * alpha[:, None])
+        m_i = m_new
+        if RANGES:
+            k_max = tl.maximum(k_max, largest(kt))
+            v_max = tl.maximum(v_max, largest(vt))
+    return m_i, l_i, acc, k_max, v_max
+
+
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "r_q", "r_k", "r_v", "m_sb", "m_sq", "m_sk"])
 def attention_forward_kernel(
     q, k, v, o, lse, ranges, q_rstd, q_w, lo, hi, mask,
@@ -215,34 +248,27 @@ def attention_forward_kernel(
         n_hi = tl.minimum(S_k, (block + 1) * BM)
     if WINDOW:
         n_lo = tl.maximum(0, block * BM - window + 1) // BN * BN
+    lo_r = rows  # (read only with MASK)
+    hi_r = rows
+    partial = False
     if MASK != MASK_NONE:
         lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
         partial = tl.max(part_r.to(tl.int32)) > 0
         n_lo = tl.maximum(0, tl.min(lo_r)) // BN * BN
         n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
-    k_max = 0.0
-    v_max = 0.0
-    for n0 in range(n_lo, n_hi, BN):
-        cols = n0 + tl.arange(0, BN)
-        col_ok = cols < S_k
-        kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
-        vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
-        s, t = _logits(mma(qt, tl.trans(kt), None), scale, cap, HAS_CAP, APPROX_TANH)
-        visible = _visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW)
-        if MASK != MASK_NONE:
-            s, seen = _masked(s, rows[:, None], cols[None, :], lo_r[:, None], hi_r[:, None], b, mask, m_sb, m_sq, m_sk,
-                              partial, MASK)
-            visible = visible & seen
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = mma(narrow(p, vt.dtype), vt, acc * alpha[:, None])
-        m_i = m_new
-        if RANGES:
-            k_max = tl.maximum(k_max, largest(kt))
-            v_max = tl.maximum(v_max, largest(vt))
+    if MASK == MASK_KEEP or MASK == MASK_ADD:
+        if partial:  # a row's mask hides a key inside its bounds or adds to it: read where its tiles hold one
+            m_i, l_i, acc, k_max, v_max = _forward_steps(
+                qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq,
+                m_sk, D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, MASK)
+        else:
+            m_i, l_i, acc, k_max, v_max = _forward_steps(
+                qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq,
+                m_sk, D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, MASK_BOUNDS)
+    else:
+        m_i, l_i, acc, k_max, v_max = _forward_steps(
+            qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq, m_sk,
+            D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, MASK)
     seen = l_i > 0.0  # a row seeing no key (masked, or past S_q): O = 0, lse = inf (its P is 0 in the backward)
     l_i = tl.where(seen, l_i, 1.0)
     _store_head_tile(o, b * S_q + rows, row_ok, LD_O, h * D, D, acc / l_i[:, None])
@@ -394,6 +420,33 @@ def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ran
 
 
 @triton.jit
+def _query_steps(qt, dot_, row_lse, row_delta, rows, lo_r, hi_r, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window,
+                 m_sb, m_sq, m_sk, partial, D: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, Q_BM: tl.constexpr,
+                 Q_BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+                 APPROX_TANH: tl.constexpr, MASK: tl.constexpr):
+    """dQ (before its scale) of a query block over key blocks [n_lo, n_hi); with MASK the mask is read where the
+    block is `partial` (`_masked`)."""
+    dq_acc = tl.zeros((Q_BM, D), dtype=tl.float32)
+    for n0 in range(n_lo, n_hi, Q_BN):
+        cols = n0 + tl.arange(0, Q_BN)
+        col_ok = cols < S_k
+        kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
+        vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
+        s, t = _logits(mma(qt, tl.trans(kt), None), scale, cap, HAS_CAP, APPROX_TANH)
+        visible = _visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW)
+        if MASK != MASK_NONE:
+            s, seen = _masked(s, rows[:, None], cols[None, :], lo_r[:, None], hi_r[:, None], b, mask, m_sb, m_sq, m_sk,
+                              partial, MASK)
+            visible = visible & seen
+        p = tl.where(visible, tl.exp2(s - row_lse[:, None]), 0.0)
+        ds = p * (mma(dot_, tl.trans(vt), None) - row_delta[:, None])
+        if HAS_CAP:
+            ds = ds * (1.0 - t * t)
+        dq_acc = mma(narrow(ds, kt.dtype), kt, dq_acc)
+    return dq_acc
+
+
+@triton.jit
 def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd, q_w, lo, hi, mask, S_q, S_k, scale,
                  cap, window, r_dq, m_sb, m_sq, m_sk, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                  LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr,
@@ -421,28 +474,19 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
         n_hi = tl.minimum(S_k, (block + 1) * Q_BM)
     if WINDOW:
         n_lo = tl.maximum(0, block * Q_BM - window + 1) // Q_BN * Q_BN
+    lo_r = rows  # (read only with MASK)
+    hi_r = rows
+    partial = False
     if MASK != MASK_NONE:
         lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
         partial = tl.max(part_r.to(tl.int32)) > 0
         n_lo = tl.maximum(0, tl.min(lo_r)) // Q_BN * Q_BN
         n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
-    dq_acc = tl.zeros((Q_BM, D), dtype=tl.float32)
-    for n0 in range(n_lo, n_hi, Q_BN):
-        cols = n0 + tl.arange(0, Q_BN)
-        col_ok = cols < S_k
-        kt = _head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)
-        vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
-        s, t = _logits(mma(qt, tl.trans(kt), None), scale, cap, HAS_CAP, APPROX_TANH)
-        visible = _visible(rows[:, None], cols[None, :], S_k, window, CAUSAL, WINDOW)
-        if MASK != MASK_NONE:
-            s, seen = _masked(s, rows[:, None], cols[None, :], lo_r[:, None], hi_r[:, None], b, mask, m_sb, m_sq, m_sk,
-                              partial, MASK)
-            visible = visible & seen
-        p = tl.where(visible, tl.exp2(s - row_lse[:, None]), 0.0)
-        ds = p * (mma(dot_, tl.trans(vt), None) - row_delta[:, None])
-        if HAS_CAP:
-            ds = ds * (1.0 - t * t)
-        dq_acc = mma(narrow(ds, kt.dtype), kt, dq_acc)
+    # (one loop, reading the mask where a row of the block is partial: a second loop's pipeline buffers would not
+    # fit beside the key blocks' in one program's shared memory)
+    dq_acc = _query_steps(qt, dot_, row_lse, row_delta, rows, lo_r, hi_r, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap,
+                          window, m_sb, m_sq, m_sk, partial, D, LD_K, LD_V, Q_BM, Q_BN, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH,
+                          MASK)
     dq_acc = dq_acc * scale
     _store_head_tile(dq, tok, row_ok, LD_DQ, h * D, D, dq_acc)
     if RANGES:
