@@ -6,6 +6,11 @@ allocator gives them); integers as unspecialized.
 
     python benchmarks/tools/compile_sm90.py            # every configured kernel
     python benchmarks/tools/compile_sm90.py 037        # one operator's
+    python benchmarks/tools/compile_sm90.py train      # the training attention at each mask form, loop by loop
+
+`train` prints each loop of the SASS (a backward branch and what it jumps over) with its instructions, spill
+loads and stores (LDL, STL) and barriers: static counts, so a loop's branch that a call never takes is counted
+too (notes/training.md, session 38).
 """
 
 from __future__ import annotations
@@ -58,6 +63,50 @@ def report(name: str, kernel) -> str:
     return (f"{name:28s} smem {kernel.metadata.shared / 1024:6.1f} KB  regs {regs.group(1) if regs else '?':>3s}  "
             f"local {local.group(1) if local else '?':>4s} B  HGMMA {sass.count('HGMMA'):4d}  "
             f"LDGSTS {sass.count('LDGSTS'):3d}  atomics {len(re.findall(r'RED|ATOM', sass)):3d}")
+
+
+def loops(sass: str) -> list:
+    """(first, last address, instructions, LDL, STL, BAR) of every loop of a SASS listing: each backward branch
+    and the instructions from its target to it."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    out = []
+    for addr, text in code:
+        jump = re.search(r"BRA\b.*?0x([0-9a-f]+)", text)
+        if jump and int(jump.group(1), 16) < addr:
+            body = [t for a, t in code if int(jump.group(1), 16) <= a <= addr]
+            out.append((int(jump.group(1), 16), addr, len(body), sum("LDL" in t for t in body),
+                        sum("STL" in t for t in body), sum(re.search(r"\bBAR\b", t) is not None for t in body)))
+    return out
+
+
+def training_attention_loops(head_dim: int = 256):
+    """(name, loops) of the training attention kernels (`train/steps.py`'s GPU tiles, bf16, one dK/dV program a
+    key block) at each mask form: causal, bounds only (packed documents), a bool mask, an additive one."""
+    from backfuse.kernels.gluon.sm90 import compile_triton
+    from backfuse.kernels.triton import attention
+    from backfuse.train import steps
+
+    t = steps.attention_tiles(head_dim, True)
+    d = head_dim
+    common = dict(HEADS=8, GROUP=2, D=d, HAS_CAP=False, RANGES=False, APPROX_TANH=True, Q_NORM=False, LD_Q=8 * d,
+                  LD_K=4 * d, LD_V=4 * d, WINDOW=False)
+    for form, mask, mask_type in (("causal", 0, "fp32"), ("bounds", 1, "fp32"), ("bool", 2, "u8"), ("additive", 3, "bf16")):
+        kinds = (("forward", attention.attention_forward_kernel, dict(LD_O=8 * d, BM=t.bm, BN=t.bn), t.warps, t.stages),
+                 ("backward", attention.attention_backward_kernel,
+                  dict(LD_DO=8 * d, LD_DQ=8 * d, LD_DK=4 * d, LD_DV=4 * d, KV_BN=t.kv_bn, KV_BM=t.kv_bm, Q_BM=t.q_bm,
+                       Q_BN=t.q_bn, KV_ATOMIC=False, DQ_ATOMIC=t.dq_atomic), t.bwd_warps, t.bwd_stages))
+        for kind, fn, extra, warps, stages in kinds:
+            fp32 = ("lse", "delta", "ranges", "q_rstd", "dq")  # (dK, dV in bf16: one program a key block, as at 2x4096)
+            sig = {p.name: "i32" if p.do_not_specialize else "fp32" if p.name in ("scale", "cap") else
+                   "*i32" if p.name in ("lo", "hi", "k_lo", "k_hi") else f"*{mask_type}" if p.name == "mask" else
+                   "*fp32" if p.name in fp32 else "*bf16" for p in fn.params if not p.is_constexpr}
+            kernel = compile_triton(fn, sig, dict(common, **extra, CAUSAL=mask == 0, MASK=mask), num_warps=warps,
+                                    num_stages=stages)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True).stdout
+            yield f"D={d} {kind} {form}", loops(sass)
 
 
 def wan_021_kernels(cfg=None):
@@ -143,7 +192,15 @@ def gemma3_037_kernels(cfg=None):
 KERNELS = {"072": qkv_gqa_072_kernels, "021": wan_021_kernels, "037": gemma3_037_kernels}
 
 if __name__ == "__main__":
-    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TRITON_INTERPRET"] = "0"  # a compile (importing backfuse would turn the interpreter on)
+    if sys.argv[1:2] == ["train"]:
+        for head_dim in map(int, sys.argv[2:] or ["256"]):
+            for name, found in training_attention_loops(head_dim):
+                print(name)
+                for first, last, n, ldl, stl, bar in found:
+                    if n > 100:
+                        print(f"  loop {first:#07x}-{last:#07x}: {n:5d} instructions, LDL {ldl:3d}, STL {stl:3d}, BAR {bar}")
+        sys.exit()
     for kernels in (KERNELS[op]() for op in (sys.argv[1:] or KERNELS)):
         for name, kernel in kernels:
             print(report(name, kernel))
