@@ -253,22 +253,20 @@ def attention_forward_kernel(
     partial = False
     if MASK != MASK_NONE:
         lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
-        partial = tl.max(part_r.to(tl.int32)) > 0
+        if MASK == MASK_KEEP or MASK == MASK_ADD:
+            partial = tl.max(part_r.to(tl.int32)) > 0
         n_lo = tl.maximum(0, tl.min(lo_r)) // BN * BN
         n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
-    if MASK == MASK_KEEP or MASK == MASK_ADD:
-        if partial:  # a row's mask hides a key inside its bounds or adds to it: read where its tiles hold one
-            m_i, l_i, acc, k_max, v_max = _forward_steps(
-                qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq,
-                m_sk, D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, MASK)
-        else:
-            m_i, l_i, acc, k_max, v_max = _forward_steps(
-                qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq,
-                m_sk, D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, MASK_BOUNDS)
-    else:
+    # A block none of whose rows is partial reads only their bounds (`_masked` with MASK_BOUNDS), in a loop of its own
+    FAST: tl.constexpr = MASK_BOUNDS if MASK == MASK_KEEP or MASK == MASK_ADD else MASK
+    if partial:  # (static False without a mask to read)
         m_i, l_i, acc, k_max, v_max = _forward_steps(
             qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq, m_sk,
             D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, MASK)
+    else:
+        m_i, l_i, acc, k_max, v_max = _forward_steps(
+            qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq, m_sk,
+            D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, FAST)
     seen = l_i > 0.0  # a row seeing no key (masked, or past S_q): O = 0, lse = inf (its P is 0 in the backward)
     l_i = tl.where(seen, l_i, 1.0)
     _store_head_tile(o, b * S_q + rows, row_ok, LD_O, h * D, D, acc / l_i[:, None])
@@ -376,28 +374,23 @@ def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ran
         m_hi = tl.minimum(S_q, block * KV_BN + KV_BN - 1 + window)
     k_lo2 = cols[:, None]  # (read only with MASK)
     k_hi2 = cols[:, None]
-    k_part = col_ok
+    exact = False
     if MASK != MASK_NONE:
         k_lo_c, k_hi_c, k_part = _row_bounds(k_lo, k_hi, b, cols, col_ok, S_k, S_q)
         m_lo = tl.maximum(0, tl.min(k_lo_c)) // KV_BM * KV_BM
         m_hi = tl.minimum(S_q, tl.max(k_hi_c) + 1)
         k_lo2 = k_lo_c[:, None]
         k_hi2 = k_hi_c[:, None]
+        exact = tl.max(k_part.to(tl.int32)) == 0
     if KV_ATOMIC:
         steps = (tl.cdiv(tl.maximum(m_hi - m_lo, 0), KV_BM) + split - 1) // split
         m_lo = m_lo + part * steps * KV_BM
         m_hi = tl.minimum(m_hi, m_lo + steps * KV_BM)
-    if MASK != MASK_NONE:
-        if tl.max(k_part.to(tl.int32)) == 0:  # every key's bounds exact: compared as causality is
-            dk_acc, dv_acc = _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w,
-                                        lo, hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP, D,
-                                        LD_Q, LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC,
-                                        Q_NORM, MASK, True)
-        else:
-            dk_acc, dv_acc = _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w,
-                                        lo, hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP, D,
-                                        LD_Q, LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC,
-                                        Q_NORM, MASK, False)
+    if exact:  # every key's bounds exact: compared as causality is (static False without a mask)
+        dk_acc, dv_acc = _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w, lo,
+                                    hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q,
+                                    LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC, Q_NORM,
+                                    MASK, True)
     else:
         dk_acc, dv_acc = _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w, lo,
                                     hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q,
