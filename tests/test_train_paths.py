@@ -297,22 +297,25 @@ def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype, pid):
             a.grad = None
         m(*acts).backward(grad)
 
-    def totals():  # (hits, misses, direct runs)
-        return graphs.counts["replayed"], graphs.counts["missed"], graphs.counts["direct"]
+    def totals():  # (hits, misses, direct runs, graphs instantiated)
+        return tuple(graphs.counts[k] for k in ("replayed", "missed", "direct", "instantiated"))
 
+    seen = [totals()]  # after each step: what the message shows where a step was not all replays
     for _ in range(4):
         step()
+        seen.append(totals())
     torch.cuda.synchronize()
-    before = totals()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
             step()
+            seen.append(totals())
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
-    hits, misses, direct = (a - b for a, b in zip(totals(), before))
-    assert (hits, misses, direct) == (6, 0, 0)  # a forward and a backward per step
+    per_step = [tuple(a - b for a, b in zip(after, before)) for before, after in zip(seen, seen[1:])]
+    hits, misses, direct, _ = (a - b for a, b in zip(seen[-1], seen[4]))
+    assert (hits, misses, direct) == (6, 0, 0), per_step  # a forward and a backward per step
 
 
 def test_a_backward_first_on_its_thread_warns_nothing():
