@@ -8,6 +8,7 @@ loop's graph replays with no host synchronization.
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -316,6 +317,40 @@ def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype, pid):
     per_step = [tuple(a - b for a, b in zip(after, before)) for before, after in zip(seen, seen[1:])]
     hits, misses, direct, _ = (a - b for a, b in zip(seen[-1], seen[4]))
     assert (hits, misses, direct) == (6, 0, 0), per_step  # a forward and a backward per step
+
+
+@pytest.mark.filterwarnings(r"ignore::RuntimeWarning:(triton|numpy)\.")  # the interpreter's overflow in casts
+def test_a_graph_taken_under_another_guard_is_not_launched_at_its_memory():
+    """A layer's fp16 range guard replaced under its recorded graphs (`guard.reset`, or a guard evicted past
+    GUARDS_KEPT) at the same tensors' addresses: the next calls run with the new guard's memory, so a value
+    weight fp16 cannot hold is still named. (Were the old graph launched, it would check the range into the
+    old guard's memory, kept alive here, and nothing would be said.)"""
+    import backfuse
+
+    guard.reset()
+    config, sizes = WanXattnConfig(hidden=256, heads=2), (1, 37, 13)
+    m = training_module("021", config, torch.float32)
+    acts = training_inputs("021", config, sizes, torch.float32)
+    grad = torch.randn(*sizes[:2], config.hidden, device=DEVICE)
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        for a in acts:
+            a.grad = None
+        m(*acts).backward(grad)
+
+    for _ in range(5):  # recorded at the third call, then replayed
+        step()
+    old = list(guard._guards.values())  # their memory stays allocated: a new guard gets other addresses
+    guard.reset()
+    with torch.no_grad():
+        m.value_weight.mul_(2e5)  # in place: every tensor of the call at its address
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+        backfuse.check_ranges()
+    assert any("values (call 1" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert old
 
 
 def test_a_backward_first_on_its_thread_warns_nothing():

@@ -121,6 +121,13 @@ def guard(label: str, regions: tuple, device: torch.device, scaled: bool, owner:
     return g
 
 
+def tensors(*gs) -> tuple:
+    """The memory the guards gs (None: no guard) give a call's launches, for `train/program.py: bases`: a
+    graph or template of the call names it, so one taken while another guard stood for the layer (before
+    `reset`, or before its guard was evicted) is never launched at the memory of a guard that is gone."""
+    return tuple(t for g in gs if g is not None for t in (g.maxima, g.flags, g.state, g.log))
+
+
 def check_ranges() -> None:
     """Wait for the GPU, then warn about every training call whose fp16 tensors left fp16's safe range
     and that no warning named yet (the ops do this without waiting at their next call)."""

@@ -112,7 +112,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
             launches.append(steps.check(g))
         return launches
 
-    execute(("gemma3_attention forward", p, scaling, eps), device, bases(*inputs, *masks, out, a_flat), build)
+    execute(("gemma3_attention forward", p, scaling, eps), device, bases(*inputs, *masks, out, a_flat, *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -175,8 +175,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
 
     made = [x for x in grads if x is not None]
     execute(("gemma3_attention backward", p, scaling, eps), device,
-            bases(*inputs, *masks, da, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])),
-            build)
+            bases(*inputs, *masks, da, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat]),
+                  *guards.tensors(g, fg)), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()

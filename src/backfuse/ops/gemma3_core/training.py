@@ -259,7 +259,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
             launches.append(steps.check(g))
         return launches
 
-    execute(key, device, bases(*inputs, *masks, out, a_flat), build)
+    execute(key, device, bases(*inputs, *masks, out, a_flat, *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -399,7 +399,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
 
     key = ("gemma3_core backward", p, scaling, eps)
     execute(key, device, bases(*inputs, *masks, go, *made, *vars(w).values(), s_flat,
-                                   *([] if a_flat is None else [a_flat])), build)
+                                   *([] if a_flat is None else [a_flat]), *guards.tensors(g, fg)), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()

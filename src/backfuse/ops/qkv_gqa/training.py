@@ -166,7 +166,7 @@ def forward(inputs, plan: Plan):
             launches.append(steps.check(g))
         return launches
 
-    execute(("qkv_gqa forward", p), device, bases(*inputs, q, k, v, a_flat, s_flat), build)
+    execute(("qkv_gqa forward", p), device, bases(*inputs, q, k, v, a_flat, s_flat, *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), (a_flat if p.save and p.casts else None)
@@ -240,7 +240,8 @@ def backward(inputs, grads, plan: Plan, a_flat):
 
     made = [t for t in (grad_dec, grad_enc) if t is not None]
     execute(("qkv_gqa backward", p), device,
-            bases(*inputs, gq, gk, gv, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
+            bases(*inputs, gq, gk, gv, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat]),
+                  *guards.tensors(g, fg)), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()

@@ -275,7 +275,7 @@ def forward(inputs, scale: float, plan: Plan):
             launches.append(steps.check(g))
         return launches
 
-    execute(key, device, bases(*inputs, out, a_flat, s_flat), build)
+    execute(key, device, bases(*inputs, out, a_flat, s_flat, *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()  # the interpreter ran it already: warn now
     return out, (a_flat if plan.save else None)
@@ -401,7 +401,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
 
     made = [t for t in (grad_video, grad_text) if t is not None]
     execute(key, device,
-            bases(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat])), build)
+            bases(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat]),
+                  *guards.tensors(g, fg)), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()
