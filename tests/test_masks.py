@@ -152,6 +152,24 @@ def test_a_4_dim_mask_decides_alone(form, dtype):
     _compare(m, x, cos, sin, dict(attention_mask=mask), visible, additive=mask if form == "additive" else None)
 
 
+def test_a_mask_laid_out_otherwise_gets_launches_of_its_own():
+    """The kernels read a mask as it is, with its strides in their arguments. A call whose mask has the shape and
+    dtype of earlier ones but other strides (a [1, 1, S, S] mask expanded to the batch: batch stride 0) must not
+    run the launches a template or graph took from those calls (batch stride S * S would read the second
+    entry's mask from the memory after the first: here a block that hides every key)."""
+    dtype = DTYPES[0]
+    m = _layer(dtype)
+    x, cos, sin = _inputs(dtype, 2)
+    s = x.shape[1]
+    i = torch.arange(s, device=DEVICE)
+    visible = (i[None] <= i[:, None]) & ((i[:, None] - i[None]) < s // 3)
+    for _ in range(3):  # a template (and on a GPU a graph, at the third call) of the contiguous layout
+        _call(m, x, cos, sin, attention_mask=visible[None, None].expand(2, 1, s, s).contiguous())
+    after = torch.zeros(2, 1, s, s, dtype=torch.bool, device=DEVICE)
+    after[0, 0] = visible
+    _compare(m, x, cos, sin, dict(attention_mask=after[:1].expand(2, 1, s, s)), visible[None].expand(2, s, s))
+
+
 def test_a_broadcast_4_dim_mask_and_one_hiding_everything_from_a_query():
     """A [1, 1, S, S] mask serves every row; a query that sees no key gets 0 and no NaN reaches a gradient."""
     dtype = DTYPES[0]

@@ -42,7 +42,8 @@ def run(preset: str, tokens: tuple, steps: int) -> list:
     m = bnn.Gemma3Core.from_preset(preset, device="cuda", dtype=torch.bfloat16)
     c = m.config
     rows = []
-    for form, masks in _forms(b, s, "cuda").items():
+    forms = list(_forms(b, s, "cuda").items())
+    for form, masks in [forms[0]] + forms:  # the first form twice: its first run holds the process's first calls
         bb, ss = (1, b * s) if form == "packed" else (b, s)
         x = (torch.randn(bb, ss, c.hidden, device="cuda") / c.hidden ** 0.5).to(torch.bfloat16).requires_grad_()
         cos, sin = torch.randn(2, 1, ss, c.head_dim, device="cuda").to(torch.bfloat16)
@@ -63,6 +64,7 @@ def run(preset: str, tokens: tuple, steps: int) -> list:
                 torch.use_deterministic_algorithms(False)
             rows.append((preset, f"{b}x{s}", form + ("" if variant == "default" else f" ({variant})"), ms, host))
             graphs.release()
+    del rows[:1 + bool(m.softcap)]  # (the first form's first run)
     return rows
 
 

@@ -378,7 +378,7 @@ def _qk_norm(label: str, qnw, knw, head_dim):
 def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts=None):
     masking = _masks.masking_of(mask, starts)
     key = ("037", _signature(tensors), softcap, window, save, head_dim, _cudnn.enabled(),
-           torch.are_deterministic_algorithms_enabled(), masking, _signature((mask, starts)))
+           torch.are_deterministic_algorithms_enabled(), masking, _plan_cache.layout((mask, starts)))
     plan = _plans.get(key)
     if plan is None:
         hidden, cos, sin, wq, wk, wv, wo, qnw, knw = tensors
@@ -478,7 +478,7 @@ _gemma_attention = _Lazy("backfuse.ops.gemma3_core.attention", "_gemma_attention
 def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts=None):
     masking = _masks.masking_of(mask, starts)
     key = ("037 attention", _signature(tensors), softcap, window, save, head_dim,
-           torch.are_deterministic_algorithms_enabled(), masking, _signature((mask, starts)))
+           torch.are_deterministic_algorithms_enabled(), masking, _plan_cache.layout((mask, starts)))
     plan = _plans.get(key)
     if plan is None:
         q, k, v, cos, sin, qnw, knw = tensors

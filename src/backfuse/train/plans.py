@@ -94,5 +94,13 @@ def signature(tensors) -> tuple:
     return tuple((t.shape, t.dtype, t.get_device()) if isinstance(t, torch.Tensor) else type(t) for t in tensors)
 
 
+def layout(tensors) -> tuple:
+    """`signature` with each tensor's strides: for the tensors a call's kernels read as they are (a mask), whose
+    element strides the launches bake in (a template or graph taken from a [B, 1, S, S] mask must not read a
+    broadcast or sliced one of the same shape)."""
+    return tuple((t.shape, t.stride(), t.dtype, t.get_device()) if isinstance(t, torch.Tensor) else type(t)
+                 for t in tensors)
+
+
 def contiguous(tensors) -> list:
     return [t if t is None else t.contiguous() for t in tensors]
