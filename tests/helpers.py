@@ -155,8 +155,9 @@ def check_beside_busy_stream(pid, axes, seed=21, calls=3, **options):
 
 
 # ------------------------------------ the training ops at any config, against float64 --------------------------------
-def attention64(q, k, v, batch, heads, group, d, scale, cap, causal, window):
-    """Float64 attention of token-major q [B*Sq, H*D], k, v [B*Sk, KV*D] (soft cap 0: none; window 0: none)."""
+def attention64(q, k, v, batch, heads, group, d, scale, cap, causal, window, additive=None):
+    """Float64 attention of token-major q [B*Sq, H*D], k, v [B*Sk, KV*D] (soft cap 0: none; window 0: none);
+    additive: a [B, 1, Sq, Sk] mask added to the logits after the cap, as eager attention adds it."""
     s_q, s_k = q.shape[0] // batch, k.shape[0] // batch
     qh = q.view(batch, s_q, heads, d).transpose(1, 2)
     kh = k.view(batch, s_k, heads // group, d).transpose(1, 2).repeat_interleave(group, 1)
@@ -173,6 +174,8 @@ def attention64(q, k, v, batch, heads, group, d, scale, cap, causal, window):
         z = qh[:, h:h + step] @ kh[:, h:h + step].transpose(-1, -2) * scale
         if cap:
             z = cap * torch.tanh(z / cap)
+        if additive is not None:
+            z = z + additive.double()
         out.append(torch.softmax(z.masked_fill(~visible, float("-inf")), -1) @ vh[:, h:h + step])
     return torch.cat(out, 1).transpose(1, 2).reshape(batch * s_q, -1)
 

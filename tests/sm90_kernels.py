@@ -19,7 +19,7 @@ def _sm90_cases(dtype: str):
 
     # A mask at its widest: 1-byte bool for MASK 2, fp32 (4 bytes a tile element) for MASK 3 (`F._gemma_masks`).
     ptr = ({n: f"*{dtype}" for n in ("q", "k", "v", "o", "do", "dk", "dv", "q_w")}
-           | {n: "*i32" for n in ("lo", "hi", "k_lo", "k_hi")}
+           | {n: "*i32" for n in ("lo", "hi", "k_lo", "k_hi", "alike")}
            | {n: "*fp32" for n in ("lse", "delta", "ranges", "q_rstd", "dq", "mask")})
     for d in steps.GPU_TILES:
         for softcap in (False, True) if d in steps.GPU_SOFTCAP_TILES else (False,):

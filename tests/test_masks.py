@@ -7,7 +7,7 @@ rows that see no key, and the refusals. On a GPU at Gemma 3 4B's width; in the i
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import rel_err, rope_tables, training_module
+from helpers import attention64, rel_err, rope_tables, training_module
 
 from backfuse import functional as F
 from backfuse.bench.train import _gemma_norm, _rotate_half
@@ -199,6 +199,14 @@ def test_mask_refusals_name_the_input():
               attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool, device=DEVICE))
 
 
+def _bounds(a):
+    """`steps.bounds_buffer`'s tensor for attention a, poisoned (an element the bounds pass does not write shows)."""
+    from backfuse.train import steps
+
+    spec = steps.bounds_buffer(a)
+    return torch.full(spec.shape, -7, dtype=spec.dtype, device=DEVICE)
+
+
 def test_the_bounds_pass_reads_no_mask_row_past_the_last_query():
     """A row block that runs past S_q reads none of the mask's rows beyond it (on a GPU: memory past the
     tensor's end). Here the additive mask is the head of a larger buffer whose next rows hold values that
@@ -214,11 +222,11 @@ def test_the_bounds_pass_reads_no_mask_row_past_the_last_query():
                                    torch.finfo(torch.float32).min)
     mask = buffer[:, :, :s]
     a = steps.Attention(1, s, s, 2, 2, 16, causal=True, window=0, softcap=0.0, masking=masks.masking_of(mask, None))
-    bounds = torch.empty(4, s, dtype=torch.int32, device=DEVICE)
+    bounds = _bounds(a)
     with np.errstate(over="raise", invalid="raise"):
         for launch in steps.attention_bounds(a, bounds, mask, None):
             launch()
-    lo, hi, k_lo, k_hi = bounds.tolist()
+    lo, hi, k_lo, k_hi = bounds[:4, :s].tolist()
     assert lo == [0] * s and [h % (1 << 30) for h in hi] == list(range(s))
     assert k_lo == list(range(s)) and k_hi == [s - 1] * s  # each key seen by the queries from it on, exactly
 
@@ -228,7 +236,8 @@ def test_each_keys_bounds_are_the_queries_that_see_it(form):
     """`attention_key_bounds_kernel` against the rows' bounds read on the host: a key's [k_lo, k_hi] are the first
     and last query whose bounds reach it, and it is marked unless exactly those queries see it (no gap between
     them, none of them partial). The masks mix exact keys (causal, padding, documents) with marked ones: holes, a
-    value added, a query that sees nothing (under an additive mask: every key alike)."""
+    value added. A query that sees nothing under an additive mask weighs every key alike: it is no key's, and
+    its batch entry's first and last such query are listed apart."""
     from backfuse.train import masks, steps
 
     b, s = 2, 45  # no block of the kernels divides it
@@ -251,17 +260,71 @@ def test_each_keys_bounds_are_the_queries_that_see_it(form):
     mask = None if mask is None else mask.to(DEVICE)
     starts = None if starts is None else starts.to(DEVICE)
     a = steps.Attention(b, s, s, 2, 2, 16, causal=True, masking=masks.masking_of(mask, starts))
-    bounds = torch.empty(4, b * s, dtype=torch.int32, device=DEVICE)
+    bounds = _bounds(a)
     for launch in steps.attention_bounds(a, bounds, mask, starts):
         launch()
-    lo, hi, k_lo, k_hi = bounds.view(4, b, s).cpu().to(torch.int64)
+    lo, hi, k_lo, k_hi = bounds[:4, :b * s].view(4, b, s).cpu().to(torch.int64)
     partial = hi >= 1 << 30
     hi = hi - partial * (1 << 30)
+    alike = lo < 0
+    assert alike.any() == (form == "additive")  # entry 1's query 3 sees nothing
+    if form == "additive":
+        assert bounds[4, :2 * b].tolist() == [s, -1, 3, 3]
     for e in range(b):
         for j in range(s):
-            seen = [q for q in range(s) if lo[e, q] <= j <= hi[e, q]]
+            seen = [q for q in range(s) if lo[e, q] <= j <= hi[e, q] and not alike[e, q]]
             exact = not seen or (seen == list(range(seen[0], seen[-1] + 1)) and not any(partial[e, q] for q in seen))
             assert (k_lo[e, j].item(), k_hi[e, j].item()) == (
                 (seen[0] if seen else s), (seen[-1] if seen else -1) + (0 if exact else 1 << 30)), (e, j, seen)
     if form != "documents":  # the mask's marked keys are there, and so are exact ones
         assert (k_hi >= 1 << 30).any() and (k_hi < 1 << 30).any()
+
+
+@pytest.mark.parametrize("cap, split, dq_atomic", [(0.0, 1, False), (30.0, 3, True), (30.0, 2, False), (0.0, 3, True)])
+def test_queries_weighing_every_key_alike_leave_the_keys_exact(cap, split, dq_atomic):
+    """Eager attention's left-padded queries see no key through an additive mask and weigh every key alike
+    (Gemma 2 trains on eager attention; Gemma's tokenizers pad on the left). They take no part in the keys'
+    bounds, so a padded entry's keys keep the exact loop, and every key block visits them in a loop of their
+    own. The attention kernels (key blocks split or not, dQ by atomics or by programs) against float64 adding the
+    mask as eager does, on poisoned outputs: left padding, right padding (no such query), and left padding with
+    holes (keys whose loop reads the mask, leaving those queries to theirs)."""
+    import math
+
+    from backfuse.train import masks, steps
+
+    torch.manual_seed(0)
+    b, s, heads, group, d = 3, 45, 4, 2, 32
+    i = torch.arange(s)
+    visible = (i[None] <= i[:, None]).repeat(b, 1, 1)
+    visible[0, :, :7] = False  # left padding: queries 0-6 see nothing
+    visible[1, :, 38:] = False  # right padding: every query sees a real key
+    visible[2, :, :3] = False
+    visible[2, 20:23, 5:9] = False
+    mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None].to(DEVICE)
+    a = steps.Attention(b, s, s, heads, group, d, causal=True, softcap=cap, masking=masks.masking_of(mask, None))
+    bounds = _bounds(a)
+    for launch in steps.attention_bounds(a, bounds, mask):
+        launch()
+    k_hi = bounds[3, :b * s].view(b, s).cpu()
+    assert bounds[4, :2 * b].tolist() == [0, 6, s, -1, 0, 2]
+    assert (k_hi[:2] < 1 << 30).all() and (k_hi[2] >= 1 << 30).any()  # padded entries exact; holes marked
+
+    kv = heads // group
+    q, k, v, do = (torch.randn(b * s, w * d, device=DEVICE).to(torch.bfloat16) for w in (heads, kv, kv, heads))
+    nan = float("nan")
+    o, lse, delta = torch.full_like(q, nan), *(torch.full((b * heads, s), nan, device=DEVICE) for _ in range(2))
+    dq = torch.zeros(b * s, heads * d, device=DEVICE) if dq_atomic else torch.full_like(q, nan)
+    dk, dv = ((torch.zeros(b * s, kv * d, device=DEVICE) for _ in range(2)) if split > 1 else
+              (torch.full_like(k, nan), torch.full_like(v, nan)))
+    tiles, scale = steps.attention_tiles(d, GPU), 1 / math.sqrt(d)
+    for launch in (steps.attention_forward(a, tiles, q, k, v, o, lse, scale, None, bounds=bounds, mask=mask),
+                   steps.attention_delta(a, o, do, delta, None),
+                   steps.attention_backward(a, tiles, split, q, k, v, do, lse, delta, dq, dk, dv, scale, None,
+                                            dq_atomic=dq_atomic, bounds=bounds, mask=mask)):
+        launch()
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = attention64(*exact, b, heads, group, d, scale, cap, False, 0, additive=mask)
+    ref.backward(do.double())
+    assert rel_err(o, ref) < 3e-2
+    for name, got, x in zip("qkv", (dq, dk, dv), exact):
+        assert rel_err(got, x.grad) < 3e-2, name

@@ -5,9 +5,11 @@ attention: cuDNN's takes no mask) at a preset's width, unmasked against each for
     PYTHONPATH=src python3 benchmarks/tools/mask_cost.py --presets gemma3-4b --tokens 1x8192
 
 Forms: causal (no mask: the kernels' own causality), padding (a [B, S] all-ones mask as a tokenizer gives it),
-dense bool (SDPA's [B, 1, S, S] causal mask), dense additive (eager's 0 / finfo.min), packed (four documents by
-cu_seqlens, B = 1 rows of B x S tokens). Gemma 2 also with dQ by programs (deterministic mode) against its
-default atomics. ms per step: steps queued back to back, one synchronization (`bench/train.py: time_steps`).
+dense bool (SDPA's [B, 1, S, S] causal mask), dense additive (eager's 0 / finfo.min), the last entry left-padded
+by a quarter of its tokens in either dense form (SDPA's padded queries see no key; eager's weigh every key
+alike), packed (four documents by cu_seqlens, B = 1 rows of B x S tokens). Gemma 2 also with dQ by programs
+(deterministic mode) against its default atomics. ms per step: steps queued back to back, one synchronization
+(`bench/train.py: time_steps`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ from backfuse.kernels import graphs
 def _forms(b: int, s: int, device) -> dict:
     i = torch.arange(s, device=device)
     causal = (i[None] <= i[:, None])[None, None].expand(b, 1, s, s)
+    left = causal.clone()
+    left[-1, :, :, :s // 4] = False  # as transformers builds a left-padded entry's mask
+
+    def additive(visible):
+        return torch.where(visible, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
+
     return {
         "causal": {},
         "padding": dict(attention_mask=torch.ones(b, s, dtype=torch.int64, device=device)),
         "dense bool": dict(attention_mask=causal),
-        "dense additive": dict(attention_mask=torch.where(causal, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)),
+        "dense additive": dict(attention_mask=additive(causal)),
+        "left-padded bool": dict(attention_mask=left),
+        "left-padded additive": dict(attention_mask=additive(left)),
         "packed": dict(cu_seqlens=torch.tensor([0, b * s // 4, b * s // 2, 3 * b * s // 4, b * s], dtype=torch.int32,
                                                device=device)),
     }

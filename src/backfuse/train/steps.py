@@ -15,7 +15,7 @@ import torch
 from ..kernels.schedule import cdiv
 from ..kernels.triton import attention, passes, rope
 from .masks import Masking
-from .program import Kernel, constant, torch_step
+from .program import Buffer, Kernel, constant, torch_step
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements per program of the flat passes (the interpreter's cost is per program: few, large ones).
@@ -282,14 +282,24 @@ class Attention:
         return max(1, min(sms // max(1, kv_programs), steps // 4))
 
 
+def bounds_buffer(a: Attention) -> Buffer | None:
+    """The masked attention's bounds (`attention_bounds`), int32 [5, max(B * S, 2 B)] (a masked attention is a
+    self-attention: S_q = S_k = S): rows 0-3 each query's lo and hi, then each key's k_lo and k_hi (B * S
+    entries each); row 4 each batch entry's first and last query that weighs every key alike (2 B entries). None
+    without a mask."""
+    if a.masking is None:
+        return None
+    return Buffer("bounds", (5, max(a.batch * a.s_q, 2 * a.batch)), torch.int32)
+
+
 def _mask_args(a: Attention, bounds, mask, q, keys: bool = False) -> dict:
-    """The attention kernels' mask arguments: bounds [4, B * S] int32 (each query's lo, hi, then each key's:
-    `attention_bounds`), the mask tensor and its element strides (batch, query, key; 0 where broadcast); keys:
-    the keys' bounds too (the backward's). Unmasked: q stands for the tensors."""
+    """The attention kernels' mask arguments: `bounds_buffer`'s rows, the mask tensor and its element strides
+    (batch, query, key; 0 where broadcast); keys: the keys' bounds and the alike rows' too (the backward's).
+    Unmasked: q stands for the tensors."""
     if a.masking is None:
         args = dict(lo=q, hi=q, mask=q, m_sb=0, m_sq=0, m_sk=0)
-        return args | (dict(k_lo=q, k_hi=q) if keys else {})
-    args = dict(lo=bounds[0], hi=bounds[1]) | (dict(k_lo=bounds[2], k_hi=bounds[3]) if keys else {})
+        return args | (dict(k_lo=q, k_hi=q, alike=q) if keys else {})
+    args = dict(lo=bounds[0], hi=bounds[1]) | (dict(k_lo=bounds[2], k_hi=bounds[3], alike=bounds[4]) if keys else {})
     if mask is None:
         return args | dict(mask=q, m_sb=0, m_sq=0, m_sk=0)
     if mask.dtype == torch.bool:
@@ -301,9 +311,9 @@ def _mask_args(a: Attention, bounds, mask, q, keys: bool = False) -> dict:
 
 
 def attention_bounds(a: Attention, bounds, mask=None, starts=None) -> list:
-    """Launches writing bounds [4, B * S] int32 (a masked attention is a self-attention: S_q = S_k): each query
-    row's bounds (`attention_bounds_kernel`) from a's causality and window, the documents' starts and the mask
-    (`Masking`), then each key's from them (`attention_key_bounds_kernel`)."""
+    """Launches writing `bounds_buffer`'s tensor: each query row's bounds (`attention_bounds_kernel`) from a's
+    causality and window, the documents' starts and the mask (`Masking`), then each key's and the alike rows'
+    from them (`attention_key_bounds_kernel`)."""
     m = a.masking
     args = _mask_args(a, bounds, mask, bounds)
     rows = 32 if INTERPRETED else 64
@@ -313,7 +323,7 @@ def attention_bounds(a: Attention, bounds, mask=None, starts=None) -> list:
                    CAUSAL=a.causal and not m.dense, WINDOW=a.window > 0 and not m.dense, DOCS=m.documents, MASK=m.mode,
                    BR=rows, BN=64, num_warps=4),
             KEY_BOUNDS((a.batch, cdiv(a.s_k, rows)), dict(lo=bounds[0], hi=bounds[1], k_lo=bounds[2], k_hi=bounds[3],
-                                                          S_q=a.s_q, S_k=a.s_k), BR=rows, BK=rows, num_warps=4)]
+                                                          alike=bounds[4], S_q=a.s_q, S_k=a.s_k), BR=rows, BK=rows, num_warps=4)]
 
 
 def _query_norm(q_norm, q) -> tuple:

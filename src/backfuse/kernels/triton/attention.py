@@ -25,7 +25,10 @@ whose bounds reach a key block (dK, dV): a window's, a document's or padding's o
 not masked. The dK, dV programs hold keys fixed, so they read each key's bounds (the queries that see it,
 `attention_key_bounds_kernel`) once; where those are exact for every key of the block (a causal, windowed,
 padded, packed or image-block mask: no hole, no value added) a query is compared with its key's bounds as
-causality is compared, and the rows' bounds and the mask are not read in the loop.
+causality is compared, and the rows' bounds and the mask are not read in the loop. The rows that weigh every
+key alike (MASK_ADD's fully masked rows: eager attention's padded queries) take no part in the keys' bounds:
+each dK, dV program visits them in a loop of their own, over their batch entry's first to last such row, so a
+padded batch under eager attention keeps the exact loop for its real queries.
 Backward, from dO:
     delta = rowsum(dO * O),  dP = dO V^T,  dC = P * (dP - delta)
     dS = dC * scale  (* (1 - t^2) with the cap)      -- the gradient of the logits' q.k
@@ -295,17 +298,24 @@ def attention_delta_kernel(
         fold(ranges, r_do, largest(dot_))
 
 
+KEYS_EXACT = tl.constexpr(0)  # every key's visible queries are its bounds [k_lo, k_hi]
+KEYS_ROWS = tl.constexpr(1)  # each query row's bounds and mask decide (`_masked`), the alike rows left out
+KEYS_ALIKE = tl.constexpr(2)  # the rows weighing every key alike (lo < 0), and only they: logit 0 for every key
+
+
 @triton.jit
-def _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w, lo, hi, mask, S_q, S_k,
-               scale, cap, window, m_sb, m_sq, m_sk, HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-               LD_Q: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr, KV_BN: tl.constexpr, KV_BM: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, APPROX_TANH: tl.constexpr,
-               DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr, KEY_SIDE: tl.constexpr):
-    """(dK, dV sums) of one key block over queries [m_lo, m_hi) of the group's heads. With MASK, KEY_SIDE: every
-    key's visible queries are exactly its bounds k_lo2 <= i <= k_hi2 ([KV_BN, 1]: `attention_key_bounds_kernel`),
-    compared as causality is; else each query row's bounds and its mask (`_masked`), loaded a step at a time."""
-    dk_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
-    dv_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
+def _key_steps(dk_acc, dv_acc, kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w, lo, hi,
+               mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS: tl.constexpr, GROUP: tl.constexpr,
+               D: tl.constexpr, LD_Q: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr, KV_BN: tl.constexpr,
+               KV_BM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+               APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr,
+               KEYS: tl.constexpr):
+    """(dK, dV sums) of one key block, dk_acc and dv_acc plus the sums over queries [m_lo, m_hi) of the group's
+    heads. With MASK, which queries see which keys: KEYS_EXACT, exactly those inside each key's bounds k_lo2 <= i
+    <= k_hi2 ([KV_BN, 1]: `attention_key_bounds_kernel`), compared as causality is; KEYS_ROWS, each query row's
+    bounds and its mask (`_masked`), loaded a step at a time, but for the rows that weigh every key alike;
+    KEYS_ALIKE, those rows alone, every key at logit 0 (the cap's 1 - t^2 still from q.k, as autograd forms it
+    through eager's finfo.min)."""
     for g in range(GROUP):
         h = kv * GROUP + g
         bh = b * HEADS + h
@@ -319,13 +329,19 @@ def _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta,
             s, t = _logits(mma(kt, tl.trans(qt), None), scale, cap, HAS_CAP, APPROX_TANH)  # [keys, queries]
             visible = _visible(rows[None, :], cols[:, None], S_k, window, CAUSAL, WINDOW)
             if MASK != MASK_NONE:
-                if KEY_SIDE:
+                if KEYS == KEYS_EXACT:
                     visible = visible & (rows[None, :] >= k_lo2) & (rows[None, :] <= k_hi2)
+                elif KEYS == KEYS_ALIKE:
+                    alike = tl.load(lo + b * S_q + rows, mask=row_ok, other=S_k) < 0
+                    visible = visible & alike[None, :]
+                    s = tl.zeros_like(s)
                 else:
                     lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
                     s, seen = _masked(s, rows[None, :], cols[:, None], lo_r[None, :], hi_r[None, :], b, mask, m_sb,
                                       m_sq, m_sk, tl.max(part_r.to(tl.int32)) > 0, MASK)
                     visible = visible & seen
+                    if MASK == MASK_ADD:  # the rows weighing every key alike have a loop of their own
+                        visible = visible & (lo_r[None, :] >= 0)
             p = tl.where(visible, tl.exp2(s - row_lse[None, :]), 0.0)
             dv_acc = mma(narrow(p, dot_.dtype), dot_, dv_acc)
             ds = p * (mma(vt, tl.trans(dot_), None) - row_delta[None, :])
@@ -341,8 +357,16 @@ def _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta,
 
 
 @triton.jit
+def _share(m_lo, m_hi, part, split, KV_BM: tl.constexpr):
+    """The part-th of `split` runs of whole KV_BM steps that queries [m_lo, m_hi) divide into."""
+    steps = (tl.cdiv(tl.maximum(m_hi - m_lo, 0), KV_BM) + split - 1) // split
+    lo = m_lo + part * steps * KV_BM
+    return lo, tl.minimum(m_hi, lo + steps * KV_BM)
+
+
+@triton.jit
 def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, k_lo, k_hi,
-               mask, S_q, S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS: tl.constexpr,
+               alike, mask, S_q, S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS: tl.constexpr,
                GROUP: tl.constexpr, D: tl.constexpr, LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr,
                LD_DO: tl.constexpr, LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr,
                KV_BN: tl.constexpr, KV_BM: tl.constexpr, KV_ATOMIC: tl.constexpr, CAUSAL: tl.constexpr,
@@ -354,7 +378,8 @@ def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ran
     a key block, each over a run of its queries, and add their sums into fp32 dk, dv (zeroed before) by
     atomics; else split is 1. DQ_ATOMIC: each step also adds its part of
     dQ, scale dS^T K, into fp32 dq (zeroed before) by atomics. With MASK the queries visited are those the
-    block's keys' bounds reach (k_lo, k_hi), and where every key's bounds are exact they alone decide."""
+    block's keys' bounds reach (k_lo, k_hi), and where every key's bounds are exact they alone decide; with MASK_ADD
+    then the rows that weigh every key alike, between their batch entry's first and last (`alike`)."""
     per_block = kv_programs // ((S_k + KV_BN - 1) // KV_BN)
     block = pid // per_block
     rest = pid % per_block
@@ -382,20 +407,31 @@ def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ran
         k_lo2 = k_lo_c[:, None]
         k_hi2 = k_hi_c[:, None]
         exact = tl.max(k_part.to(tl.int32)) == 0
+    a_lo = 0  # the alike rows' queries [a_lo, a_end) (read only with MASK_ADD)
+    a_end = 0
+    if MASK == MASK_ADD:
+        a_lo = tl.load(alike + 2 * b) // KV_BM * KV_BM
+        a_end = tl.load(alike + 2 * b + 1) + 1
     if KV_ATOMIC:
-        steps = (tl.cdiv(tl.maximum(m_hi - m_lo, 0), KV_BM) + split - 1) // split
-        m_lo = m_lo + part * steps * KV_BM
-        m_hi = tl.minimum(m_hi, m_lo + steps * KV_BM)
+        m_lo, m_hi = _share(m_lo, m_hi, part, split, KV_BM)
+        a_lo, a_end = _share(a_lo, a_end, part, split, KV_BM)
+    dk_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
+    dv_acc = tl.zeros((KV_BN, D), dtype=tl.float32)
     if exact:  # every key's bounds exact: compared as causality is (static False without a mask)
-        dk_acc, dv_acc = _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w, lo,
-                                    hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q,
-                                    LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC, Q_NORM,
-                                    MASK, True)
+        dk_acc, dv_acc = _key_steps(dk_acc, dv_acc, kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq,
+                                    q_rstd, q_w, lo, hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP,
+                                    D, LD_Q, LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC,
+                                    Q_NORM, MASK, KEYS_EXACT)
     else:
-        dk_acc, dv_acc = _key_steps(kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq, q_rstd, q_w, lo,
-                                    hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q,
-                                    LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC, Q_NORM,
-                                    MASK, False)
+        dk_acc, dv_acc = _key_steps(dk_acc, dv_acc, kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q, do, lse, delta, dq,
+                                    q_rstd, q_w, lo, hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS, GROUP,
+                                    D, LD_Q, LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH, DQ_ATOMIC,
+                                    Q_NORM, MASK, KEYS_ROWS)
+    if MASK == MASK_ADD:
+        dk_acc, dv_acc = _key_steps(dk_acc, dv_acc, kt, vt, cols, k_lo2, k_hi2, b, kv, a_lo, a_end, q, do, lse, delta,
+                                    dq, q_rstd, q_w, lo, hi, mask, S_q, S_k, scale, cap, window, m_sb, m_sq, m_sk, HEADS,
+                                    GROUP, D, LD_Q, LD_DO, LD_DQ, KV_BN, KV_BM, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH,
+                                    DQ_ATOMIC, Q_NORM, MASK, KEYS_ALIKE)
     dk_acc = dk_acc * scale
     tok = b * S_k + cols
     if KV_ATOMIC:
@@ -489,7 +525,7 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "kv_programs", "split", "r_dq", "r_dk", "r_dv", "m_sb", "m_sq",
                                "m_sk"])
 def attention_backward_kernel(
-    q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, k_lo, k_hi, mask,
+    q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, k_lo, k_hi, alike, mask,
     S_q, S_k, scale, cap, window, kv_programs, split, r_dq, r_dk, r_dv, m_sb, m_sq, m_sk,
     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr,
@@ -505,7 +541,7 @@ def attention_backward_kernel(
     pid = tl.program_id(0)
     if pid < kv_programs:
         _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, k_lo, k_hi,
-                   mask, S_q, S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q, LD_K, LD_V,
+                   alike, mask, S_q, S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q, LD_K, LD_V,
                    LD_DO, LD_DQ, LD_DK, LD_DV, KV_BN, KV_BM, KV_ATOMIC, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH,
                    DQ_ATOMIC, Q_NORM, MASK)
     else:
@@ -570,13 +606,15 @@ def attention_bounds_kernel(
 
 
 @triton.jit(do_not_specialize=["S_q", "S_k"])
-def attention_key_bounds_kernel(lo, hi, k_lo, k_hi, S_q, S_k, BR: tl.constexpr, BK: tl.constexpr):
+def attention_key_bounds_kernel(lo, hi, k_lo, k_hi, alike, S_q, S_k, BR: tl.constexpr, BK: tl.constexpr):
     """Each key's bounds [k_lo, k_hi] from the query rows' (`attention_bounds_kernel`'s lo, hi): grid (B, key
     blocks of BK). k_lo, k_hi are the first and last query whose bounds reach the key; the key is marked
     (k_hi + _PARTIAL) unless the queries that see it are exactly those (no query between them whose bounds
-    miss it, and none of them partial: its mask read, or every key alike). A key no query sees gets
-    k_lo = S_q, k_hi = -1. The dK, dV programs visit the queries between their keys' bounds, and where no
-    key of theirs is marked, compare each query with its key's bounds alone, as causality is compared."""
+    miss it, and none of them partial: its mask read). A key no query sees gets k_lo = S_q, k_hi = -1. The
+    rows that weigh every key alike (lo < 0: MASK_ADD's fully masked rows) are left out: alike[2 b], alike[2 b + 1]
+    get the first and last of them in batch entry b (S_q, -1: none), which the dK, dV programs visit apart. The
+    dK, dV programs visit the queries between their keys' bounds, and where no key of theirs is marked, compare
+    each query with its key's bounds alone, as causality is compared."""
     b = tl.program_id(0)
     keys = tl.program_id(1) * BK + tl.arange(0, BK)
     key_ok = keys < S_k
@@ -586,9 +624,16 @@ def attention_key_bounds_kernel(lo, hi, k_lo, k_hi, S_q, S_k, BR: tl.constexpr, 
     last = tl.full((BK,), -1, dtype=tl.int32)
     count = tl.zeros((BK,), dtype=tl.int32)
     marked = tl.zeros((BK,), dtype=tl.int32)
+    a_first = S_q + 0
+    a_last = S_q * 0 - 1
     for m0 in range(0, S_q, BR):
         rows = m0 + tl.arange(0, BR)
         lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, rows < S_q, S_q, S_k)
+        same = lo_r < 0  # every key alike
+        a_first = tl.minimum(a_first, tl.min(tl.where(same, rows, S_q)))
+        a_last = tl.maximum(a_last, tl.max(tl.where(same, rows, -1)))
+        lo_r = tl.where(same, S_k, lo_r)
+        hi_r = tl.where(same, -1, hi_r)
         if (tl.min(lo_r) <= last_key) & (tl.max(hi_r) >= first_key):  # a row of the block reaches a key of ours
             reach = (lo_r[:, None] <= keys[None, :]) & (hi_r[:, None] >= keys[None, :])
             first = tl.minimum(first, tl.min(tl.where(reach, rows[:, None], S_q), 0))
@@ -598,3 +643,6 @@ def attention_key_bounds_kernel(lo, hi, k_lo, k_hi, S_q, S_k, BR: tl.constexpr, 
     exact = (count == 0) | ((count == last - first + 1) & (marked == 0))
     tl.store(k_lo + b * S_k + keys, first, mask=key_ok)
     tl.store(k_hi + b * S_k + keys, tl.where(exact, last, last + _PARTIAL), mask=key_ok)
+    if tl.program_id(1) == 0:
+        tl.store(alike + 2 * b, a_first)
+        tl.store(alike + 2 * b + 1, a_last)

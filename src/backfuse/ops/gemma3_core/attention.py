@@ -45,7 +45,7 @@ class Plan(training.Plan):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         return Arena([Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c),
                       Buffer("o", (t, cfg.q_out), c), Buffer("lse", (self.batch * cfg.heads, self.seq), fp32),
-                      Buffer("bounds", (4, t), torch.int32) if self.masking is not None else None,
+                      steps.bounds_buffer(self.attention),
                       Buffer("v_c", (t, cfg.kv_out), c) if self.casts else None])
 
     @functools.cached_property

@@ -125,7 +125,7 @@ class Plan(Precision):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         specs = [Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c), Buffer("o", (t, cfg.q_out), c),
                  Buffer("lse", (self.batch * cfg.heads, self.seq), fp32),
-                 Buffer("bounds", (4, t), torch.int32) if self.masking is not None else None]
+                 steps.bounds_buffer(self.attention)]
         if self.casts:  # raw [q | k | v] in fp32 (v's fp16 copy beside), and the fp16 copies of the inputs
             width = cfg.q_out + 2 * cfg.kv_out
             specs += [Buffer("qkv", (t, width), fp32), Buffer("v", (t, cfg.kv_out), c), Buffer("x_c", (t, cfg.hidden), c),
