@@ -113,6 +113,29 @@ def test_e2e_runs_each_family_end_to_end_at_a_tiny_width(monkeypatch):
         assert entry["patched_peak_mib"] is None  # (no peak off a GPU)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the smoke run is the CPU's")
+@pytest.mark.filterwarnings("ignore::backfuse.BackfuseWarning")  # (Wan's LoRA attentions, handed back aloud)
+def test_e2e_lora_steps_train_the_adapters_alone(monkeypatch):
+    """`bench --e2e --lora`: PEFT adapters on every linear layer after the patch, the rest frozen; the patched Gemma
+    serves its attention with them (its projections through `lora.project`), the patched Wan hands its LoRA
+    attentions back (counted), both at the model's first loss."""
+    pytest.importorskip("peft")
+    pytest.importorskip("diffusers")
+    monkeypatch.setattr(e2e, "VOCAB", 96)
+    monkeypatch.setitem(e2e.MODELS, "tiny-gemma3", ("gemma3", 32, 64, 2, 1, 16, 16, 4))
+    monkeypatch.setitem(e2e.WAN, "tiny-wan", (1, 4, 32))
+    monkeypatch.setattr(e2e, "WAN_LATENTS", (2, 4, 4))
+    model, _ = e2e.variant("tiny-gemma3", "patched", 2, "cpu", lora=4)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained) and any("q_proj" in n for n in trained)
+    gemma = e2e.run_entry("tiny-gemma3", (2, 9), layers=2, variants=("hf", "patched"), warmup=1, steps=1, lora=4,
+                          device="cpu")
+    wan = e2e.run_entry("tiny-wan", (1, 8, 5), layers=1, variants=("hf", "patched"), warmup=1, steps=1, lora=4,
+                        device="cpu")
+    assert gemma["patched_ms"] is not None and not any(k.endswith(("_wrong", "_fallbacks")) for k in gemma), gemma
+    assert wan["patched_ms"] is not None and wan["patched_fallbacks"] > 0, wan
+
+
 def test_e2e_records_a_failing_variant_and_runs_the_next(monkeypatch):
     def run(name, which, tokens, **kw):
         if which == "compile":

@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--variants", nargs="+", choices=E2E_VARIANTS, metavar="VARIANT",
                        help=f"with --e2e: the variants to run, from {', '.join(E2E_VARIANTS)} (default all; hf always "
                        "runs first: the others' first losses are checked against it)")
+    bench.add_argument("--lora", type=_at_least(1), default=0, metavar="RANK",
+                       help="with --e2e: a LoRA fine-tuning step (PEFT adapters of this rank on every linear layer of "
+                       "the decoder layers or blocks, added after backfuse's patch, the rest frozen), under "
+                       "\"<model>/<tokens>/lora<RANK>\"")
     bench.add_argument("--split", action="store_true",
                        help="with --e2e: also each variant's GPU time a step by kind of kernel (products, attention, the "
                        "rest; the profiler over 3 more steps), under \"<variant>_split\"")
@@ -263,6 +267,8 @@ def _dispatch(parser, args) -> int:
         parser.error("--merge needs --json FILE")
     if args.command == "bench" and args.split and args.e2e is None:
         parser.error("--split splits --e2e's steps: add --e2e [MODEL ...]")
+    if args.command == "bench" and args.lora and args.e2e is None:
+        parser.error("--lora adds adapters to --e2e's models: add --e2e [MODEL ...]")
     if args.command == "bench" and args.variants and args.e2e is None:
         parser.error("--variants chooses --e2e's variants: add --e2e [MODEL ...]")
     if args.command == "bench":
@@ -457,10 +463,10 @@ def _bench_e2e(args) -> int:
         out.save()
 
     for done, (name, tokens, layers) in enumerate(todo, 1):
-        key = f"{name}/{'x'.join(map(str, tokens))}"
+        key = f"{name}/{'x'.join(map(str, tokens))}" + (f"/lora{args.lora}" if args.lora else "")
         log(f"[{done}/{len(todo)}] {key}")
         record(key, e2e.run_entry(name, tokens, layers=layers, steps=steps, split=args.split, variants=variants,
-                                  progress=lambda entry, key=key: record(key, dict(entry))))
+                                  lora=args.lora, progress=lambda entry, key=key: record(key, dict(entry))))
     print(json.dumps(out.entries, indent=1))
     if args.json:
         log(f"wrote {args.json}")

@@ -107,8 +107,26 @@ def _build_wan(name: str, blocks: int, seed: int, device):
     return model
 
 
-def variant(name: str, which: str, layers: int | None = None, device="cuda"):
-    """(model as the step calls it, the model whose parameters it trains)."""
+# `--lora`: PEFT's LoRA on every linear layer of the decoder layers (Gemma) or blocks (Wan)
+LORA_TARGETS = {"gemma": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "wan": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]}
+
+
+def add_lora(model, name: str, rank: int) -> None:
+    """PEFT LoRA of `rank` (alpha 2 rank, no dropout, B initialized nonzero so that the adapters change the loss)
+    on `LORA_TARGETS`, in place, the rest of the model frozen: a LoRA fine-tuning step."""
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, init_lora_weights="gaussian",
+                             target_modules=LORA_TARGETS["wan" if name in WAN else "gemma"])
+    peft.inject_adapter_in_model(config, model)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+
+
+def variant(name: str, which: str, layers: int | None = None, device="cuda", lora: int = 0):
+    """(model as the step calls it, the model whose parameters it trains); lora: `add_lora`'s rank (0: none),
+    after backfuse's patch, as a user adds adapters to a patched model."""
     import backfuse
 
     model = build(name, layers, device=device)
@@ -120,6 +138,8 @@ def variant(name: str, which: str, layers: int | None = None, device="cuda"):
             model=model)
     if "patched" in which:
         backfuse.patch(model, quiet=True)
+    if lora:
+        add_lora(model, name, lora)
     if which.endswith("compile"):
         torch._dynamo.reset()
         return torch.compile(model), model
@@ -202,7 +222,7 @@ def steady_after() -> int:
 
 
 def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = None, warmup: int = 3,
-                steps: int = 10, split: bool = False, device="cuda") -> dict:
+                steps: int = 10, split: bool = False, lora: int = 0, device="cuda") -> dict:
     """{ms, host_ms, peak_mib, loss} of one variant: `steps` steps after `warmup` (backfuse's variants at least
     `steady_after()`: a long run's steady state; with split, "split": the GPU time of a step by kind of kernel,
     `kernel_split`). On the CPU (the tests' smoke runs) no peak."""
@@ -210,7 +230,7 @@ def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = No
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     graphs.release()
     torch.cuda.empty_cache()
-    call, model = variant(name, which, layers, device)
+    call, model = variant(name, which, layers, device, lora)
     inputs = batch(name, tokens, device=device)
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -252,12 +272,12 @@ def run_variant(name: str, which: str, tokens: tuple, *, layers: int | None = No
 
 
 def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=VARIANTS, warmup: int = 3,
-              steps: int = 10, split: bool = False, progress=None, device="cuda") -> dict:
+              steps: int = 10, split: bool = False, lora: int = 0, progress=None, device="cuda") -> dict:
     """The "e2e" entry of one model and token count: per variant its ms, host ms and peak (None where its first
     loss is not the first variant's, hf's: `<variant>_wrong` then holds that loss; None where it failed, out of
     memory or in a compile: `<variant>_error` then holds the error's first line, and the next variant runs); with
-    split, `<variant>_split` (`kernel_split`). progress, where given, is called with the entry so far after each variant (a run cut
-    short keeps what it measured)."""
+    split, `<variant>_split` (`kernel_split`); lora: every variant with `add_lora`'s adapters. progress, where
+    given, is called with the entry so far after each variant (a run cut short keeps what it measured)."""
     entry, reference = {}, None
     for which in variants:
         if which.startswith("liger") and (name in WAN or importlib.util.find_spec("liger_kernel") is None):
@@ -267,7 +287,7 @@ def run_entry(name: str, tokens: tuple, *, layers: int | None = None, variants=V
         try:
             r = (_isolated if which.startswith("liger") else run_variant)(name, which, tokens, layers=layers,
                                                                           warmup=warmup, steps=steps, split=split,
-                                                                          device=device)
+                                                                          lora=lora, device=device)
         except Exception as e:  # out of memory, a compile's error, a failed process: recorded, and the next runs
             entry[f"{which}_ms"] = None
             entry[f"{which}_error"] = _first_line(e)

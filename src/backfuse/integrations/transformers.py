@@ -30,10 +30,12 @@ state, so a recomputation (gradient checkpointing, reentrant or not) decides the
   kernels (a stable sort of the mask, on the device) and back after. Gemma 2's soft cap is served where the
   implementation takes one (else transformers raises). Queries in fp32 are served in fp32 (transformers passes them on
   to FlashAttention, which takes half types only).
-- projections: plain bias-free `nn.Linear` layers are fused into the call (`F.gemma3_core`); any others
-  (PEFT's LoRA layers, quantized weights, biases, hooks, parametrizations) run as the module's own modules,
-  and backfuse computes what lies between them (`F.gemma3_attention`: QK norm, RoPE, attention), so an
-  adapter trains as it would without backfuse; the QK norms must be the model's own RMSNorm;
+- projections: plain bias-free `nn.Linear` layers are fused into the call (`F.gemma3_core`); otherwise backfuse
+  computes what lies between them (`F.gemma3_attention`: QK norm, RoPE, attention) and the projections are the
+  modules' own: PEFT's LoRA layers whose forward is the vanilla sum with the plain ones beside them in one
+  computation (`lora.project`: the base products, one product for all adapters' A), any others (quantized
+  weights, biases, hooks, parametrizations, LoRA dropout or DoRA) as the modules run themselves, so an adapter
+  trains as it would without backfuse; the QK norms must be the model's own RMSNorm;
 - the soft cap the module's code applies (Gemma 2 under eager and FlashAttention; none in Gemma 3, whose
   code passes its config's cap to no attention function, so a cap set there is refused);
 - no KV cache (in training the patched model passes use_cache=False unless told otherwise: `wrap_model`),
@@ -54,7 +56,7 @@ import torch
 
 from .. import functional as F
 from ..problem import fused_unusable
-from . import PATCHED, fall_back, plain_linear, replaced_forward
+from . import PATCHED, fall_back, lora, plain_linear, replaced_forward
 
 MODEL_PATCHED = "_backfuse_model_forward"
 SERVED = ("eager", "sdpa")  # attention implementations whose masks the kernels take as the module's code applies them
@@ -307,6 +309,15 @@ def _plain_projections(module) -> bool:
                for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
+def _projections(module, names) -> list | None:
+    """The projections `names` as `lora.Part`s where each is a plain or a vanilla LoRA layer (and not under
+    torch.compile, which fuses PEFT's own operations), else None: the modules run themselves."""
+    if torch.compiler.is_compiling():
+        return None
+    found = [lora.parts(name, getattr(module, name), bias=False) for name in names]
+    return None if any(isinstance(p, str) for p in found) else found
+
+
 def bind(module) -> None:
     """Replace one Gemma attention module's forward with backfuse's (its own kept for the fallback)."""
     own = module.forward
@@ -336,14 +347,19 @@ def bind(module) -> None:
                                 module.o_proj.weight, *norms, *scalars, head_dim=module.head_dim, **masks)
             out = out if rows is None else out * rows[..., None].to(out.dtype)  # (o_proj has no bias)
             return (out if order is None else _reordered(out, inverse)), None
-        # The projections as the module's own modules run them (LoRA adapters, quantized weights, hooks; in the
-        # tokens' own order, as a LoRA dropout draws its mask), the attention between them backfuse's.
-        q, k, v = module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
+        # The projections as the modules compute them (in the tokens' own order, as a LoRA dropout draws its mask),
+        # the attention between them backfuse's: PEFT's LoRA layers and plain ones together (`lora.project`),
+        # others (quantized weights, hooks, dropout) as the modules run.
+        qkv = _projections(module, ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (lora.project(hidden_states, qkv) if qkv is not None else
+                   (module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)))
         if order is not None:
             q, k, v = (_reordered(t, order) for t in (q, k, v))
         a = F.gemma3_attention(q, k, v, cos, sin, *norms, *scalars, head_dim=module.head_dim, **masks)
         a = a if rows is None else a * rows[..., None].to(a.dtype)
-        return module.o_proj(a if order is None else _reordered(a, inverse)), None
+        a = a if order is None else _reordered(a, inverse)
+        o = _projections(module, ("o_proj",))
+        return (lora.project(a, o)[0] if o is not None else module.o_proj(a)), None
 
     module.forward = forward
 

@@ -1,0 +1,158 @@
+"""A model's projections of one input computed together where some are PEFT LoRA layers: the base products, then
+one product for every adapter's A, then each adapter's B added into its projection's output.
+
+For projections i of x (the q, k and v projections of one attention, or its output projection), each a plain
+`nn.Linear` (W_i, b_i) or PEFT's LoRA `Linear` around one with a single active adapter (A_i [r_i, in], B_i
+[out_i, r_i], scaling s_i):
+    y_i = x W_i^T + b_i + s_i (x A_i^T) B_i^T
+Forward: y_i = x W_i^T + b_i (one product each), U = x [A_1; A_2; ...]^T (one product for all adapters), y_i +=
+s_i U_i B_i^T (one each, into y_i). Backward from dy_i:
+    dU_i = s_i dy_i B_i,  grad_B_i = s_i dy_i^T U_i,  grad_[A_1; A_2; ...] = dU^T x
+    grad_x = sum_i dy_i W_i + dU [A_1; A_2; ...],  grad_W_i = dy_i^T x,  grad_b_i = sum dy_i
+(the base's gradients only where they require one: PEFT freezes them). PEFT's own forward runs, per adapter, its
+A and B products, the scaling and the sum as separate operations, each reading or writing a projection-sized
+tensor, and as many again backward; here a LoRA projection costs its base product and two small ones each way.
+
+What PEFT computes: the adapters' products in their own dtype (x cast to it, PEFT's `_cast_input_dtype`), the sum
+then cast to the base result's dtype; under autocast every product in the autocast dtype. A LoRA layer is served
+only where its forward is that vanilla sum: adapters enabled and not merged, one active adapter (none: the base
+alone), no dropout in effect (p = 0, or eval mode), no DoRA or other variant, no LoRA bias, plain `nn.Linear`
+layers inside without hooks. Otherwise the caller runs the modules themselves (`parts` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import plain_linear, replaced_forward
+
+
+@dataclass(frozen=True)
+class Part:
+    """One projection: its base weight and bias, and its adapter's A, B and scaling (None, None, 0.0: none)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+    scaling: float = 0.0
+
+
+def parts(name: str, linear, *, bias: bool) -> Part | str:
+    """`linear` as a Part (a plain nn.Linear, or PEFT's LoRA Linear whose forward is the vanilla sum), or why not."""
+    if type(linear) is torch.nn.Linear:
+        reason = plain_linear(name, linear, bias=bias)
+        return reason or Part(linear.weight, linear.bias)
+    if type(linear).__name__ != "Linear" or type(linear).__module__ != "peft.tuners.lora.layer":
+        return plain_linear(name, linear, bias=bias)
+    if linear._forward_hooks or linear._forward_pre_hooks or replaced_forward(linear):
+        return f"{name} (a LoRA layer) has hooks or its forward replaced"
+    if linear.disable_adapters or linear.merged:
+        return f"{name}'s adapters are disabled or merged"
+    reason = plain_linear(f"{name}.base_layer", linear.base_layer, bias=bias)
+    if reason:
+        return reason
+    base = linear.base_layer
+    active = [a for a in linear.active_adapters if a in linear.lora_A.keys()]
+    if not active:
+        return Part(base.weight, base.bias)
+    if len(active) > 1:
+        return f"{name} has {len(active)} active adapters"
+    key = active[0]
+    dropout = linear.lora_dropout[key]
+    if not (isinstance(dropout, torch.nn.Identity) or (type(dropout) is torch.nn.Dropout and
+                                                         (dropout.p == 0 or not dropout.training))):
+        return f"{name}'s LoRA dropout"
+    if key in getattr(linear, "lora_variant", {}) or linear.use_dora.get(key, False):
+        return f"{name}'s adapter is a LoRA variant (DoRA or another)"
+    for part in ("lora_A", "lora_B"):
+        reason = plain_linear(f"{name}.{part}", getattr(linear, part)[key], bias=False)
+        if reason:
+            return reason
+    a, b = linear.lora_A[key].weight, linear.lora_B[key].weight
+    if a.dtype != b.dtype or not getattr(linear, "cast_input_dtype_enabled", True):
+        return f"{name}'s adapter weights in two dtypes, or its input cast turned off"
+    return Part(base.weight, base.bias, a, b, float(linear.scaling[key]))
+
+
+def project(x: torch.Tensor, projections: list) -> tuple:
+    """(y_1, ...) of the Parts `projections` on x [..., in]: each y_i [..., out_i], as the layers would give them."""
+    kind = x.device.type
+    tensors = [x]
+    for p in projections:
+        tensors += [p.weight, p.bias, p.a, p.b]
+    if torch.is_autocast_enabled(kind):  # every product in the autocast dtype, as autocast runs the layers'
+        dtype = torch.get_autocast_dtype(kind)
+        tensors = [t if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors]
+        with torch.autocast(kind, enabled=False):
+            return _Project.apply(tuple(p.scaling for p in projections), *tensors)
+    return _Project.apply(tuple(p.scaling for p in projections), *tensors)
+
+
+class _Project(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scalings, x, *tensors):
+        x2 = x.reshape(-1, x.shape[-1])
+        groups = [tensors[i:i + 4] for i in range(0, len(tensors), 4)]
+        ys = [torch.nn.functional.linear(x2, w, bias) for w, bias, _, _ in groups]
+        adapted = [i for i, (_, _, a, _) in enumerate(groups) if a is not None]
+        u = a_cat = None
+        if adapted:
+            a_cat = torch.cat([groups[i][2] for i in adapted]) if len(adapted) > 1 else groups[adapted[0]][2]
+            xa = x2.to(a_cat.dtype)  # (PEFT's input cast to the adapters' dtype: nothing where it is x's)
+            u = xa @ a_cat.T
+            at = 0
+            for i in adapted:
+                a, b = groups[i][2], groups[i][3]
+                u_i = u[:, at:at + a.shape[0]]
+                at += a.shape[0]
+                if b.dtype == ys[i].dtype:
+                    ys[i].addmm_(u_i, b.T, alpha=scalings[i])
+                else:  # the sum in the adapters' dtype, then the base result's, as PEFT's
+                    ys[i] = torch.addmm(ys[i].to(b.dtype), u_i, b.T, alpha=scalings[i]).to(ys[i].dtype)
+        ctx.save_for_backward(x, u, a_cat, *tensors)
+        ctx.scalings, ctx.adapted = scalings, adapted
+        return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, u, a_cat, *tensors = ctx.saved_tensors
+        groups = [tensors[i:i + 4] for i in range(0, len(tensors), 4)]
+        needs = ctx.needs_input_grad[2:]
+        x2 = x.reshape(-1, x.shape[-1])
+        dys = [dy.reshape(-1, dy.shape[-1]) for dy in dys]
+        grads = [None] * len(tensors)
+        grad_x = None
+        for i, ((w, bias, _, _), dy) in enumerate(zip(groups, dys)):
+            if ctx.needs_input_grad[1]:
+                grad_x = dy @ w if grad_x is None else grad_x.addmm_(dy, w)
+            if needs[4 * i]:
+                grads[4 * i] = dy.T @ x2
+            if bias is not None and needs[4 * i + 1]:
+                grads[4 * i + 1] = dy.sum(0)
+        if ctx.adapted:
+            du = torch.empty(a_cat.shape[0], x2.shape[0], dtype=a_cat.dtype, device=x.device)  # dU^T, [R, tokens]
+            at = 0
+            for i in ctx.adapted:
+                a, b = groups[i][2], groups[i][3]
+                r, s = a.shape[0], ctx.scalings[i]
+                dy = dys[i].to(b.dtype)
+                torch.addmm(du[at:at + r], b.T, dy.T, beta=0, alpha=s, out=du[at:at + r])
+                if needs[4 * i + 3]:
+                    grads[4 * i + 3] = torch.addmm(b, dy.T, u[:, at:at + r], beta=0, alpha=s)
+                at += r
+            if any(needs[4 * i + 2] for i in ctx.adapted):
+                grad_a = du @ x2.to(du.dtype)
+                at = 0
+                for i in ctx.adapted:
+                    r = groups[i][2].shape[0]
+                    grads[4 * i + 2] = grad_a[at:at + r] if needs[4 * i + 2] else None
+                    at += r
+            if ctx.needs_input_grad[1]:
+                if du.dtype == grad_x.dtype:
+                    grad_x.addmm_(du.T, a_cat)
+                else:  # (through PEFT's input cast: the adapters' dtype, then x's)
+                    grad_x.add_((du.T @ a_cat).to(grad_x.dtype))
+        return (None, None if grad_x is None else grad_x.view(x.shape), *grads)
