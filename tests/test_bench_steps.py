@@ -114,11 +114,10 @@ def test_e2e_runs_each_family_end_to_end_at_a_tiny_width(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the smoke run is the CPU's")
-@pytest.mark.filterwarnings("ignore::backfuse.BackfuseWarning")  # (Wan's LoRA attentions, handed back aloud)
 def test_e2e_lora_steps_train_the_adapters_alone(monkeypatch):
     """`bench --e2e --lora`: PEFT adapters on every linear layer after the patch, the rest frozen; the patched Gemma
-    serves its attention with them (its projections through `lora.project`), the patched Wan hands its LoRA
-    attentions back (counted), both at the model's first loss."""
+    and Wan serve their attentions with them (the projections through `lora.project` around `gemma3_attention`,
+    `wan_attention`), at the model's first loss, nothing handed back."""
     pytest.importorskip("peft")
     pytest.importorskip("diffusers")
     monkeypatch.setattr(e2e, "VOCAB", 96)
@@ -133,7 +132,7 @@ def test_e2e_lora_steps_train_the_adapters_alone(monkeypatch):
     wan = e2e.run_entry("tiny-wan", (1, 8, 5), layers=1, variants=("hf", "patched"), warmup=1, steps=1, lora=4,
                         device="cpu")
     assert gemma["patched_ms"] is not None and not any(k.endswith(("_wrong", "_fallbacks")) for k in gemma), gemma
-    assert wan["patched_ms"] is not None and wan["patched_fallbacks"] > 0, wan
+    assert wan["patched_ms"] is not None and not any(k.endswith(("_wrong", "_fallbacks")) for k in wan), wan
 
 
 def test_e2e_records_a_failing_variant_and_runs_the_next(monkeypatch):

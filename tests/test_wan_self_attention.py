@@ -95,7 +95,7 @@ def test_rope_tables_are_checked():
     cos = torch.ones(8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="input 'rope_cos' must be a floating tensor \\[8, 16\\]"):
         F.wan_xattn(x, x, *w, 1.0, heads=2, rope=(cos[:, :4], cos))
-    with pytest.raises(ValueError, match="input 'text_embeddings' must be the video itself \\(8 tokens\\), got 5"):
+    with pytest.raises(ValueError, match="the context must be the video itself \\(8 tokens\\), got 5"):
         F.wan_xattn(x, x[:, :5], *w, 1.0, heads=2, rope=(cos, cos))
     with pytest.raises(ValueError, match="input 'rope_sin' requires a gradient"):
         F.wan_xattn(x, x, *w, 1.0, heads=2, rope=(cos, cos.clone().requires_grad_()))

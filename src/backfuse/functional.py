@@ -164,22 +164,23 @@ def _wan_plan(tensors, scale, heads, save, eps=1e-6, rope: bool = False):
     return _plan_cache.looked_up(key, plan)
 
 
-def _check_rope_tables(tables, video_tokens: int, text_tokens: int, head_dim: int, device) -> None:
-    """wan_xattn's rope tables: floating [Nv, D] or [1, Nv, 1, D] (diffusers' layout), no gradient, on the
-    video's device; the attention a self-attention (its context as long as the video: a row per token)."""
+def _check_rope_tables(tables, video_tokens: int, text_tokens: int, head_dim: int, device, label=_WAN_LABEL) -> None:
+    """wan_xattn's (or wan_attention's) rope tables: floating [Nv, D] or [1, Nv, 1, D] (diffusers' layout), no
+    gradient, on the video's device; the attention a self-attention (its context as long as the video: a row per
+    token)."""
     if text_tokens != video_tokens:
-        raise ValueError(f"{_WAN_LABEL}: rope turns a self-attention's queries and keys by their video positions: "
-                         f"input 'text_embeddings' must be the video itself ({video_tokens} tokens), got {text_tokens}")
+        raise ValueError(f"{label}: rope turns a self-attention's queries and keys by their video positions: the "
+                         f"context must be the video itself ({video_tokens} tokens), got {text_tokens}")
     for name, t in zip(("rope_cos", "rope_sin"), tables):
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else None
         if shape not in ((video_tokens, head_dim), (1, video_tokens, 1, head_dim)) or not t.is_floating_point():
             what = f"{t.dtype} {shape}" if shape is not None else type(t).__name__
-            raise ValueError(f"{_WAN_LABEL}: input '{name}' must be a floating tensor [{video_tokens}, {head_dim}] or "
+            raise ValueError(f"{label}: input '{name}' must be a floating tensor [{video_tokens}, {head_dim}] or "
                              f"[1, {video_tokens}, 1, {head_dim}] (a row per video token), got {what}")
         if t.device != device:
-            raise ValueError(f"{_WAN_LABEL}: input '{name}' is on {t.device}, video_latents on {device}")
+            raise ValueError(f"{label}: input '{name}' is on {t.device}, its video on {device}")
         if t.requires_grad:
-            raise ValueError(f"{_WAN_LABEL}: input '{name}' requires a gradient, and the RoPE tables take none here "
+            raise ValueError(f"{label}: input '{name}' requires a gradient, and the RoPE tables take none here "
                              f"(pass it detached)")
 
 
@@ -229,6 +230,85 @@ def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
                                                     *(tables or [None, None]), scale, heads, eps)[0]
     with _autocast_off(tensors):
         return _WanXattn.apply(scale, heads, save_activations, eps, bool(tables), *tensors, *tables)
+
+
+# ------------------------------------------ 021's attention without projections --------------------------------
+_WAN_ATTENTION_LABEL = "backfuse.functional.wan_attention"
+_wan_attention = _Lazy("backfuse.ops.wan_xattn.attention", "_wan_attention")
+
+
+def _wan_attention_plan(tensors, scale, heads, save, eps=1e-6, rope: bool = False):
+    """The plan of a wan_attention call: tensors q, k, v, the norms' weights, then the RoPE tables where rope."""
+    key = ("021 attention", _signature(tensors), heads, save, eps, rope, rope and _cudnn.enabled(),
+           torch.are_deterministic_algorithms_enabled())
+    plan = _plans.get(key)
+    if plan is None:
+        label = _WAN_ATTENTION_LABEL
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"{label}: heads must be a positive int, got {heads!r}")
+        q = tensors[0]
+        hidden = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 3 else None
+        if hidden is None or hidden % heads:
+            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"{label}: input 'query' must be [batch, tokens, hidden] with hidden a multiple of "
+                             f"heads={heads}, got {shape}")
+        try:
+            config = WanXattnConfig(hidden, heads, qk_norm=True)
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
+        b, nv, nt = "batch_size", "num_video_tokens", "num_text_tokens"
+        specs = [Tensor("query", (b, nv, hidden)), Tensor("key", (b, nt, hidden)), Tensor("value", (b, nt, hidden)),
+                 Tensor("norm_q_weight", (hidden,)), Tensor("norm_k_weight", (hidden,))]
+        axes = _validate(label, "021", specs, tensors[:5])
+        if rope:
+            _check_rope_tables(tensors[5:], axes[nv], axes[nt], hidden // heads, q.device, label)
+        plan = _plans[key] = _wan_attention.Plan(axes[b], axes[nv], axes[nt], config, q.dtype, save=save,
+                                                 sms=_sm_count(q.device), deterministic=key[-1], eps=eps, rope=rope)
+        if rope and _cudnn.serves(plan.attention, plan.compute, q.device, plan.deterministic):
+            _plan_cache.recurring(plan, dataclasses.replace(plan, cudnn=True))
+    return _plan_cache.looked_up(key, plan)
+
+
+class _WanAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scale, heads, save, eps, rope, *tensors):
+        plan = _wan_attention_plan(tensors, scale, heads, save, eps, rope)
+        tensors = _contiguous(tensors)
+        out, acts = _wan_attention.forward(tensors, scale, plan)
+        ctx.save_for_backward(*tensors, *([] if acts is None else [acts]))
+        ctx.plan, ctx.scale, ctx.site, ctx.count = plan, scale, _site(plan), len(tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        needs = tuple(ctx.needs_input_grad[5:10])
+        if not any(needs):
+            return (None,) * (5 + ctx.count)
+        saved = ctx.saved_tensors
+        acts = saved[ctx.count] if len(saved) > ctx.count else None
+        with _attributed(ctx.site):
+            grads = _wan_attention.backward(saved[:ctx.count], grad_out, ctx.scale, _needs_plan(ctx.plan, needs), acts)
+        return (None,) * 5 + grads + (None,) * (ctx.count - 5)
+
+
+def wan_attention(query, key, value, norm_q_weight, norm_k_weight, scale, *, heads: int, eps: float = 1e-6, rope=None,
+                  save_activations: bool = True):
+    """Wan's attention between its projections (`ops/wan_xattn/attention.py`): query [B, Nv, hidden], key and value
+    [B, Nt, hidden] as the q, k, v projections give them with their biases (a model's own modules: LoRA, quantized
+    or hooked projections), q and k RMS-normed across all heads (eps) with norm_q_weight and norm_k_weight
+    ([hidden] each), `heads` heads of hidden / heads, softmax(scale * Q K^T) V, no mask -> [B, Nv, hidden] (what the
+    output projection takes). The cross-attention, or with rope=(cos, sin) the self-attention (key and value: the
+    video's): Q and K, after their norms, turned on interleaved pairs as `wan_xattn`'s. The tables get no gradient."""
+    scale = check_real(scale, f"{_WAN_ATTENTION_LABEL}: input 'scale'")
+    eps = _eps(eps, f"{_WAN_ATTENTION_LABEL}: eps")
+    if rope is not None and (not isinstance(rope, (tuple, list)) or len(rope) != 2):
+        raise ValueError(f"{_WAN_ATTENTION_LABEL}: rope must be (cos, sin), two tables, got {type(rope).__name__}")
+    tables = [] if rope is None else list(rope)  # (never autocast: the tables stay in their own dtype)
+    tensors = _autocast([query, key, value, norm_q_weight, norm_k_weight])
+    if torch.compiler.is_compiling():
+        return torch.ops.backfuse.wan_attention_forward(*tensors, *(tables or [None, None]), scale, heads, eps)[0]
+    with _autocast_off(tensors):
+        return _WanAttention.apply(scale, heads, save_activations, eps, bool(tables), *tensors, *tables)
 
 
 # ---------------------------------------------------------------- 072 -------------------------------------------
@@ -633,6 +713,32 @@ _register("wan_xattn", ["video_latents", "text_embeddings", "query_weight", "que
                         "rope_cos?", "rope_sin?"],
           "float scale, int heads, float eps", 1, _wan_forward_op, _wan_backward_op, _wan_fake_forward,
           range(12))
+
+
+def _wan_attention_forward_op(*args):
+    *tensors, scale, heads, eps = args
+    tensors = [t for t in tensors if t is not None]
+    plan = _wan_attention_plan(tensors, scale, heads, True, eps, len(tensors) > 5)
+    return _wan_attention.forward(_contiguous(tensors), scale, plan)
+
+
+def _wan_attention_backward_op(grads, *args):
+    *tensors, acts, scale, heads, eps, needs = args
+    tensors = [t for t in tensors if t is not None]
+    plan = _needs_plan(_wan_attention_plan(tensors, scale, heads, True, eps, len(tensors) > 5), tuple(needs), own=True)
+    return _wan_attention.backward(_contiguous(tensors), grads[0], scale, plan, acts)
+
+
+def _wan_attention_fake_forward(*args):
+    q, k, v, nq, nk, cos, sin, scale, heads, eps = args
+    plan = _wan_attention.Plan(q.shape[0], q.shape[1], k.shape[1], WanXattnConfig(q.shape[2], heads, qk_norm=True),
+                               q.dtype, eps=eps, rope=cos is not None)
+    return torch.empty_like(q), q.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
+
+
+_register("wan_attention", ["query", "key", "value", "norm_q_weight", "norm_k_weight", "rope_cos?", "rope_sin?"],
+          "float scale, int heads, float eps", 1, _wan_attention_forward_op, _wan_attention_backward_op,
+          _wan_attention_fake_forward, range(5))
 
 
 def _qkv_forward_op(*args):

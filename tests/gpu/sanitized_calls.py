@@ -1,6 +1,7 @@
 """Training calls for compute-sanitizer's memcheck (`test_sanitizer.py` runs this file under it): Gemma's attention
 core with every mask form at a length no tile divides (2 x 613 tokens; head sizes 256 and 128, soft cap and
-window), packed documents, and Wan's cross- and self-attention, forward and backward in bf16 and fp32, each call
+window), packed documents, and Wan's cross- and self-attention (whole, and the core between projections: `wan_attention`),
+forward and backward in bf16 and fp32, each call
 twice (the second a template's or graph's). Runs anywhere (the interpreter without a GPU); prints "ok".
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitized_calls.py [tokens a row]
@@ -64,6 +65,10 @@ def _wan(dtype, self_attention: bool, nv: int):
     for _ in range(2):
         out = F.wan_xattn(video, text, *params, (hidden // heads) ** -0.5, heads=heads, norm_q_weight=rand(hidden),
                           norm_k_weight=rand(hidden), **extra)
+        out.float().square().mean().backward()
+    q, k, v = (rand(1, n, hidden) for n in (nv, nv if self_attention else nt, nv if self_attention else nt))
+    for _ in range(2):  # the core between a model's own projections
+        out = F.wan_attention(q, k, v, rand(hidden), rand(hidden), (hidden // heads) ** -0.5, heads=heads, **extra)
         out.float().square().mean().backward()
 
 

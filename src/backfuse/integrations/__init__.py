@@ -1,16 +1,17 @@
 """backfuse inside other libraries' models: `patch(model)` finds the attention modules backfuse covers and
 binds backfuse's training ops to them. A patched module serves a call only where it can show the op computes
-what the module's own code would (the mask the model built, plain `nn.Linear` projections, the call's own
-state); anything else (a KV cache, dropout, LoRA or quantized projections, image context in Wan) runs the
-module's own code, with a warning naming the reason.
+what the module's own code would (the mask the model built, the projections' own computation, the call's own
+state): plain `nn.Linear` projections are fused into the op, others (LoRA, quantized, hooked) run as the modules
+do around the op's attention core (PEFT's vanilla LoRA layers together with the plain ones: `lora.py`); anything
+else (a KV cache, dropout, image context in Wan) runs the module's own code, with a warning naming the reason.
 
     report = backfuse.patch(model)      # e.g. {"Gemma3Attention": 26} (printed unless quiet=True)
     backfuse.unpatch(model)             # the modules' own code again
 
 Covered (`transformers.py`, `diffusers.py`; both libraries are optional, imported only to recognise
 their classes): Hugging Face transformers' `Gemma2Attention` and `Gemma3Attention` (the module's
-forward, bound per instance, as Liger and Unsloth bind theirs), diffusers' `WanAttention` used as the
-cross-attention of a Wan transformer block (`attn2`, through `set_processor`).
+forward, bound per instance, as Liger and Unsloth bind theirs), diffusers' `WanAttention`, both attentions
+of a Wan transformer block (through `set_processor`).
 
 Each patched module counts the calls it handed back and why (`fallbacks(model)`), and the modules of one
 `patch` warn once per reason (`backfuse.BackfuseWarning`, at the line that called the model), so a model that

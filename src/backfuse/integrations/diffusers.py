@@ -3,15 +3,17 @@
 Both attentions of a Wan transformer block (`WanAttention`s: `attn1`, the self-attention over the video,
 and `attn2`, the cross-attention to the text) get a processor that computes the whole attention (q, k, v
 projections with biases, RMSNorm of q and k across the heads, softmax(Q K^T / sqrt(head size)) V, the
-output projection) as one `F.wan_xattn` call; the self-attention's q and k turned by its rotary embedding
+output projection) as one `F.wan_xattn` call where the projections are plain `nn.Linear` layers; otherwise
+(PEFT's LoRA layers, quantized or hooked projections) the projections are the modules' own (PEFT's vanilla LoRA
+layers with the plain ones beside them in one computation: `lora.project`) and `F.wan_attention` computes what
+lies between them; the self-attention's q and k turned by its rotary embedding
 after their norms (`rope=`: diffusers' (cos, sin) tables [1, N, 1, D], pairs as `apply_rotary_emb` turns
 them). Served when: the cross-attention's context is the text alone (no image context: `add_k_proj` is None)
 and it has no rotary embedding; the self-attention's rotary embedding is such a pair of tables with a row per
 video token, and it is not split across ranks (context parallelism); there is no attention mask; the
-projections are plain `nn.Linear` (not fused by `fuse_projections`, no LoRA, no quantization, hooks or
-parametrizations); q, k and v have the model width; the output dropout is off (or the module is in eval
-mode); and the processor it replaced is diffusers' own `WanAttnProcessor` on an exact attention backend (not
-SageAttention's quantized ones). Otherwise the processor it replaced runs, counted by reason
+projections are not fused by `fuse_projections`; q, k and v have the model width; the output dropout is off
+(or the module is in eval mode); and the processor it replaced is diffusers' own `WanAttnProcessor` on an
+exact attention backend (not SageAttention's quantized ones). Otherwise the processor it replaced runs, counted by reason
 (`backfuse.fallbacks(model)`); what diffusers sets on the module's processor afterwards (its attention
 backend, context parallelism) is set on that processor.
 """
@@ -26,7 +28,7 @@ import torch
 
 from .. import functional as F
 from ..problem import fused_unusable
-from . import PATCHED, fall_back, plain_linear, replaced_forward
+from . import PATCHED, fall_back, lora, plain_linear, replaced_forward
 
 
 def _is_wan_attention(module, patched: bool = False) -> bool:
@@ -60,10 +62,16 @@ class WanAttnProcessor:
         norm_q, norm_k = attn.norm_q, attn.norm_k
         eps = norm_q.eps if norm_q.eps is not None else torch.finfo(hidden_states.dtype).eps
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
-        out = F.wan_xattn(hidden_states, context, attn.to_q.weight, attn.to_q.bias, attn.to_k.weight,
-                          attn.to_k.bias, attn.to_v.weight, attn.to_v.bias, attn.to_out[0].weight, attn.to_out[0].bias,
-                          1 / math.sqrt(head_dim), heads=attn.heads, norm_q_weight=norm_q.weight,
-                          norm_k_weight=norm_k.weight, eps=eps, rope=rotary_emb)
+        scale = 1 / math.sqrt(head_dim)
+        if _plain_projections(attn):
+            out = F.wan_xattn(hidden_states, context, attn.to_q.weight, attn.to_q.bias, attn.to_k.weight,
+                              attn.to_k.bias, attn.to_v.weight, attn.to_v.bias, attn.to_out[0].weight,
+                              attn.to_out[0].bias, scale, heads=attn.heads, norm_q_weight=norm_q.weight,
+                              norm_k_weight=norm_k.weight, eps=eps, rope=rotary_emb)
+        else:  # the projections as the modules compute them (`lora.project` where it serves), the core backfuse's
+            q, k, v = _project(attn, (("to_q", hidden_states), ("to_k", context), ("to_v", context)))
+            a = F.wan_attention(q, k, v, norm_q.weight, norm_k.weight, scale, heads=attn.heads, eps=eps, rope=rotary_emb)
+            out = _project(attn, (("to_out.0", a),))[0]
         return attn.to_out[1](out)
 
 
@@ -116,11 +124,31 @@ def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_
             return f"{name} has hooks or its forward replaced on the module"
     if attn.training and attn.to_out[1].p:
         return "output dropout"
-    for name, linear in (("to_q", attn.to_q), ("to_k", attn.to_k), ("to_v", attn.to_v), ("to_out.0", attn.to_out[0])):
-        reason = plain_linear(name, linear, bias=True)
-        if reason:
-            return reason
     return None
+
+
+def _linear(attn, name: str):
+    return attn.to_out[0] if name == "to_out.0" else getattr(attn, name)
+
+
+def _plain_projections(attn) -> bool:
+    """Whether to_q, to_k, to_v and to_out.0 are plain nn.Linear layers whose weights `wan_xattn` may read."""
+    return all(plain_linear(name, _linear(attn, name), bias=True) is None for name in ("to_q", "to_k", "to_v", "to_out.0"))
+
+
+def _project(attn, calls) -> list:
+    """The projections (name, input) as the modules compute them: those of one input together by `lora.project`
+    where each is a plain or a vanilla LoRA layer (not under torch.compile), the others by calling the module."""
+    out, groups = {}, {}
+    for name, x in calls:
+        groups.setdefault(id(x), (x, []))[1].append(name)
+    for x, names in groups.values():
+        parts = None if torch.compiler.is_compiling() else [lora.parts(n, _linear(attn, n), bias=True) for n in names]
+        if parts is not None and not any(isinstance(p, str) for p in parts):
+            out.update(zip(names, lora.project(x, parts)))
+        else:
+            out.update((n, _linear(attn, n)(x)) for n in names)
+    return [out[name] for name, _ in calls]
 
 
 def bind(module) -> None:

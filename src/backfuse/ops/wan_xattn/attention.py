@@ -1,0 +1,236 @@
+"""021's attention without its projections: Wan's attention core on q, k, v that the caller projected (a model
+whose projections are not plain nn.Linear layers: LoRA adapters, quantized weights, hooks run as the model's own
+modules around it), forward and backward, float32, bfloat16 or float16.
+
+Forward from q [B, Nv, hidden], k, v [B, Nt, hidden] (the projections with their biases):
+    Q, K = RMSNorm(q) wq_norm, RMSNorm(k) wk_norm        (across all heads, as Wan's norm_q / norm_k)
+    with rope: Q, K turned on interleaved pairs           (the self-attention: k is the video's, cos/sin a row per
+                                                          video token)
+    O, lse = attention(Q, K, V) at `scale`, no mask       (ours; cuDNN's for the self-attention in bf16 once its
+                                                          shape recurs, as `training.py`'s)
+    out = O                                               [B, Nv, hidden] in the inputs' dtype
+Backward from dO: delta = rowsum(dO * O); dQ, dK, dV = attention backward; RoPE's transpose and the norms'
+backward (their weights' gradients too) from dQ, dK into grad_q, grad_k; grad_v = dV.
+fp16 operands for float32 inputs (copies of v, the normed Q and K), under the device-side range guard; it saves
+Q (or, where the attention norms Q as it loads it, each row's 1 / rms), K, V's copy, O, lse beside the inputs
+autograd keeps.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels import buffers
+from ...kernels.graphs import Allocating
+from ...kernels.schedule import Holds
+from ...train import cudnn, steps
+from ...train import guard as guards
+from ...train.program import Arena, Buffer, Outputs, bases, execute, torch_step
+from . import training
+
+NEEDS = 5  # grad_q, grad_k, grad_v, grad_norm_q, grad_norm_k
+LABEL = "backfuse.functional.wan_attention"
+FORWARD_REGIONS = (("queries", Holds.INPUT), ("keys", Holds.INPUT), ("values", Holds.INPUT))
+BACKWARD_REGIONS = (("gradient of attention output", Holds.UPSTREAM), ("gradient of queries", Holds.VANISHING),
+                    ("gradient of keys", Holds.VANISHING), ("gradient of values", Holds.VANISHING))
+
+
+@dataclass(frozen=True, eq=False)
+class Plan(training.Plan):
+    """One call's shape and options (`training.Plan`'s; the q, k norms always); needs: (grad_q, grad_k, grad_v,
+    grad_norm_q, grad_norm_k)."""
+
+    needs: tuple = (True,) * NEEDS
+
+    @property
+    def q_on_load(self) -> bool:
+        """The attention norms Q as it loads it (reading the caller's q: it must be in the products' dtype)."""
+        return not (self.rope or self.cudnn or self.casts)
+
+    @property
+    def stacked(self) -> bool:
+        return False
+
+    @functools.cached_property
+    def activations(self):
+        tv, tt, d, c = self.tv, self.tt, self.config.hidden, self.compute
+        return Arena([Buffer("q_rstd", (tv,), torch.float32) if self.q_on_load else Buffer("q", (tv, d), c),
+                      Buffer("k", (tt, d), c), Buffer("v", (tt, d), c) if self.casts else None, Buffer("o", (tv, d), c),
+                      Buffer("lse", (self.batch * self.config.heads, self.nv), torch.float32)])
+
+    @functools.cached_property
+    def backward_scratch(self):
+        tv, tt, d, c, fp32 = self.tv, self.tt, self.config.hidden, self.compute, torch.float32
+        ours, split = not self.cudnn, self.split > 1  # (cuDNN's backward allocates dQ, dK, dV and needs no delta)
+        return Arena([Buffer("do", (tv, d), c) if self.casts else None,
+                      Buffer("delta", (self.batch * self.config.heads, self.nv), fp32) if ours else None,
+                      Buffer("dq", (tv, d), c) if ours else None,
+                      Buffer("dk", (tt, d), fp32 if split else c) if ours else None,
+                      Buffer("dv", (tt, d), fp32 if split else c) if ours and (split or self.casts) else None,
+                      *(Buffer(f"parts_n{name}", (steps.row_norm_parts(rows), d), fp32) for name, rows in
+                        (("q", tv), ("k", tt))),
+                      *(Buffer(f"sums_n{name}", (steps.column_sum_parts(steps.row_norm_parts(rows)), d), fp32)
+                        for name, rows in (("q", tv), ("k", tt))),
+                      *(() if self.save else self.activations.specs)])
+
+    @functools.cached_property
+    def weight_grads(self):
+        d, io, n = self.config.hidden, self.io, self.needs
+        return Outputs([Buffer("grad_nq", (d,), io) if n[3] else None, Buffer("grad_nk", (d,), io) if n[4] else None],
+                       separate=self.own_grads)
+
+
+def _guard(plan: Plan, direction: str, device, owner: int = 0):
+    if not plan.guarded:
+        return None
+    regions = FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS
+    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts,
+                        owner=owner)
+
+
+def _tables(p: Plan, inputs) -> tuple:
+    """(cos, sin) [Nv, D] of the inputs' RoPE tables, or (None, None)."""
+    return tuple(t.view(p.nv, p.config.head_dim) for t in inputs[5:7]) if p.rope else (None, None)
+
+
+def _operands(p: Plan, inputs, a) -> tuple:
+    """(q, q_norm, k, v) as the attention reads them (`training._queries`: the caller's q and its norm applied as it
+    is loaded, or the normed Q)."""
+    q, v, nq = inputs[0], inputs[2], inputs[3]
+    queries = (q.view(p.tv, -1), (a.q_rstd, nq)) if p.q_on_load else (a.q, None)
+    return (*queries, a.k, a.v if p.casts else v.view(p.tt, -1))
+
+
+def _forward_launches(p: Plan, g, inputs, a, scale: float) -> list:
+    """The launches from the inputs (q, k, v, norm_q_weight, norm_k_weight[, cos, sin]) to O and lse in the
+    activations a (with cuDNN's attention: to its operands; the caller's `Allocating` step runs it)."""
+    q, k, v, nq, nk = (x.view(-1, x.shape[-1]) if x.dim() == 3 else x for x in inputs[:5])
+    launches = [steps.cast(v, a.v, g, "values")] if p.casts else []
+    launches += [steps.row_norm(q, None, None, p.eps, rstd=a.q_rstd) if p.q_on_load else steps.row_norm(q, nq, a.q, p.eps),
+                 steps.row_norm(k, nk, a.k, p.eps)]
+    if p.rope:
+        cos, sin = _tables(p, inputs)
+        launches += [steps.rope_pairs(a.q, cos, sin, p.config.head_dim), steps.rope_pairs(a.k, cos, sin, p.config.head_dim)]
+    if not p.cudnn:
+        q_att, q_norm, k_att, v_att = _operands(p, inputs, a)
+        launches.append(steps.attention_forward(p.attention, p.tiles, q_att, k_att, v_att, a.o, a.lse, scale, g,
+                                                q_norm=q_norm))
+    return launches
+
+
+def forward(inputs, scale: float, plan: Plan):
+    """(O [B, Nv, hidden] in the inputs' dtype, activations). inputs: q, k, v, norm_q_weight, norm_k_weight, then
+    with rope the tables cos, sin."""
+    q = inputs[0]
+    p, device = plan, q.device
+    g = _guard(p, "forward", device, inputs[3].data_ptr())
+    if g is not None:
+        g.poll()
+    acts = p.activations
+    a_flat = acts.allocate(device)
+    out = buffers.empty(q.shape, p.io, device)
+    key = ("wan_attention forward", p, scale)
+
+    def build():
+        a = acts.views(a_flat)
+        launches = _forward_launches(p, g, inputs, a, scale)
+        o2 = out.view(p.tv, -1)
+        if p.cudnn:  # O and lse into the saved activations (cuDNN allocates its own), O into the output
+            launches.append(Allocating(key, lambda: cudnn.forward(p.attention, a.q, a.k, inputs[2].view(p.tt, -1), scale),
+                                       lambda o, lse: [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), lambda: o2.copy_(o)],
+                                       "cuDNN's attention forward"))
+        else:
+            launches.append(torch_step(torch.Tensor.copy_, o2, a.o, label="copy"))
+        if g is not None:
+            launches.append(steps.check(g))
+        return launches
+
+    execute(key, device, bases(*inputs, out, a_flat, *guards.tensors(g)), build)
+    if g is not None and device.type != "cuda":
+        g.poll()
+    return out, (a_flat if p.save else None)
+
+
+def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
+    """(grad_q, grad_k, grad_v, grad_norm_q, grad_norm_k); None where not needed. a_flat: the forward's activations
+    (None: recomputed here)."""
+    q, k, v, nq, nk = inputs[:5]
+    p, device, n = plan, q.device, plan.needs
+    g = _guard(p, "backward", device, nq.data_ptr())
+    fg = _guard(p, "forward", device, nq.data_ptr()) if a_flat is None else None
+    for each in (g, fg):
+        if each is not None:
+            each.poll()
+    tv, tt = p.tv, p.tt
+    scratch, wgrads = p.backward_scratch, p.weight_grads
+    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
+    through = n[0] or n[1] or n[3] or n[4]  # (RoPE's and the norms' backward)
+    grads = [buffers.empty(x.shape, p.io, device) if need or (i < 2 and through) else None
+             for i, (x, need) in enumerate(zip((q, k, v), n))]
+    if grads[2] is None:  # the attention backward writes dV with dQ, dK
+        grads[2] = buffers.empty(v.shape, p.io, device)
+    gq, gk, gv = (x.view(-1, x.shape[-1]) for x in grads)
+    go = grad_out.contiguous().view(tv, -1)
+    key = ("wan_attention backward", p, scale)
+
+    def build():
+        s = scratch.views(s_flat)
+        a = s if a_flat is None else p.activations.views(a_flat)
+        launches = []
+        if a_flat is None:
+            launches += _forward_launches(p, fg, inputs, a, scale) + ([steps.check(fg)] if fg is not None else [])
+        d = go
+        if p.casts:
+            launches += [steps.amax(go, g), steps.cast(go, s.do, g, "gradient of attention output", upstream=True)]
+            d = s.do
+
+        def after(dq, dk, dv) -> list:
+            """From the attention's dQ, dK, dV on: RoPE's transpose (in place), the norms' backward into grad_q,
+            grad_k and their weights' gradients, dV into grad_v where the attention wrote it elsewhere."""
+            launches = []
+            if p.rope and through:
+                cos, sin = _tables(p, inputs)
+                launches += [steps.rope_pairs_backward(dq, cos, sin, p.config.head_dim, g, "gradient of queries"),
+                             steps.rope_pairs_backward(dk, cos, sin, p.config.head_dim, g, "gradient of keys")]
+            if through:
+                launches += [steps.row_norm_backward(dq, q.view(tv, -1), nq, gq, s.parts_nq, p.eps, g, "gradient of queries"),
+                             steps.row_norm_backward(dk, k.view(tt, -1), nk, gk, s.parts_nk, p.eps, g, "gradient of keys")]
+            for need, out, parts, sums in ((n[3], "grad_nq", s.parts_nq, s.sums_nq), (n[4], "grad_nk", s.parts_nk, s.sums_nk)):
+                if need:
+                    launches += steps.column_sums(parts, getattr(w, out), sums, g, unscale=True)
+            if dv is not gv:
+                launches.append(steps.cast(dv, gv, g, "gradient of values"))
+            return launches
+
+        if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest
+            def attention():
+                o, lse = cudnn.forward(p.attention, a.q, a.k, v.view(tt, -1), scale) if a_flat is None else (a.o, a.lse)
+                return o, cudnn.backward(p.attention, a.q, a.k, v.view(tt, -1), o, lse, d, scale)
+
+            launches.append(Allocating(key, attention, lambda o, grads: after(*grads), "cuDNN's attention backward"))
+        else:
+            q_att, q_norm, k_att, v_att = _operands(p, inputs, a)
+            dv = s.dv if p.split > 1 or p.casts else gv
+            launches.append(steps.attention_delta(p.attention, a.o, d, s.delta, g))
+            if p.split > 1:  # fp32 atomic sums
+                launches += [steps.zero(s.dk), steps.zero(s.dv)]
+            launches.append(steps.attention_backward(p.attention, p.tiles, p.split, q_att, k_att, v_att, d, a.lse, s.delta,
+                                                     s.dq, s.dk, dv, scale, g, q_norm=q_norm))
+            launches += after(s.dq, s.dk, dv)
+        if g is not None:
+            if g.scaled:  # the upstream scale's undoing on what carries it
+                launches += [steps.unscale(x, g) for x in grads if x is not None]
+            launches.append(steps.check(g))
+        return launches
+
+    made = [x for x in grads if x is not None]
+    execute(key, device, bases(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat]),
+                               *guards.tensors(g, fg)), build)
+    for each in (g, fg):
+        if each is not None and device.type != "cuda":
+            each.poll()
+    return (*(x if need else None for x, need in zip(grads, n[:3])), getattr(w, "grad_nq", None),
+            getattr(w, "grad_nk", None))
