@@ -365,3 +365,42 @@ def stand_in_flash_attention(monkeypatch, softcap: bool = True):
         return model
 
     return flash
+
+def stand_in_cudnn(monkeypatch):
+    """cuDNN's attention ops (`train/cudnn.py`) stood in for by plain PyTorch on the same token-major rows and views,
+    served for every call from its first (CUDNN_AFTER 1): the launches a training op runs around cuDNN's core
+    (allocating forward and backward steps, what reads their outputs) on any machine."""
+    from backfuse.train import cudnn, plans
+
+    def heads(a, *rows):
+        return [cudnn._heads(t, a.batch, t.shape[0] // a.batch, a.head_dim).float() for t in rows]
+
+    def logits(a, qh, kh, scale):
+        z = qh @ kh.repeat_interleave(a.group, 1).transpose(-1, -2) * scale
+        if a.causal:
+            i = torch.arange(z.shape[-1], device=z.device)
+            z = z.masked_fill(i[None] > i[:, None], float("-inf"))
+        return z
+
+    def forward(a, q, k, v, scale):
+        qh, kh, vh = heads(a, q, k, v)
+        z = logits(a, qh, kh, scale)
+        o = z.softmax(-1) @ vh.repeat_interleave(a.group, 1)
+        return cudnn._rows(o.to(q.dtype)), z.logsumexp(-1).view(a.batch * a.heads, -1)
+
+    def backward(a, q, k, v, o, lse, do, scale):
+        with torch.enable_grad():  # (called inside the op's backward)
+            qh, kh, vh = (t.requires_grad_() for t in heads(a, q, k, v))
+            z = logits(a, qh, kh, scale)
+            out = z.softmax(-1) @ vh.repeat_interleave(a.group, 1)
+            # cuDNN's backward reads the forward's O and lse: they must be the ones this call's forward made
+            assert torch.allclose(lse.view(z.shape[:-1]), z.logsumexp(-1), atol=1e-2), "lse is not the forward's"
+            assert torch.allclose(heads(a, o)[0], out, atol=3e-2), "O is not the forward's"
+            grads = torch.autograd.grad(out, (qh, kh, vh), heads(a, do)[0])
+        return tuple(cudnn._rows(g.to(q.dtype)) for g in grads)
+
+    monkeypatch.setattr(cudnn, "forward", forward)
+    monkeypatch.setattr(cudnn, "backward", backward)
+    enabled = cudnn.enabled
+    monkeypatch.setattr(cudnn, "serves", lambda a, *args: enabled() and a.masking is None and a.softcap == 0.0)
+    monkeypatch.setattr(plans, "CUDNN_AFTER", 1)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import rel_err, training_inputs, training_module
+from helpers import rel_err, stand_in_cudnn, training_inputs, training_module
 
 import backfuse
 from backfuse import functional as F
@@ -186,6 +186,37 @@ def test_the_attention_between_the_projections_is_the_fused_ops(masks, dtype):
     assert rel_err(out, fused) < tol
     for got, want in zip(torch.autograd.grad(out, leaves, grad), expected):
         assert rel_err(got, want) < tol
+
+
+def test_the_attention_between_the_projections_on_cudnn_is_ours(monkeypatch):
+    """gemma3_attention's cuDNN form on any machine (`helpers.stand_in_cudnn`: Gemma 3's global layers in bf16 take
+    cuDNN's attention once their shape recurs, LoRA users' too): the norm/RoPE launches before an allocating forward,
+    their backward after an allocating backward, saved or recomputed, as our attention's output and gradients."""
+    from backfuse import cudnn_attention
+
+    config = Gemma3CoreConfig(64, 4, 2, 16, window=0)
+    m = training_module("037", config, torch.bfloat16)
+    x, cos, sin = training_inputs("037", config, (2, 13), torch.bfloat16)
+    q, k, v = (torch.nn.functional.linear(x, w).detach().requires_grad_() for w in (m.q_weight, m.k_weight, m.v_weight))
+    leaves = [q, k, v, m.q_norm_weight, m.k_norm_weight]
+    grad = torch.randn_like(q)
+    results = []
+    stand_in_cudnn(monkeypatch)
+    try:
+        for enabled, save in ((False, True), (True, True), (True, False)):
+            with cudnn_attention(enabled):
+                a = F.gemma3_attention(q, k, v, cos, sin, m.q_norm_weight, m.k_norm_weight, m.scaling, None, m.eps,
+                                       head_dim=16, save_activations=save)
+                results.append((a, torch.autograd.grad(a, leaves, grad)))
+        assert sum(p.cudnn for key, p in F._plans.items() if key[0] == "037 attention") == 2
+    finally:
+        for key in [key for key, p in F._plans.items() if getattr(p, "cudnn", False) and key[0] == "037 attention"]:
+            del F._plans[key]
+    (ours, ours_grads), *cudnn_runs = results
+    for a, grads in cudnn_runs:
+        assert rel_err(a, ours) < 1e-2
+        for got, want in zip(grads, ours_grads):
+            assert rel_err(got, want) < 2e-2
 
 
 @pytest.mark.parametrize("pid", ["021", "037"])

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import rel_err
+from helpers import rel_err, stand_in_cudnn
 from test_wan_self_attention import diffusers_rope, tables
 
 import backfuse.functional as F
@@ -82,6 +82,19 @@ def test_self_attention_core_on_cudnn_matches_float64(monkeypatch):
     for save in (True, True, True, False):
         check(1, 300, 300, 256, 2, torch.bfloat16, True, save=save)
     assert any(p.cudnn for k, p in F._plans.items() if k[0] == "021 attention")
+
+
+def test_the_cudnn_form_with_a_stand_in_core_is_right(monkeypatch):
+    """The self-attention core's cuDNN form on any machine (`helpers.stand_in_cudnn`): the norms and RoPE before an
+    allocating forward, their backward after an allocating backward, saved or recomputed, against float64."""
+    stand_in_cudnn(monkeypatch)
+    try:
+        check(1, 41, 41, 64, 2, torch.bfloat16, True)
+        check(1, 41, 41, 64, 2, torch.bfloat16, True, save=False)
+        assert sum(p.cudnn for k, p in F._plans.items() if k[0] == "021 attention") == 2
+    finally:
+        for k in [k for k, p in F._plans.items() if getattr(p, "cudnn", False) and k[0] == "021 attention"]:
+            del F._plans[k]
 
 
 def test_custom_op_passes_torch_library_checks():

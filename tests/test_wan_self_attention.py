@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import rel_err
+from helpers import rel_err, stand_in_cudnn
 
 import backfuse.functional as F
 
@@ -104,31 +104,10 @@ def test_rope_tables_are_checked():
 
 
 def test_the_cudnn_form_with_a_stand_in_core_is_right(monkeypatch):
-    """The self-attention's cuDNN form on any machine: cuDNN's ops stood in for by plain PyTorch on the same
-    token-major rows (`train/cudnn.py`'s views), so its launches around the core (the output projection after an
-    allocating forward; RoPE's and the norms' backward, the bias sums and products after an allocating
-    backward) are checked against float64."""
-    from backfuse.train import cudnn, plans
-
-    def heads(a, *rows):
-        return [cudnn._heads(t, a.batch, t.shape[0] // a.batch, a.head_dim).float() for t in rows]
-
-    def forward(a, q, k, v, scale):
-        qh, kh, vh = heads(a, q, k, v)
-        logits = qh @ kh.transpose(-1, -2) * scale
-        return cudnn._rows((logits.softmax(-1) @ vh).to(q.dtype)), logits.logsumexp(-1).view(a.batch * a.heads, -1)
-
-    def backward(a, q, k, v, o, lse, do, scale):
-        with torch.enable_grad():  # (called inside the op's backward)
-            qh, kh, vh = (t.requires_grad_() for t in heads(a, q, k, v))
-            out = (qh @ kh.transpose(-1, -2) * scale).softmax(-1) @ vh
-            grads = torch.autograd.grad(out, (qh, kh, vh), heads(a, do)[0])
-        return tuple(cudnn._rows(g.to(q.dtype)) for g in grads)
-
-    monkeypatch.setattr(cudnn, "forward", forward)
-    monkeypatch.setattr(cudnn, "backward", backward)
-    monkeypatch.setattr(cudnn, "serves", lambda *args: True)
-    monkeypatch.setattr(plans, "CUDNN_AFTER", 1)
+    """The self-attention's cuDNN form on any machine (`helpers.stand_in_cudnn`): its launches around the core (the
+    output projection after an allocating forward; RoPE's and the norms' backward, the bias sums and products after
+    an allocating backward) against float64."""
+    stand_in_cudnn(monkeypatch)
     try:
         check(1, 41, 64, 2, True, torch.bfloat16)
         check(1, 41, 64, 2, False, torch.bfloat16)

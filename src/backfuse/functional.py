@@ -557,7 +557,7 @@ _gemma_attention = _Lazy("backfuse.ops.gemma3_core.attention", "_gemma_attention
 
 def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts=None):
     masking = _masks.masking_of(mask, starts)
-    key = ("037 attention", _signature(tensors), softcap, window, save, head_dim,
+    key = ("037 attention", _signature(tensors), softcap, window, save, head_dim, _cudnn.enabled(),
            torch.are_deterministic_algorithms_enabled(), masking, _plan_cache.layout((mask, starts)))
     plan = _plans.get(key)
     if plan is None:
@@ -584,8 +584,10 @@ def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=No
         _check_mask(mask, starts, axes[b], axes[s], q.device)
         plan = _plans[key] = _gemma_attention.Plan(axes[b], axes[s], config, q.dtype, softcap=softcap,
                                                    cos_batched=tables != 1 or axes[b] == 1, save=save,
-                                                   sms=_sm_count(q.device), deterministic=key[6], masking=masking)
-    return plan
+                                                   sms=_sm_count(q.device), deterministic=key[7], masking=masking)
+        if _cudnn.serves(plan.attention, plan.compute, q.device, plan.deterministic):
+            _plan_cache.recurring(plan, dataclasses.replace(plan, cudnn=True))
+    return _plan_cache.looked_up(key, plan)
 
 
 class _Gemma3Attention(torch.autograd.Function):

@@ -5,7 +5,8 @@ the model's own modules around it), forward and backward, float32, bfloat16 or f
 Forward from q [B, S, H * D], k, v [B, S, KV * D] (the raw projections):
     qr, kr = RoPE(RMSNorm(q, k) (1 + w))   (kernels/triton/rope.py; no norm without the weights: Gemma 2)
     A, lse = attention(qr, kr, v)          (kernels/triton/attention.py: causal, window, soft cap, scaling,
-                                            a mask, packed documents: `steps.Masking`)
+                                            a mask, packed documents: `steps.Masking`; cuDNN's where it serves
+                                            the call and its shape recurs, as `training.py`'s)
     out = A                                [B, S, H * D] in the inputs' dtype (a copy: the saved A stays ours)
 Backward from dA:
     delta = rowsum(dA * A);  dqr, dkr, dv = attention backward;  dq, dk, grad_w = RoPE and RMSNorm backward
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import buffers
+from ...kernels.graphs import Allocating
 from ...kernels.schedule import Holds, cdiv
+from ...train import cudnn, steps
 from ...train import guard as guards
-from ...train import steps
 from ...train.program import Arena, Buffer, Outputs, bases, execute, torch_step
 from . import training
 
@@ -52,10 +54,12 @@ class Plan(training.Plan):
     def backward_scratch(self):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
         blocks = cdiv(t, self.norm_backward_tiles[0])
+        ours = not self.cudnn  # (cuDNN's backward allocates dQ, dK, dV and needs no delta)
         return Arena([Buffer("da", (t, cfg.q_out), c) if self.casts else None,
-                      Buffer("delta", (self.batch * cfg.heads, self.seq), fp32),
-                      Buffer("d_rot_q", (t, cfg.q_out), fp32), Buffer("d_rot_k", (t, cfg.kv_out), fp32),
-                      Buffer("dv32", (t, cfg.kv_out), fp32) if self.split > 1 else None,
+                      Buffer("delta", (self.batch * cfg.heads, self.seq), fp32) if ours else None,
+                      Buffer("d_rot_q", (t, cfg.q_out), fp32) if ours else None,
+                      Buffer("d_rot_k", (t, cfg.kv_out), fp32) if ours else None,
+                      Buffer("dv32", (t, cfg.kv_out), fp32) if ours and self.split > 1 else None,
                       Buffer("parts_q", (cfg.heads * blocks, cfg.head_dim), fp32),
                       Buffer("parts_k", (cfg.kv_heads * blocks, cfg.head_dim), fp32),
                       Buffer("sums_q", (steps.column_sum_parts(cfg.heads * blocks), cfg.head_dim), fp32),
@@ -87,9 +91,11 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> li
                  training._norm_rope(p, k.view(t, cfg.kv_out), knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps)]
     if p.masking is not None:
         launches += steps.attention_bounds(p.attention, a.bounds, *masks)
-    launches.append(steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v_c if p.casts else v.view(t, -1),
-                                            a.o, a.lse, scaling, g, training.ATTENTION_FORWARD_REGIONS,
-                                            bounds=getattr(a, "bounds", None), mask=masks[0]))
+    if not p.cudnn:  # (cuDNN's attention allocates its outputs: the callers' `Allocating` steps)
+        launches.append(steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k,
+                                                a.v_c if p.casts else v.view(t, -1), a.o, a.lse, scaling, g,
+                                                training.ATTENTION_FORWARD_REGIONS, bounds=getattr(a, "bounds", None),
+                                                mask=masks[0]))
     return launches
 
 
@@ -104,15 +110,24 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
     a_flat = acts.allocate(device)
     out = buffers.empty(q.shape, p.io, device)
 
+    key = ("gemma3_attention forward", p, scaling, eps)
+    out2 = out.view(p.tokens, -1)
+
     def build():
         a = acts.views(a_flat)
         launches = _forward_launches(p, g, inputs, a, scaling, eps, masks)
-        launches.append(torch_step(torch.Tensor.copy_, out.view(p.tokens, -1), a.o, label="copy"))
+        if p.cudnn:  # A and lse into the saved activations (cuDNN allocates its own), A into the output
+            launches.append(Allocating(key, lambda: cudnn.forward(p.attention, a.rot_q, a.rot_k, inputs[2].view(p.tokens, -1),
+                                                                  scaling),
+                                       lambda o, lse: [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), lambda: out2.copy_(o)],
+                                       "cuDNN's attention forward"))
+        else:
+            launches.append(torch_step(torch.Tensor.copy_, out2, a.o, label="copy"))
         if g is not None:
             launches.append(steps.check(g))
         return launches
 
-    execute(("gemma3_attention forward", p, scaling, eps), device, bases(*inputs, *masks, out, a_flat, *guards.tensors(g)), build)
+    execute(key, device, bases(*inputs, *masks, out, a_flat, *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -137,6 +152,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
         grads[2] = buffers.empty(v.shape, p.io, device)
     gq, gk, gv = (x.view(t, -1) for x in grads)
     da = grad_out.contiguous().view(t, cfg.q_out)
+    key = ("gemma3_attention backward", p, scaling, eps)
 
     def build():
         s = scratch.views(s_flat)
@@ -149,6 +165,20 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
         if p.casts:
             launches += [steps.amax(da, g), steps.cast(da, s.da, g, "gradient of attention output", upstream=True)]
             d = s.da
+        if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest in place
+            vee = v.view(t, -1)
+
+            def attention():
+                o, lse = cudnn.forward(att, a.rot_q, a.rot_k, vee, scaling) if a_flat is None else (a.o, a.lse)
+                return o, cudnn.backward(att, a.rot_q, a.rot_k, vee, o, lse, d, scaling)
+
+            def rest(o, grads):
+                dq, dk, dv = grads
+                return [torch_step(torch.Tensor.copy_, gv, dv, label="copy")] + (
+                    _norm_rope_backward(p, g, inputs, s, w, dq, dk, gq, gk, eps) if through else [])
+
+            launches.append(Allocating(key, attention, rest, "cuDNN's attention backward"))
+            return launches + ([steps.check(g)] if g is not None else [])
         launches.append(steps.attention_delta(att, a.o, d, s.delta, g))
         if p.dq_atomic:
             launches.append(steps.zero(s.d_rot_q))
@@ -166,7 +196,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
                                                      s.d_rot_q, s.d_rot_k, gv, scaling, g, regions, p.dq_atomic,
                                                      **extra))
         if through:
-            launches += _norm_rope_backward(p, g, inputs, s, w, gq, gk, eps)
+            launches += _norm_rope_backward(p, g, inputs, s, w, s.d_rot_q, s.d_rot_k, gq, gk, eps)
         if g is not None:
             if g.scaled:  # the upstream scale's undoing on what carries it
                 launches += [steps.unscale(x, g) for x in grads if x is not None]
@@ -174,7 +204,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
         return launches
 
     made = [x for x in grads if x is not None]
-    execute(("gemma3_attention backward", p, scaling, eps), device,
+    execute(key, device,
             bases(*inputs, *masks, da, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat]),
                   *guards.tensors(g, fg)), build)
     for each in (g, fg):
@@ -184,13 +214,13 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
             getattr(w, "grad_knw", None))
 
 
-def _norm_rope_backward(p: Plan, g, inputs, s, w, gq, gk, eps: float) -> list:
+def _norm_rope_backward(p: Plan, g, inputs, s, w, dq, dk, gq, gk, eps: float) -> list:
     """The RoPE and norm backward from the attention's dQ, dK into grad_q, grad_k, and the norm weights' sums."""
     q, k, v, cos, sin, qnw, knw = inputs
     cfg, t, n = p.config, p.tokens, p.needs
     launches = training.norm_rope_backward(
-        p, g, cos, sin, eps, (s.d_rot_q, q.view(t, -1), qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
-        (s.d_rot_k, k.view(t, -1), knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection"))
+        p, g, cos, sin, eps, (dq, q.view(t, -1), qnw, gq, s.parts_q, cfg.heads, "gradient of q projection"),
+        (dk, k.view(t, -1), knw, gk, s.parts_k, cfg.kv_heads, "gradient of k projection"))
     if n[3]:
         launches += steps.column_sums(s.parts_q, w.grad_qnw, s.sums_q, g, unscale=True)
     if n[4]:
