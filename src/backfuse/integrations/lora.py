@@ -44,37 +44,41 @@ def parts(name: str, linear, *, bias: bool) -> Part | str:
     """`linear` as a Part (a plain nn.Linear, or PEFT's LoRA Linear whose forward is the vanilla sum), or why not."""
     if type(linear) is torch.nn.Linear:
         reason = plain_linear(name, linear, bias=bias)
-        return reason or Part(linear.weight, linear.bias)
+        return reason or Part(linear._parameters["weight"], linear._parameters.get("bias"))
     if type(linear).__name__ != "Linear" or type(linear).__module__ != "peft.tuners.lora.layer":
         return plain_linear(name, linear, bias=bias)
     if linear._forward_hooks or linear._forward_pre_hooks or replaced_forward(linear):
         return f"{name} (a LoRA layer) has hooks or its forward replaced"
     if linear.disable_adapters or linear.merged:
         return f"{name}'s adapters are disabled or merged"
-    reason = plain_linear(f"{name}.base_layer", linear.base_layer, bias=bias)
+    modules = linear._modules  # (read as dicts: this runs at every call of every patched layer)
+    base = modules["base_layer"]
+    reason = plain_linear(f"{name}.base_layer", base, bias=bias)
     if reason:
         return reason
-    base = linear.base_layer
-    active = [a for a in linear.active_adapters if a in linear.lora_A.keys()]
+    weights = base._parameters
+    adapters = modules["lora_A"]._modules
+    active = [a for a in linear.active_adapters if a in adapters]
     if not active:
-        return Part(base.weight, base.bias)
+        return Part(weights["weight"], weights.get("bias"))
     if len(active) > 1:
         return f"{name} has {len(active)} active adapters"
     key = active[0]
-    dropout = linear.lora_dropout[key]
-    if not (isinstance(dropout, torch.nn.Identity) or (type(dropout) is torch.nn.Dropout and
-                                                         (dropout.p == 0 or not dropout.training))):
+    dropout = modules["lora_dropout"]._modules[key]
+    if not (type(dropout) is torch.nn.Identity or (type(dropout) is torch.nn.Dropout and
+                                                  (dropout.p == 0 or not dropout.training))):
         return f"{name}'s LoRA dropout"
-    if key in getattr(linear, "lora_variant", {}) or linear.use_dora.get(key, False):
+    if key in linear.__dict__.get("lora_variant", {}) or linear.use_dora.get(key, False):
         return f"{name}'s adapter is a LoRA variant (DoRA or another)"
-    for part in ("lora_A", "lora_B"):
-        reason = plain_linear(f"{name}.{part}", getattr(linear, part)[key], bias=False)
+    a_layer, b_layer = adapters[key], modules["lora_B"]._modules[key]
+    for part, layer in (("lora_A", a_layer), ("lora_B", b_layer)):
+        reason = plain_linear(f"{name}.{part}", layer, bias=False)
         if reason:
             return reason
-    a, b = linear.lora_A[key].weight, linear.lora_B[key].weight
-    if a.dtype != b.dtype or not getattr(linear, "cast_input_dtype_enabled", True):
+    a, b = a_layer._parameters["weight"], b_layer._parameters["weight"]
+    if a.dtype != b.dtype or not linear.__dict__.get("cast_input_dtype_enabled", True):
         return f"{name}'s adapter weights in two dtypes, or its input cast turned off"
-    return Part(base.weight, base.bias, a, b, float(linear.scaling[key]))
+    return Part(weights["weight"], weights.get("bias"), a, b, float(linear.scaling[key]))
 
 
 def project(x: torch.Tensor, projections: list) -> tuple:
