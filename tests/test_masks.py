@@ -287,7 +287,7 @@ def test_queries_weighing_every_key_alike_leave_the_keys_exact(cap, split, dq_at
     bounds, so a padded entry's keys keep the exact loop, and every key block visits them in a loop of their
     own. The attention kernels (key blocks split or not, dQ by atomics or by programs) against float64 adding the
     mask as eager does, on poisoned outputs: left padding, right padding (no such query), and left padding with
-    holes (keys whose loop reads the mask, leaving those queries to theirs)."""
+    holes (keys whose loop reads the mask, which then takes those queries in)."""
     import math
 
     from backfuse.train import masks, steps

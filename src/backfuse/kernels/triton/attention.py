@@ -27,8 +27,9 @@ not masked. The dK, dV programs hold keys fixed, so they read each key's bounds 
 padded, packed or image-block mask: no hole, no value added) a query is compared with its key's bounds as
 causality is compared, and the rows' bounds and the mask are not read in the loop. The rows that weigh every
 key alike (MASK_ADD's fully masked rows: eager attention's padded queries) take no part in the keys' bounds:
-each dK, dV program visits them in a loop of their own, over their batch entry's first to last such row, so a
-padded batch under eager attention keeps the exact loop for its real queries.
+each dK, dV program visits them in a loop of their own, over their batch entry's first to last such row (or,
+where its keys' bounds are not exact anyway, in the mask-reading loop), so a padded batch under eager attention
+keeps the exact loop for its real queries.
 Backward, from dO:
     delta = rowsum(dO * O),  dP = dO V^T,  dC = P * (dP - delta)
     dS = dC * scale  (* (1 - t^2) with the cap)      -- the gradient of the logits' q.k
@@ -299,7 +300,7 @@ def attention_delta_kernel(
 
 
 KEYS_EXACT = tl.constexpr(0)  # every key's visible queries are its bounds [k_lo, k_hi]
-KEYS_ROWS = tl.constexpr(1)  # each query row's bounds and mask decide (`_masked`), the alike rows left out
+KEYS_ROWS = tl.constexpr(1)  # each query row's bounds and mask decide (`_masked`)
 KEYS_ALIKE = tl.constexpr(2)  # the rows weighing every key alike (lo < 0), and only they: logit 0 for every key
 
 
@@ -313,9 +314,9 @@ def _key_steps(dk_acc, dv_acc, kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q,
     """(dK, dV sums) of one key block, dk_acc and dv_acc plus the sums over queries [m_lo, m_hi) of the group's
     heads. With MASK, which queries see which keys: KEYS_EXACT, exactly those inside each key's bounds k_lo2 <= i
     <= k_hi2 ([KV_BN, 1]: `attention_key_bounds_kernel`), compared as causality is; KEYS_ROWS, each query row's
-    bounds and its mask (`_masked`), loaded a step at a time, but for the rows that weigh every key alike;
-    KEYS_ALIKE, those rows alone, every key at logit 0 (the cap's 1 - t^2 still from q.k, as autograd forms it
-    through eager's finfo.min)."""
+    bounds and its mask (`_masked`), loaded a step at a time; KEYS_ALIKE, the rows that weigh every key alike
+    alone, every key at logit 0 (the cap's 1 - t^2 still from q.k, as autograd forms it through eager's
+    finfo.min)."""
     for g in range(GROUP):
         h = kv * GROUP + g
         bh = b * HEADS + h
@@ -340,8 +341,6 @@ def _key_steps(dk_acc, dv_acc, kt, vt, cols, k_lo2, k_hi2, b, kv, m_lo, m_hi, q,
                     s, seen = _masked(s, rows[None, :], cols[:, None], lo_r[None, :], hi_r[None, :], b, mask, m_sb,
                                       m_sq, m_sk, tl.max(part_r.to(tl.int32)) > 0, MASK)
                     visible = visible & seen
-                    if MASK == MASK_ADD:  # the rows weighing every key alike have a loop of their own
-                        visible = visible & (lo_r[None, :] >= 0)
             p = tl.where(visible, tl.exp2(s - row_lse[None, :]), 0.0)
             dv_acc = mma(narrow(p, dot_.dtype), dot_, dv_acc)
             ds = p * (mma(vt, tl.trans(dot_), None) - row_delta[None, :])
@@ -379,7 +378,8 @@ def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ran
     atomics; else split is 1. DQ_ATOMIC: each step also adds its part of
     dQ, scale dS^T K, into fp32 dq (zeroed before) by atomics. With MASK the queries visited are those the
     block's keys' bounds reach (k_lo, k_hi), and where every key's bounds are exact they alone decide; with MASK_ADD
-    then the rows that weigh every key alike, between their batch entry's first and last (`alike`)."""
+    the rows that weigh every key alike, between their batch entry's first and last (`alike`), then take a loop of
+    their own, or where a key's bounds are not exact join the mask-reading loop's range."""
     per_block = kv_programs // ((S_k + KV_BN - 1) // KV_BN)
     block = pid // per_block
     rest = pid % per_block
@@ -407,11 +407,16 @@ def _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ran
         k_lo2 = k_lo_c[:, None]
         k_hi2 = k_hi_c[:, None]
         exact = tl.max(k_part.to(tl.int32)) == 0
-    a_lo = 0  # the alike rows' queries [a_lo, a_end) (read only with MASK_ADD)
+    a_lo = 0  # the alike rows' queries [a_lo, a_end), visited in a loop of their own (read only with MASK_ADD)
     a_end = 0
     if MASK == MASK_ADD:
         a_lo = tl.load(alike + 2 * b) // KV_BM * KV_BM
         a_end = tl.load(alike + 2 * b + 1) + 1
+        if not exact:  # the mask-reading loop weighs them as `_masked` does: it visits them, and no loop of theirs runs
+            some = a_lo < a_end
+            m_lo = tl.where(some, tl.minimum(m_lo, a_lo), m_lo)
+            m_hi = tl.where(some, tl.maximum(m_hi, a_end), m_hi)
+            a_end = a_lo
     if KV_ATOMIC:
         m_lo, m_hi = _share(m_lo, m_hi, part, split, KV_BM)
         a_lo, a_end = _share(a_lo, a_end, part, split, KV_BM)
