@@ -35,7 +35,7 @@ def _sm90_cases(dtype: str):
                            dict(common, LD_DO=8 * d, LD_DQ=8 * d, LD_DK=4 * d, LD_DV=4 * d, KV_BN=t.kv_bn, KV_BM=t.kv_bm,
                                 Q_BM=t.q_bm, Q_BN=t.q_bn, KV_ATOMIC=True, DQ_ATOMIC=atomic, MASK=mask),
                            t.bwd_warps, t.bwd_stages)
-    yield ("bounds", attention.attention_bounds_kernel, ptr | {"starts": "*i32"},
+    yield ("bounds", attention.attention_bounds_kernel, ptr | {"documents": "*i32"},
            dict(CAUSAL=True, WINDOW=True, DOCS=True, MASK=3, BR=64, BN=64), 4, 1)
     yield "key bounds", attention.attention_key_bounds_kernel, ptr, dict(BR=64, BK=64), 4, 1
     for pairs in (False, True):

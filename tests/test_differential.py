@@ -4,7 +4,8 @@ Models (transformers' and diffusers' own classes, random init): Gemma 2 (eager a
 its soft cap), Gemma 3 text (SDPA; eager too), Gemma 3 with an image (SigLIP tower, image tokens that see each
 other both ways), Gemma 2 and 3 on FlashAttention (transformers' own path, its kernel a float64 stand-in:
 `helpers.stand_in_flash_attention`), Wan 2.1 (diffusers). Batches: no mask, a tokenizer's all-ones mask, left and right padding,
-packed documents (position ids restarting, no mask, as `DataCollatorWithFlattening` gives them). Setups: plain,
+packed documents (position ids restarting, no mask, as `DataCollatorWithFlattening` gives them; under FlashAttention
+also with its varlen kwargs, the collator's two tensors). Setups: plain,
 PEFT LoRA added after `patch` and before it, gradient checkpointing (reentrant and not), autocast bf16,
 torch.compile.
 
@@ -92,6 +93,12 @@ def _batch(kind: str, model: str) -> dict:
             mask[1, seq - cut:] = 0
         batch["attention_mask"] = mask
         labels[mask == 0] = -100
+    elif kind == "collator":  # padding-free with FlashAttention's kwargs: two tensors, one set of documents
+        first = seq // 3 + 1
+        flat = ids.reshape(-1)[:2 * seq - 3].tolist()
+        collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        batch = collate([{"input_ids": flat[:first]}, {"input_ids": flat[first:]}])
+        return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     elif kind == "packed":
         first = seq // 3 + 1
         flat = ids.reshape(1, -1)[:, :2 * seq - 3]
@@ -166,6 +173,8 @@ CASES = sorted({("gemma3", b, s) for b in BATCHES for s in SETUPS if s not in ("
                | {("gemma3", "packed", s) for s in ("compile", "bf16")}
                | {(m, b, "plain") for m in ("gemma2-flash", "gemma3-flash") for b in BATCHES}
                | {("gemma3-flash", "left", s) for s in ("lora_after", "checkpoint", "bf16", "compile")}
+               | {("gemma3-flash", "collator", s) for s in ("plain", "lora_after", "checkpoint", "bf16")}
+               | {("gemma2-flash", "collator", "plain")}
                | {("wan", "none", s) for s in SETUPS})
 # Setups backfuse does not serve in a model: the patched model must say so (a warning) and give the model's result.
 # (LoRA layers are computed beside the plain ones, `lora.project`, around backfuse's attention: Gemma's

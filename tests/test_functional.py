@@ -144,7 +144,8 @@ def _op_args(case):
                                                                     0, 0)
     masks = {"": (None, None),
              "padding": (torch.tensor([[0] * 2 + [1] * (s - 2)], device=DEVICE).expand(b, s).contiguous(), None),
-             "documents": (None, torch.tensor([[0, 0, 2, 2, 2]], dtype=torch.int32, device=DEVICE)),
+             # documents [0, 2) and [2, 5): each query's first visible key, then its last (itself)
+             "documents": (None, torch.tensor([[[0, 0, 2, 2, 2]], [[0, 1, 2, 3, 4]]], dtype=torch.int32, device=DEVICE)),
              "additive": (torch.zeros(1, 1, s, s, device=DEVICE).masked_fill(
                  torch.ones(s, s, dtype=torch.bool, device=DEVICE).triu(1), torch.finfo(torch.float32).min), None)}
     return torch.ops.backfuse.gemma3_core_forward.default, (*fwd[:9], *masks[mask], *fwd[9:], 0, 0)

@@ -371,9 +371,17 @@ def test_a_wan_processor_backfuse_cannot_vouch_for_runs_its_own_code():
 
 def _flash_batch(kind: str, seq: int = 11) -> dict:
     """A batch as collators make it for FlashAttention: padding (left, right, holes no collator makes), or one row
-    of packed documents by position ids restarting (`DataCollatorWithFlattening`) or by its varlen kwargs."""
+    of packed documents by position ids restarting or by the varlen kwargs: one tensor for both, the two tensors
+    of transformers' `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`, or keys' documents that are
+    not the queries' (FlashAttention aligns their causality to each document's end)."""
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 96, (2, seq), generator=g)
+    if kind == "collator":
+        lengths = [seq // 3 + 1, 2, seq - 3]
+        features = [{"input_ids": ids.flatten()[sum(lengths[:i]):sum(lengths[:i + 1])].tolist()} for i in range(3)]
+        batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
+        assert batch["cu_seq_lens_q"] is not batch["cu_seq_lens_k"]
+        return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     mask = torch.ones_like(ids)
     if kind == "left":
         mask[1, :4] = 0
@@ -383,7 +391,7 @@ def _flash_batch(kind: str, seq: int = 11) -> dict:
         mask[1, 3:6] = 0
     labels = ids.masked_fill(mask == 0, -100)
     batch = dict(input_ids=ids, labels=labels, attention_mask=mask)
-    if kind in ("packed", "varlen"):
+    if kind in ("packed", "varlen", "apart"):
         flat = ids.reshape(1, -1)[:, :2 * seq - 3]
         lengths = [seq // 3 + 1, 2, flat.shape[1] - seq // 3 - 3]
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -393,19 +401,25 @@ def _flash_batch(kind: str, seq: int = 11) -> dict:
         if kind == "varlen":  # one tensor for both, as a caller computing them once passes them
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
             batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+        if kind == "apart":  # the second document's keys start 2 later and its queries end 3 sooner than its keys
+            n = flat.shape[1]
+            cu_q, cu_k = [0, lengths[0], n - 3, n - 3], [0, lengths[0] + 2, n - 1, n]
+            batch.update(cu_seq_lens_q=torch.tensor(cu_q, dtype=torch.int32), max_length_q=n,
+                         cu_seq_lens_k=torch.tensor(cu_k, dtype=torch.int32), max_length_k=n)
+            labels[0, n - 3:] = -100  # queries in no document: FlashAttention leaves their rows unwritten
     elif kind == "none":
         del batch["attention_mask"]
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "gemma2"])
-@pytest.mark.parametrize("batch", ["none", "left", "right", "holes", "packed", "varlen"])
+@pytest.mark.parametrize("batch", ["none", "left", "right", "holes", "packed", "varlen", "collator", "apart"])
 def test_a_flash_attention_model_is_served_as_flash_attention_computes(monkeypatch, kind, batch):
     """A model set to FlashAttention (transformers' own FlashAttention path, its kernel a float64 stand-in): the
     patched model serves every layer and gives the unpatched model's loss and gradients. Its window counts the real
     tokens only (holes in a padding mask move it: the real tokens go first for the kernels and back after), padded
     queries give 0 (their rows reach the loss under left padding), packed documents come from position ids or the
-    varlen kwargs, and Gemma 2's soft cap is applied."""
+    varlen kwargs (one tensor or two, with the same documents or not), and Gemma 2's soft cap is applied."""
     from helpers import stand_in_flash_attention
 
     flash = stand_in_flash_attention(monkeypatch)
@@ -535,18 +549,25 @@ def test_a_bidirectional_gemma_3_is_served_where_its_mask_decides(impl):
 
 
 def test_what_flash_attention_takes_otherwise_runs_the_modules_code(monkeypatch):
-    """Under FlashAttention: varlen kwargs as two tensors (backfuse cannot show they hold one set of documents
-    without a sync), Gemma 2's soft cap on a kernel that takes none (transformers raises), and an implementation
-    transformers cannot load run the module's own code, each with a warning naming it."""
+    """Under FlashAttention: the varlen kwargs as two tensors where transformers' FlashAttention aligns causality to
+    a document's first key (before FlashAttention 2.1), Gemma 2's soft cap on a kernel that takes none (transformers
+    raises), and an implementation transformers cannot load run the module's own code, each with a warning naming
+    it."""
+    import transformers.integrations.flash_attention as fa_path
     from helpers import stand_in_flash_attention
+
+    from backfuse.integrations import transformers as hf
 
     flash = stand_in_flash_attention(monkeypatch)
     model = flash(_gemma("gemma3", torch.float32))
     backfuse.patch(model, quiet=True)
-    data = _flash_batch("varlen")
-    data["cu_seq_lens_k"] = data["cu_seq_lens_k"].clone()
-    with pytest.warns(backfuse.BackfuseWarning, match="cu_seq_lens_q and cu_seq_lens_k as two tensors"):
-        model(**data, use_cache=False)
+    monkeypatch.setattr(fa_path, "_use_top_left_mask", True)
+    monkeypatch.setattr(hf, "_FLASH", {})
+    with pytest.warns(backfuse.BackfuseWarning, match="aligns causality to the first key"):
+        model(**_flash_batch("collator"), use_cache=False)
+    assert backfuse.fallbacks(model)
+    monkeypatch.setattr(fa_path, "_use_top_left_mask", False)
+    monkeypatch.setattr(hf, "_FLASH", {})
 
     flash = stand_in_flash_attention(monkeypatch, softcap=False)
     model = flash(_gemma("gemma2", torch.float32))
@@ -556,8 +577,6 @@ def test_what_flash_attention_takes_otherwise_runs_the_modules_code(monkeypatch)
         model(**_flash_batch("none"), use_cache=False)
 
     import transformers.modeling_flash_attention_utils as fa
-
-    from backfuse.integrations import transformers as hf
 
     def missing(*args, **kwargs):
         raise ImportError("no flash_attn here")

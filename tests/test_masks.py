@@ -1,5 +1,6 @@
-"""Masks in the training attention (`F.gemma3_core(attention_mask=, cu_seqlens=)`, `steps.Masking`): key padding
-(left, right, all ones, holes), packed documents (each against float64 computing that document alone), the
+"""Masks in the training attention (`F.gemma3_core(attention_mask=, cu_seqlens=, cu_seqlens_k=)`, `steps.Masking`): key
+padding (left, right, all ones, holes), packed documents (each against float64 computing that document alone; queries
+and keys apart as FlashAttention aligns them),
 4-dim masks transformers builds (bool, additive 0 / finfo.min, image blocks that see each other both ways),
 rows that see no key, and the refusals. On a GPU at Gemma 3 4B's width; in the interpreter at a small one.
 """
@@ -135,6 +136,41 @@ def test_packed_documents_equal_each_document_alone(dtype, softcap, window):
         assert rel_err(x.grad[:, start:end], x64.grad) < tol, (start, end)
 
 
+def _flash_visible(cu_q, cu_k, s, window):
+    """[S, S]: which keys each query sees by FlashAttention's varlen rule (its docstring): in document i, local query
+    a sees local keys up to a + len_k - len_q, and with a window of w tokens none before that - (w - 1)."""
+    visible = torch.zeros(s, s, dtype=torch.bool)
+    for a, b, c, e in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        for t in range(a, b):
+            last = c + (t - a) + (e - c) - (b - a)
+            first = max(c, last - window + 1) if window else c
+            if last >= first:
+                visible[t, first:last + 1] = True
+    return visible.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("softcap, window", [(None, 0), (30.0, 0), (None, 5 if not GPU else 200)],
+                         ids=["gemma3", "softcap", "window"])
+def test_documents_whose_queries_and_keys_differ_as_flash_attention_aligns_them(dtype, softcap, window):
+    """cu_seqlens and cu_seqlens_k apart (FlashAttention's varlen pair, as transformers passes a collator's two
+    tensors): causality ends at each document's last query and last key together, so a query may see keys past
+    its own position or none at all; a document with no queries, queries before the first document and after
+    the last see nothing (0). Output and every gradient against float64 with FlashAttention's rule; the pair
+    with equal values computes what one cu_seqlens does."""
+    m = _layer(dtype, window, softcap)
+    s = SEQ
+    cu_q = [2, s * 3 // 10, s * 3 // 10, s * 6 // 10, s - 3]
+    cu_k = [0, s * 3 // 10 + 1, s * 4 // 10, s * 5 // 10, s]
+    x, cos, sin = _inputs(dtype, 1)
+    q_docs, k_docs = (torch.tensor(cu, dtype=torch.int32, device=DEVICE) for cu in (cu_q, cu_k))
+    visible = _flash_visible(cu_q, cu_k, s, window)
+    assert visible.any(1).sum() < s - 5 and (visible.triu(1)).any()  # rows that see nothing, keys past the query
+    _compare(m, x, cos, sin, dict(cu_seqlens=q_docs, cu_seqlens_k=k_docs), visible[None])
+    one = _call(m, x, cos, sin, cu_seqlens=q_docs)
+    assert torch.equal(_call(m, x, cos, sin, cu_seqlens=q_docs, cu_seqlens_k=q_docs.clone()), one)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("form", ["bool", "additive"])
 def test_a_4_dim_mask_decides_alone(form, dtype):
@@ -192,8 +228,15 @@ def test_mask_refusals_name_the_input():
         _call(m, x, cos, sin, attention_mask=torch.ones(2, s + 1, device=DEVICE))
     with pytest.raises(ValueError, match="input 'cu_seqlens' must be an integer tensor"):
         _call(m, x[:1], cos[:1], sin[:1], cu_seqlens=torch.tensor([0.0, s], device=DEVICE))
-    with pytest.raises(ValueError, match=r"one row of packed documents \[1, tokens, hidden\]"):
+    with pytest.raises(ValueError, match=r"input 'hidden_states' must be one row of packed documents \[1, tokens"):
         _call(m, x, cos, sin, cu_seqlens=torch.tensor([0, s], dtype=torch.int32, device=DEVICE))
+    docs = torch.tensor([0, s], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="input 'cu_seqlens_k' needs cu_seqlens"):
+        _call(m, x[:1], cos[:1], sin[:1], cu_seqlens_k=docs)
+    with pytest.raises(ValueError, match="input 'cu_seqlens_k' must be an integer tensor"):
+        _call(m, x[:1], cos[:1], sin[:1], cu_seqlens=docs, cu_seqlens_k=[0, s])
+    with pytest.raises(ValueError, match="must count the same documents, got 1 and 2"):
+        _call(m, x[:1], cos[:1], sin[:1], cu_seqlens=docs, cu_seqlens_k=torch.tensor([0, 3, s], device=DEVICE))
     with pytest.raises(ValueError, match="not both"):
         _call(m, x[:1], cos[:1], sin[:1], cu_seqlens=torch.tensor([0, s], dtype=torch.int32, device=DEVICE),
               attention_mask=torch.ones(1, 1, s, s, dtype=torch.bool, device=DEVICE))
@@ -243,10 +286,11 @@ def test_each_keys_bounds_are_the_queries_that_see_it(form):
     b, s = 2, 45  # no block of the kernels divides it
     i = torch.arange(s)
     visible = (i[None, :] <= i[:, None]).repeat(b, 1, 1)
-    starts = None
-    if form == "documents":
+    documents = None
+    if form == "documents":  # each query's first key (its document's start) and last (itself)
         cut = torch.tensor([0, 13, 29, s])
-        starts = torch.stack([cut[torch.searchsorted(cut, i, right=True) - 1]] * b).to(torch.int32)
+        starts = cut[torch.searchsorted(cut, i, right=True) - 1]
+        documents = torch.stack([starts, i]).to(torch.int32)[:, None].repeat(1, b, 1)
         mask = None
     else:
         visible[0, 20:23, 5:9] = False  # holes in some rows: their keys are marked
@@ -258,10 +302,10 @@ def test_each_keys_bounds_are_the_queries_that_see_it(form):
             mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None]
             mask[0, 0, 30, 2] = -0.5  # a value added: row 30 partial
     mask = None if mask is None else mask.to(DEVICE)
-    starts = None if starts is None else starts.to(DEVICE)
-    a = steps.Attention(b, s, s, 2, 2, 16, causal=True, masking=masks.masking_of(mask, starts))
+    documents = None if documents is None else documents.to(DEVICE)
+    a = steps.Attention(b, s, s, 2, 2, 16, causal=True, masking=masks.masking_of(mask, documents))
     bounds = _bounds(a)
-    for launch in steps.attention_bounds(a, bounds, mask, starts):
+    for launch in steps.attention_bounds(a, bounds, mask, documents):
         launch()
     lo, hi, k_lo, k_hi = bounds[:4, :b * s].view(4, b, s).cpu().to(torch.int64)
     partial = hi >= 1 << 30

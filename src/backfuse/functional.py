@@ -393,11 +393,12 @@ def _softcap(softcap) -> float:
     return abs(check_real(softcap, f"{_GEMMA_LABEL}: input 'attn_logit_softcapping'"))  # tanh(z / c) c is even in c
 
 
-def _gemma_masks(attention_mask, cu_seqlens, hidden) -> tuple:
-    """(mask, starts) for the kernels from gemma3_core's attention_mask and cu_seqlens (shapes checked
+def _gemma_masks(label: str, first: str, attention_mask, cu_seqlens, cu_seqlens_k, hidden) -> tuple:
+    """(mask, documents) for the kernels from gemma3_core's attention_mask and cu_seqlens (shapes checked
     here, values never read on the host). A mask the kernels load tile by tile is bool (a copy of an
     integer one: a tokenizer's int64 mask would take 8 bytes of a program's shared memory per element),
-    or a float one of 2 or 4 bytes, added to the logits."""
+    or a float one of 2 or 4 bytes, added to the logits. label, first: the op's and its first input's names
+    (hidden: that input), for errors."""
     if isinstance(attention_mask, torch.Tensor):
         if attention_mask.dim() == 2 or not attention_mask.is_floating_point():
             if attention_mask.dtype != torch.bool:
@@ -405,41 +406,51 @@ def _gemma_masks(attention_mask, cu_seqlens, hidden) -> tuple:
         elif attention_mask.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             attention_mask = attention_mask.float()
     if cu_seqlens is None:
+        if cu_seqlens_k is not None:
+            raise ValueError(f"{label}: input 'cu_seqlens_k' needs cu_seqlens (the queries' documents)")
         return attention_mask, None
     if attention_mask is not None and attention_mask.dim() == 4:
-        raise ValueError(f"{_GEMMA_LABEL}: pass cu_seqlens or a 4-dim attention_mask (which holds the documents "
-                         "itself), not both")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
-            or cu_seqlens.numel() < 2:
-        what = f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) else \
-            type(cu_seqlens).__name__
-        raise ValueError(f"{_GEMMA_LABEL}: input 'cu_seqlens' must be an integer tensor [documents + 1] (FlashAttention's "
-                         f"cumulative document lengths, from 0), got {what}")
+        raise ValueError(f"{label}: pass cu_seqlens or a 4-dim attention_mask (which holds the documents itself), "
+                         "not both")
     if hidden.dim() != 3 or hidden.shape[0] != 1:
-        raise ValueError(f"{_GEMMA_LABEL}: with cu_seqlens, input 'hidden_states' must be one row of packed documents "
-                         f"[1, tokens, hidden], got {tuple(hidden.shape)}")
-    if cu_seqlens.device != hidden.device:
-        raise ValueError(f"{_GEMMA_LABEL}: input 'cu_seqlens' is on {cu_seqlens.device}, hidden_states on {hidden.device}")
-    return attention_mask, _masks.starts_from_cu_seqlens(cu_seqlens, hidden.shape[1])
+        raise ValueError(f"{label}: with cu_seqlens, input '{first}' must be one row of packed "
+                         f"documents [1, tokens, ...], got {tuple(hidden.shape)}")
+    for name, cu in (("cu_seqlens", cu_seqlens), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is None:
+            continue
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.is_complex() \
+                or cu.numel() < 2:
+            what = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"{label}: input '{name}' must be an integer tensor [documents + 1] (FlashAttention's "
+                             f"cumulative document lengths, from 0), got {what}")
+        if cu.device != hidden.device:
+            raise ValueError(f"{label}: input '{name}' is on {cu.device}, {first} on {hidden.device}")
+    if cu_seqlens_k is cu_seqlens:
+        cu_seqlens_k = None
+    if cu_seqlens_k is not None and cu_seqlens_k.numel() != cu_seqlens.numel():
+        raise ValueError(f"{label}: inputs 'cu_seqlens' and 'cu_seqlens_k' must count the same documents, got "
+                         f"{cu_seqlens.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    return attention_mask, _masks.documents_from_cu_seqlens(cu_seqlens, cu_seqlens_k, hidden.shape[1])
 
 
-def _check_mask(mask, starts, batch: int, seq: int, device):
-    """Shape and device of the mask and starts the kernels take (errors name the input)."""
+def _check_mask(label: str, mask, documents, batch: int, seq: int, device):
+    """Shape and device of the mask and documents (`masks.documents_from_cu_seqlens`) the kernels take (errors
+    name the input)."""
     if mask is not None:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else None
         ok = shape is not None and (shape == (batch, seq) or (len(shape) == 4 and shape[0] in (1, batch) and shape[1] == 1
                                                                and shape[2:] == (seq, seq)))
         if not ok:
-            raise ValueError(f"{_GEMMA_LABEL}: input 'attention_mask' must be [batch_size={batch}, seq_len={seq}] (nonzero: "
+            raise ValueError(f"{label}: input 'attention_mask' must be [batch_size={batch}, seq_len={seq}] (nonzero: "
                              f"a real token) or [{batch} or 1, 1, {seq}, {seq}] (bool: visible; float: added to the "
                              f"logits), got {shape if shape is not None else type(mask).__name__}")
         if mask.device != device:
-            raise ValueError(f"{_GEMMA_LABEL}: input 'attention_mask' is on {mask.device}, hidden_states on {device}")
+            raise ValueError(f"{label}: input 'attention_mask' is on {mask.device}, the inputs on {device}")
         if mask.dim() == 2 and mask.is_complex():
-            raise ValueError(f"{_GEMMA_LABEL}: input 'attention_mask' must be bool, integer or float, got {mask.dtype}")
-    if starts is not None and (tuple(starts.shape) != (batch, seq) or starts.dtype != torch.int32):
-        raise ValueError(f"{_GEMMA_LABEL}: document starts must be [{batch}, {seq}] int32, got {starts.dtype} "
-                         f"{tuple(starts.shape)}")
+            raise ValueError(f"{label}: input 'attention_mask' must be bool, integer or float, got {mask.dtype}")
+    if documents is not None and (tuple(documents.shape) != (2, batch, seq) or documents.dtype != torch.int32):
+        raise ValueError(f"{label}: the documents' first and last keys must be [2, {batch}, {seq}] int32, got "
+                         f"{documents.dtype} {tuple(documents.shape)}")
 
 
 def _qk_norm(label: str, qnw, knw, head_dim):
@@ -455,10 +466,10 @@ def _qk_norm(label: str, qnw, knw, head_dim):
     return norm, head_dim
 
 
-def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts=None):
-    masking = _masks.masking_of(mask, starts)
+def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, documents=None):
+    masking = _masks.masking_of(mask, documents)
     key = ("037", _signature(tensors), softcap, window, save, head_dim, _cudnn.enabled(),
-           torch.are_deterministic_algorithms_enabled(), masking, _plan_cache.layout((mask, starts)))
+           torch.are_deterministic_algorithms_enabled(), masking, _plan_cache.layout((mask, documents)))
     plan = _plans.get(key)
     if plan is None:
         hidden, cos, sin, wq, wk, wv, wo, qnw, knw = tensors
@@ -485,7 +496,7 @@ def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts
         if norm:
             specs += [Tensor("q_norm_weight", (head_dim,)), Tensor("k_norm_weight", (head_dim,))]
         axes = _validate(_GEMMA_LABEL, "037", specs, tensors[:len(specs)])
-        _check_mask(mask, starts, axes[b], axes[s], hidden.device)
+        _check_mask(_GEMMA_LABEL, mask, documents, axes[b], axes[s], hidden.device)
         plan = _plans[key] = _gemma.Plan(axes[b], axes[s], config, hidden.dtype, softcap=softcap,
                                          cos_batched=tables != 1 or axes[b] == 1, save=save,
                                          sms=_sm_count(hidden.device), deterministic=key[7], masking=masking)
@@ -496,11 +507,11 @@ def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts
 
 class _Gemma3Core(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scaling, softcap, eps, window, save, head_dim, mask, starts, *tensors):
-        plan = _gemma_plan(tensors, softcap, window, save, head_dim, mask, starts)
+    def forward(ctx, scaling, softcap, eps, window, save, head_dim, mask, documents, *tensors):
+        plan = _gemma_plan(tensors, softcap, window, save, head_dim, mask, documents)
         tensors = _contiguous(tensors)
-        out, acts = _gemma.forward(tensors, scaling, eps, plan, (mask, starts))
-        ctx.save_for_backward(*tensors, mask, starts, acts)
+        out, acts = _gemma.forward(tensors, scaling, eps, plan, (mask, documents))
+        ctx.save_for_backward(*tensors, mask, documents, acts)
         ctx.plan, ctx.scalars, ctx.site = plan, (scaling, eps), _site(plan)
         return out
 
@@ -518,7 +529,7 @@ class _Gemma3Core(torch.autograd.Function):
 
 def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight, scaling,
                 softcap, eps, *, window: int = 0, head_dim: int | None = None, attention_mask=None, cu_seqlens=None,
-                save_activations: bool = True):
+                cu_seqlens_k=None, save_activations: bool = True):
     """Gemma's attention core (`ops/gemma3_core/training.py`): hidden [B, S, hidden], RoPE tables cos,
     sin [B, S, D]; per-head QK RMSNorm (weight 1 + w; q_norm_weight and k_norm_weight None: no norm,
     as Gemma 2), RoPE, causal GQA attention at `scaling` with the logits soft-capped at `softcap`
@@ -531,23 +542,27 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
     it for its attention (bool or integer: nonzero where the key is visible; float: added to the logits
     after the cap, -inf or finfo.min hiding the key): it then alone decides what each query sees, the
     causality and window included. cu_seqlens: packed documents in one row (B = 1), FlashAttention's
-    [documents + 1] cumulative lengths from 0: a query sees only its own document's keys. Both are read on
-    the device only (the host never waits), and the kernels skip the key blocks no query of a block sees."""
+    [documents + 1] cumulative lengths from 0: a query sees only its own document's keys; cu_seqlens_k: the
+    keys' documents where they are not the queries' (FlashAttention's cu_seqlens_k; causality then ends at
+    each document's last query and last key together, as FlashAttention aligns it, and the window counts
+    back from there), a query in no document seeing no key. Masks and documents are read on the device only
+    (the host never waits), and the kernels skip the key blocks no query of a block sees."""
     scaling = check_real(scaling, f"{_GEMMA_LABEL}: input 'scaling'")
     eps = _eps(eps, f"{_GEMMA_LABEL}: input 'rms_norm_eps'")
     softcap = _softcap(softcap)
     tensors = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight])
-    mask, starts = _gemma_masks(attention_mask, cu_seqlens, tensors[0])
-    return _gemma_call(tensors, mask, starts, scaling, softcap, eps, window, head_dim, save_activations)
+    mask, documents = _gemma_masks(_GEMMA_LABEL, "hidden_states", attention_mask, cu_seqlens, cu_seqlens_k,
+                                    tensors[0])
+    return _gemma_call(tensors, mask, documents, scaling, softcap, eps, window, head_dim, save_activations)
 
 
-def _gemma_call(tensors, mask, starts, scaling, softcap, eps, window, head_dim, save_activations):
-    """gemma3_core on autocast inputs and the kernels' (mask, starts)."""
+def _gemma_call(tensors, mask, documents, scaling, softcap, eps, window, head_dim, save_activations):
+    """gemma3_core on autocast inputs and the kernels' (mask, documents)."""
     if torch.compiler.is_compiling():
-        return torch.ops.backfuse.gemma3_core_forward(*tensors, mask, starts, scaling, softcap, eps, window,
+        return torch.ops.backfuse.gemma3_core_forward(*tensors, mask, documents, scaling, softcap, eps, window,
                                                       head_dim or 0)[0]
     with _autocast_off(tensors):
-        return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, starts, *tensors)
+        return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, documents, *tensors)
 
 
 # ------------------------------------------ 037's attention without projections --------------------------------
@@ -555,10 +570,10 @@ _ATTENTION_LABEL = "backfuse.functional.gemma3_attention"
 _gemma_attention = _Lazy("backfuse.ops.gemma3_core.attention", "_gemma_attention")
 
 
-def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=None, starts=None):
-    masking = _masks.masking_of(mask, starts)
+def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=None, documents=None):
+    masking = _masks.masking_of(mask, documents)
     key = ("037 attention", _signature(tensors), softcap, window, save, head_dim, _cudnn.enabled(),
-           torch.are_deterministic_algorithms_enabled(), masking, _plan_cache.layout((mask, starts)))
+           torch.are_deterministic_algorithms_enabled(), masking, _plan_cache.layout((mask, documents)))
     plan = _plans.get(key)
     if plan is None:
         q, k, v, cos, sin, qnw, knw = tensors
@@ -581,7 +596,7 @@ def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=No
         if norm:
             specs += [Tensor("q_norm_weight", (head_dim,)), Tensor("k_norm_weight", (head_dim,))]
         axes = _validate(_ATTENTION_LABEL, "037", specs, tensors[:len(specs)])
-        _check_mask(mask, starts, axes[b], axes[s], q.device)
+        _check_mask(_ATTENTION_LABEL, mask, documents, axes[b], axes[s], q.device)
         plan = _plans[key] = _gemma_attention.Plan(axes[b], axes[s], config, q.dtype, softcap=softcap,
                                                    cos_batched=tables != 1 or axes[b] == 1, save=save,
                                                    sms=_sm_count(q.device), deterministic=key[7], masking=masking)
@@ -592,11 +607,11 @@ def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=No
 
 class _Gemma3Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scaling, softcap, eps, window, save, head_dim, mask, starts, *tensors):
-        plan = _gemma_attention_plan(tensors, softcap, window, save, head_dim, mask, starts)
+    def forward(ctx, scaling, softcap, eps, window, save, head_dim, mask, documents, *tensors):
+        plan = _gemma_attention_plan(tensors, softcap, window, save, head_dim, mask, documents)
         tensors = _contiguous(tensors)
-        out, acts = _gemma_attention.forward(tensors, scaling, eps, plan, (mask, starts))
-        ctx.save_for_backward(*tensors, mask, starts, acts)
+        out, acts = _gemma_attention.forward(tensors, scaling, eps, plan, (mask, documents))
+        ctx.save_for_backward(*tensors, mask, documents, acts)
         ctx.plan, ctx.scalars, ctx.site = plan, (scaling, eps), _site(plan)
         return out
 
@@ -615,7 +630,7 @@ class _Gemma3Attention(torch.autograd.Function):
 
 def gemma3_attention(query_states, key_states, value_states, cos, sin, q_norm_weight, k_norm_weight, scaling, softcap,
                      eps, *, window: int = 0, head_dim: int | None = None, attention_mask=None, cu_seqlens=None,
-                     save_activations: bool = True):
+                     cu_seqlens_k=None, save_activations: bool = True):
     """Gemma's attention between its projections (`ops/gemma3_core/attention.py`): query_states [B, S, H * D],
     key_states and value_states [B, S, KV * D] as the q, k, v projections give them (a model's own modules:
     LoRA, quantized or hooked projections), the per-head QK RMSNorm (weight 1 + w; None: none, as Gemma 2),
@@ -625,12 +640,13 @@ def gemma3_attention(query_states, key_states, value_states, cos, sin, q_norm_we
     eps = _eps(eps, f"{_ATTENTION_LABEL}: input 'rms_norm_eps'")
     softcap = _softcap(softcap)
     tensors = _autocast([query_states, key_states, value_states, cos, sin, q_norm_weight, k_norm_weight])
-    mask, starts = _gemma_masks(attention_mask, cu_seqlens, tensors[0])
+    mask, documents = _gemma_masks(_ATTENTION_LABEL, "query_states", attention_mask, cu_seqlens, cu_seqlens_k,
+                                    tensors[0])
     if torch.compiler.is_compiling():
-        return torch.ops.backfuse.gemma3_attention_forward(*tensors, mask, starts, scaling, softcap, eps, window,
+        return torch.ops.backfuse.gemma3_attention_forward(*tensors, mask, documents, scaling, softcap, eps, window,
                                                            head_dim or 0)[0]
     with _autocast_off(tensors):
-        return _Gemma3Attention.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, starts, *tensors)
+        return _Gemma3Attention.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, documents, *tensors)
 
 
 # ----------------------------------------------------- the ops under torch.compile --------------------------------
@@ -771,54 +787,54 @@ _register("qkv_gqa", ["decoder_hidden_states", "encoder_hidden_states", "q_weigh
 
 
 def _gemma_forward_op(*args):
-    *tensors, mask, starts, scaling, softcap, eps, window, head_dim = args
-    plan = _gemma_plan(tensors, softcap, window, True, head_dim or None, mask, starts)
-    return _gemma.forward(_contiguous(tensors), scaling, eps, plan, (mask, starts))
+    *tensors, mask, documents, scaling, softcap, eps, window, head_dim = args
+    plan = _gemma_plan(tensors, softcap, window, True, head_dim or None, mask, documents)
+    return _gemma.forward(_contiguous(tensors), scaling, eps, plan, (mask, documents))
 
 
 def _gemma_backward_op(grads, *args):
-    *tensors, mask, starts, acts, scaling, softcap, eps, window, head_dim, needs = args
-    plan = _needs_plan(_gemma_plan(tensors, softcap, window, True, head_dim or None, mask, starts), tuple(needs), own=True)
-    return _gemma.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, starts))
+    *tensors, mask, documents, acts, scaling, softcap, eps, window, head_dim, needs = args
+    plan = _needs_plan(_gemma_plan(tensors, softcap, window, True, head_dim or None, mask, documents), tuple(needs), own=True)
+    return _gemma.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, documents))
 
 
 def _gemma_fake_forward(*args):
-    hidden, cos, sin, wq, wk, wv, wo, qnw, knw, mask, starts, scaling, softcap, eps, window, head_dim = args
+    hidden, cos, sin, wq, wk, wv, wo, qnw, knw, mask, documents, scaling, softcap, eps, window, head_dim = args
     d = head_dim or qnw.shape[0]
     config = Gemma3CoreConfig(wq.shape[1], wq.shape[0] // d, wk.shape[0] // d, d, window, qk_norm=qnw is not None)
-    plan = _gemma.Plan(hidden.shape[0], hidden.shape[1], config, hidden.dtype, masking=_masks.masking_of(mask, starts))
+    plan = _gemma.Plan(hidden.shape[0], hidden.shape[1], config, hidden.dtype, masking=_masks.masking_of(mask, documents))
     return torch.empty_like(hidden), hidden.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
 _register("gemma3_core", ["hidden_states", "cos", "sin", "q_weight", "k_weight", "v_weight", "o_weight",
-                          "q_norm_weight?", "k_norm_weight?", "attention_mask?", "starts?"],
+                          "q_norm_weight?", "k_norm_weight?", "attention_mask?", "documents?"],
           "float scaling, float softcap, float eps, int window, int head_dim", 1, _gemma_forward_op, _gemma_backward_op,
           _gemma_fake_forward, [0, 3, 4, 5, 6, 7, 8])
 
 
 def _attention_forward_op(*args):
-    *tensors, mask, starts, scaling, softcap, eps, window, head_dim = args
-    plan = _gemma_attention_plan(tensors, softcap, window, True, head_dim or None, mask, starts)
-    return _gemma_attention.forward(_contiguous(tensors), scaling, eps, plan, (mask, starts))
+    *tensors, mask, documents, scaling, softcap, eps, window, head_dim = args
+    plan = _gemma_attention_plan(tensors, softcap, window, True, head_dim or None, mask, documents)
+    return _gemma_attention.forward(_contiguous(tensors), scaling, eps, plan, (mask, documents))
 
 
 def _attention_backward_op(grads, *args):
-    *tensors, mask, starts, acts, scaling, softcap, eps, window, head_dim, needs = args
-    plan = _needs_plan(_gemma_attention_plan(tensors, softcap, window, True, head_dim or None, mask, starts),
+    *tensors, mask, documents, acts, scaling, softcap, eps, window, head_dim, needs = args
+    plan = _needs_plan(_gemma_attention_plan(tensors, softcap, window, True, head_dim or None, mask, documents),
                        tuple(needs), own=True)
-    return _gemma_attention.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, starts))
+    return _gemma_attention.backward(_contiguous(tensors), grads[0], scaling, eps, plan, acts, (mask, documents))
 
 
 def _attention_fake_forward(*args):
-    q, k, v, cos, sin, qnw, knw, mask, starts, scaling, softcap, eps, window, head_dim = args
+    q, k, v, cos, sin, qnw, knw, mask, documents, scaling, softcap, eps, window, head_dim = args
     d = head_dim or qnw.shape[0]
     config = Gemma3CoreConfig(q.shape[2], q.shape[2] // d, k.shape[2] // d, d, window, qk_norm=qnw is not None)
-    plan = _gemma_attention.Plan(q.shape[0], q.shape[1], config, q.dtype, masking=_masks.masking_of(mask, starts))
+    plan = _gemma_attention.Plan(q.shape[0], q.shape[1], config, q.dtype, masking=_masks.masking_of(mask, documents))
     return torch.empty_like(q), q.new_empty((plan.activations.nbytes,), dtype=torch.uint8)
 
 
 _register("gemma3_attention", ["query_states", "key_states", "value_states", "cos", "sin", "q_norm_weight?",
-                               "k_norm_weight?", "attention_mask?", "starts?"],
+                               "k_norm_weight?", "attention_mask?", "documents?"],
           "float scaling, float softcap, float eps, int window, int head_dim", 1, _attention_forward_op,
           _attention_backward_op, _attention_fake_forward, [0, 1, 2, 5, 6])
 

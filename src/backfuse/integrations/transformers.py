@@ -92,7 +92,7 @@ def _liger_gemma_norm(norm, replaced: str) -> bool:
 
 def _served(module, impl, hidden_states, position_embeddings, attention_mask, cache, kwargs) -> str | dict:
     """Why the call must run the module's own code (a str), or how `F.gemma3_core` computes what it computes: the
-    op's mask arguments (window, attention_mask, cu_seqlens), its soft cap, and `rows`: a [B, S] mask whose zero
+    op's mask arguments (window, attention_mask, cu_seqlens, cu_seqlens_k), its soft cap, and `rows`: a [B, S] mask whose zero
     rows the module's attention gives as 0 (FlashAttention's padded queries), or None. impl: the model's
     attention implementation."""
     unusable = fused_unusable(hidden_states.device)
@@ -140,7 +140,8 @@ def _served(module, impl, hidden_states, position_embeddings, attention_mask, ca
         reason = _mask_meaning(attention_mask, impl, _query_dtype(hidden_states))
         if reason:
             return reason
-    return dict(window=0, attention_mask=_one_layout(attention_mask), cu_seqlens=None, rows=None, softcap=cap)
+    return dict(window=0, attention_mask=_one_layout(attention_mask), cu_seqlens=None, cu_seqlens_k=None, rows=None,
+                softcap=cap)
 
 
 FLASH_UNSUPPORTED = ("block_table", "k_cache", "v_cache", "s_aux")  # paged caches, attention sinks
@@ -162,20 +163,22 @@ def _flash_masks(module, flash: dict, hidden_states, attention_mask, kwargs) -> 
             return f"an attention mask of shape {shape} under flash attention (backfuse takes the [{b}, {s}] padding mask)"
         if window and s > window:  # the window counts real tokens only: they go first, in their order
             order, inverse, mask = _real_first(attention_mask)
-            return dict(window=window, attention_mask=mask, cu_seqlens=None, rows=mask, order=(order, inverse))
-        return dict(window=0, attention_mask=attention_mask.contiguous(), cu_seqlens=None, rows=attention_mask)
+            return dict(window=window, attention_mask=mask, cu_seqlens=None, cu_seqlens_k=None, rows=mask,
+                        order=(order, inverse))
+        return dict(window=0, attention_mask=attention_mask.contiguous(), cu_seqlens=None, cu_seqlens_k=None,
+                    rows=attention_mask)
     if all(kwargs.get(name) is not None for name in VARLEN):
-        cu = kwargs["cu_seq_lens_q"]
-        if kwargs["cu_seq_lens_k"] is not cu:
-            return ("cu_seq_lens_q and cu_seq_lens_k as two tensors (backfuse takes one set of documents; pass them as "
-                    "one tensor, or position ids)")
+        cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
         if b != 1:
             return f"cu_seq_lens over a batch of {b} rows (FlashAttention flattens them into one)"
-        return dict(window=window, attention_mask=None, cu_seqlens=cu, rows=None)
+        if cu_k is not cu_q and flash["top_left"]:
+            return ("cu_seq_lens_q and cu_seq_lens_k as two tensors under a FlashAttention that aligns causality to "
+                    "the first key (backfuse aligns it to the last, as FlashAttention 2.1 and later)")
+        return dict(window=window, attention_mask=None, cu_seqlens=cu_q, cu_seqlens_k=cu_k, rows=None)
     positions = kwargs.get("position_ids")
     if b == 1 and s > 1 and isinstance(positions, torch.Tensor) and positions.numel() == s:
-        return dict(window=window, attention_mask=None, cu_seqlens=_documents(positions), rows=None)
-    return dict(window=window, attention_mask=None, cu_seqlens=None, rows=None)
+        return dict(window=window, attention_mask=None, cu_seqlens=_documents(positions), cu_seqlens_k=None, rows=None)
+    return dict(window=window, attention_mask=None, cu_seqlens=None, cu_seqlens_k=None, rows=None)
 
 
 class _Shared:
@@ -230,8 +233,8 @@ _FLASH = {}  # implementation -> (its attention function, what it takes or why n
 
 def _flash_features(impl):
     """What transformers' FlashAttention path runs for `impl`: the features its kernel takes (transformers'
-    `supports_mapping`: window_size, softcap, ...), why backfuse cannot tell (a str), or None where `impl` is not
-    run by transformers' `flash_attention_forward`."""
+    `supports_mapping`: window_size, softcap; top_left: causality aligned to the first key, not the last), why
+    backfuse cannot tell (a str), or None where `impl` is not run by transformers' `flash_attention_forward`."""
     functions = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
     fn = functions.get(impl) if functions is not None and isinstance(impl, str) else None
     known = _FLASH.get(impl)
@@ -247,6 +250,8 @@ def _flash_features(impl):
             process = loaded[1][0] if isinstance(loaded[1], tuple) else loaded[1]
             supports = process.keywords["supports_mapping"]
             features = {name: bool(supports.get(name)) for name in ("window_size", "softcap")}
+            # (FlashAttention before 2.1 aligned causality to a document's first key: transformers' flag for it)
+            features["top_left"] = bool(getattr(sys.modules[wrapper.__module__], "_use_top_left_mask", True))
         except Exception as e:  # noqa: BLE001 (what the model's own call would meet: it reports it itself)
             features = f"flash attention implementation {impl!r} not loadable here ({type(e).__name__}: {e})"
     _FLASH[impl] = (fn, features)
@@ -339,7 +344,7 @@ def bind(module) -> None:
         q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
         norms = (None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight)
         scalars = (module.scaling, served["softcap"], getattr(q_norm, "eps", eps))
-        masks = dict(window=served["window"], attention_mask=served["attention_mask"], cu_seqlens=served["cu_seqlens"])
+        masks = {name: served[name] for name in ("window", "attention_mask", "cu_seqlens", "cu_seqlens_k")}
         rows = served["rows"]  # FlashAttention's padded queries, whose attention is 0
         if _plain_projections(module):
             x = hidden_states if order is None else _reordered(hidden_states, order)

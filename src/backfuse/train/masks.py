@@ -1,6 +1,6 @@
 """What masks a training attention beyond causality and its window, on the host: the plan's `Masking` (the
 kinds of tensors each call passes) and the documents of a packed batch as the attention kernels take them
-(each token's document start), from FlashAttention's `cu_seqlens` or from position ids that restart.
+(each query's first and last visible key), from FlashAttention's `cu_seqlens`.
 
 Nothing here imports Triton or reads a tensor's values on the host: every step is a device op, so a call
 never waits for the GPU.
@@ -24,8 +24,9 @@ class Masking:
     dense: the mask is [B or 1, 1, S_q, S_k], every (query, key) pair's (what transformers builds and
       passes its attention: causality, window, padding, packed documents, image blocks all in it; the
       plan's causal and window then take no part), else [B, S_k], a key padding mask.
-    documents: packed documents: each call passes `starts` [B, S_q] int32, the first token of each
-      query's document (a query sees no key before it)."""
+    documents: packed documents: each call passes `documents` [2, B, S_q] int32, each query's first and
+      last visible key (`documents_from_cu_seqlens`: causality is in them, the window counts back from the
+      last)."""
 
     mask: str | None = None
     dense: bool = False
@@ -42,28 +43,28 @@ class Masking:
         return {None: 1, "keep": 2, "add": 3}[self.mask]
 
 
-def masking_of(mask, starts) -> Masking | None:
-    """The Masking of a call's mask ([B, S] key padding, or [B or 1, 1, S, S]: floating is additive) and starts."""
+def masking_of(mask, documents) -> Masking | None:
+    """The Masking of a call's mask ([B, S] key padding, or [B or 1, 1, S, S]: floating is additive) and documents."""
     if mask is None:
-        return None if starts is None else Masking(documents=True)
+        return None if documents is None else Masking(documents=True)
     dense = mask.dim() == 4
-    return Masking(mask="add" if dense and mask.is_floating_point() else "keep", dense=dense, documents=starts is not None)
+    return Masking(mask="add" if dense and mask.is_floating_point() else "keep", dense=dense,
+                   documents=documents is not None)
 
 
-def starts_from_cu_seqlens(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
-    """[1, tokens] int32: each token's document start, documents [cu_seqlens[i], cu_seqlens[i + 1]) (FlashAttention's
-    varlen form); tokens past the last document form one more."""
-    cu = cu_seqlens.to(torch.int64)
-    t = torch.arange(tokens, device=cu.device)
-    doc = (torch.searchsorted(cu, t, right=True) - 1).clamp(0, cu.numel() - 1)
-    return cu[doc].to(torch.int32)[None]
+def documents_from_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """[2, 1, tokens] int32: each query's first and last visible key in FlashAttention's varlen form. Document i
+    holds the queries [cu_seqlens_q[i], cu_seqlens_q[i + 1]) and the keys [cu_seqlens_k[i], cu_seqlens_k[i + 1])
+    (cu_seqlens_k None: the queries'); causality is aligned to each document's last query and last key, as
+    FlashAttention aligns it, so query t sees its document's keys up to t + cu_seqlens_k[i + 1] - cu_seqlens_q[i + 1]
+    (t itself where the two agree). A query in no document, or before its document's first key, sees none."""
+    cq = cu_seqlens_q.to(torch.int64)
+    ck = cq if cu_seqlens_k is None else cu_seqlens_k.to(torch.int64)
+    t = torch.arange(tokens, device=cq.device)
+    doc = torch.searchsorted(cq, t, right=True) - 1
+    inside = (doc >= 0) & (doc < cq.numel() - 1)
+    doc = doc.clamp(0, cq.numel() - 2)
+    first = torch.where(inside, ck[doc], tokens)
+    last = torch.where(inside, t + ck[doc + 1] - cq[doc + 1], -1)
+    return torch.stack([first, last])[:, None].to(torch.int32)
 
-
-def starts_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S] int32: each token's document start, a document beginning wherever a position is not its
-    predecessor's plus one (transformers' rule for packed sequences, `find_packed_sequence_indices`)."""
-    pos = position_ids.to(torch.int64)
-    t = torch.arange(pos.shape[-1], device=pos.device).expand_as(pos)
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    return torch.where(starts, t, 0).cummax(-1).values.to(torch.int32)

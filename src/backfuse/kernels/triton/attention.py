@@ -557,14 +557,15 @@ def attention_backward_kernel(
 
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "m_sb", "m_sq", "m_sk"])
 def attention_bounds_kernel(
-    lo, hi, mask, starts,
+    lo, hi, mask, documents,
     S_q, S_k, window, m_sb, m_sq, m_sk,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, MASK: tl.constexpr,
     BR: tl.constexpr, BN: tl.constexpr,
 ):
     """Each query row's bounds [lo, hi] for the attention kernels' MASK: grid (B, row blocks of BR).
-    Start from every key, keep j <= i (CAUSAL), i - j < window (WINDOW), j >= the row's document start
-    (DOCS: starts[b, i], packed documents); then with a mask (MASK_KEEP, MASK_ADD) narrow them to the
+    Start from every key, keep j <= i (CAUSAL), those of the row's document (DOCS, packed documents: its
+    first and last visible key, documents[0, b, i] and documents[1, b, i]), the window's counting back from
+    the last key kept (WINDOW: j > that - window); then with a mask (MASK_KEEP, MASK_ADD) narrow them to the
     first and last key it allows inside them, marking the rows where it is more than those bounds (a key
     hidden between them, or a nonzero value added: hi + _PARTIAL), whose tiles read the mask. A row that
     sees no key gets lo = S_k, hi = -1; with MASK_ADD lo = -1, hi = S_k - 1, partial (every key alike, as
@@ -576,10 +577,12 @@ def attention_bounds_kernel(
     r_hi = tl.where(row_ok, S_k - 1, -1)  # (a row past S_q sees no key: the mask is never read for it)
     if CAUSAL:
         r_hi = tl.minimum(r_hi, rows)
-    if WINDOW:
-        r_lo = tl.maximum(r_lo, rows - window + 1)
     if DOCS:
-        r_lo = tl.maximum(r_lo, tl.load(starts + b * S_q + rows, mask=row_ok, other=0))
+        at = b * S_q + rows
+        r_lo = tl.maximum(r_lo, tl.load(documents + at, mask=row_ok, other=0))
+        r_hi = tl.minimum(r_hi, tl.load(documents + tl.num_programs(0) * S_q + at, mask=row_ok, other=-1))
+    if WINDOW:
+        r_lo = tl.maximum(r_lo, r_hi - window + 1)
     partial = tl.zeros((BR,), dtype=tl.int32)
     if MASK == MASK_KEEP or MASK == MASK_ADD:
         first = tl.full((BR,), S_k, dtype=tl.int32)

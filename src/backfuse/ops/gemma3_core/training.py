@@ -203,7 +203,7 @@ def _norm_rope(p: Plan, x, w, cos, sin, out, heads: int, eps: float):
 
 def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> list:
     """The forward up to A and lse from the inputs x (hidden, cos, sin, wq, wk, wv, wo, q_norm_w,
-    k_norm_w) and masks (mask, starts: `steps.Masking`'s tensors, None where the plan has none) into the
+    k_norm_w) and masks (mask, documents: `steps.Masking`'s tensors, None where the plan has none) into the
     activations a (with cuDNN's attention: up to qr, kr, v)."""
     hidden, cos, sin, wq, wk, wv, wo, qnw, knw = x
     cfg, t = p.config, p.tokens
@@ -233,7 +233,7 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> li
 
 def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
     """(out [B, S, hidden] in the inputs' dtype, activations). inputs: hidden, cos, sin, wq, wk, wv, wo,
-    q_norm_w, k_norm_w; masks: (mask, starts) as the plan's masking says (`steps.Masking`)."""
+    q_norm_w, k_norm_w; masks: (mask, documents) as the plan's masking says (`steps.Masking`)."""
     hidden, wo = inputs[0], inputs[6]
     p, cfg, device = plan, plan.config, hidden.device
     g = _guard(p, "forward", device, inputs[3].data_ptr())
