@@ -27,6 +27,9 @@ def pytest_addoption(parser):
     parser.addoption("--memcheck", action="store_true",
                      help="in the Triton interpreter: fail a test whose kernels load, store or add outside the memory "
                           "of their tensor arguments (tests/memcheck.py; slower)")
+    parser.addoption("--program-order", metavar="ORDER", default=None,
+                     help="in the Triton interpreter: run each launch's programs in another order, 'reverse' or "
+                          "'shuffle:SEED' (tests/program_order.py): a kernel whose result depends on the order fails")
     parser.addoption("--gpu-report", metavar="PATH", default=None,
                      help="on a CUDA GPU: write {commit, failed, tests: {nodeid: passed|failed|skipped}, slowest: "
                           "[[nodeid, seconds]]} to PATH (benchmarks/results/gpu-tests.json: what a kernel change must "
@@ -76,3 +79,10 @@ def pytest_configure(config):
         import memcheck
 
         memcheck.install()
+    order = config.getoption("--program-order", default=None)
+    if order:
+        if torch.cuda.is_available():
+            raise pytest.UsageError("--program-order reorders the Triton interpreter's programs; a GPU runs them in any order")
+        import program_order
+
+        program_order.install(order)
