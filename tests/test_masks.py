@@ -372,3 +372,23 @@ def test_queries_weighing_every_key_alike_leave_the_keys_exact(cap, split, dq_at
     assert rel_err(o, ref) < 3e-2
     for name, got, x in zip("qkv", (dq, dk, dv), exact):
         assert rel_err(got, x.grad) < 3e-2, name
+
+
+def test_the_layers_of_a_forward_share_its_documents():
+    """`masks.documents` makes the documents once for calls that pass the same cu_seqlens (a forward's layers), and
+    afresh where the tensors, their values (in place), the token count or the pair differ, and for inference
+    tensors (no version counter to tell an in-place change)."""
+    from backfuse.train import masks
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    first = masks.documents(cu, None, 7)
+    assert masks.documents(cu, None, 7) is first
+    cu[1] = 4
+    moved = masks.documents(cu, None, 7)
+    assert moved is not first and moved[0, 0, 3].item() == 0  # token 3 now in the first document
+    keys = cu.clone()
+    pair = masks.documents(cu, keys, 7)
+    assert pair is not moved and masks.documents(cu, keys, 7) is pair and masks.documents(cu, None, 8) is not pair
+    with torch.inference_mode():
+        made_there = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+        assert masks.documents(made_there, None, 5) is not masks.documents(made_there, None, 5)

@@ -430,7 +430,7 @@ def _gemma_masks(label: str, first: str, attention_mask, cu_seqlens, cu_seqlens_
     if cu_seqlens_k is not None and cu_seqlens_k.numel() != cu_seqlens.numel():
         raise ValueError(f"{label}: inputs 'cu_seqlens' and 'cu_seqlens_k' must count the same documents, got "
                          f"{cu_seqlens.numel() - 1} and {cu_seqlens_k.numel() - 1}")
-    return attention_mask, _masks.documents_from_cu_seqlens(cu_seqlens, cu_seqlens_k, hidden.shape[1])
+    return attention_mask, _masks.documents(cu_seqlens, cu_seqlens_k, hidden.shape[1])
 
 
 def _check_mask(label: str, mask, documents, batch: int, seq: int, device):

@@ -8,6 +8,7 @@ never waits for the GPU.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -68,3 +69,22 @@ def documents_from_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Te
     last = torch.where(inside, t + ck[doc + 1] - cq[doc + 1], -1)
     return torch.stack([first, last])[:, None].to(torch.int32)
 
+
+
+_last = [(), None]  # ((weakref, version) of the last call's cu_seqlens and cu_seqlens_k, and tokens; its documents)
+
+
+def documents(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """`documents_from_cu_seqlens`, made once for the calls that pass the same tensors, unchanged (a forward's
+    layers): kept for the last call's while they are alive and their version counters unmoved. Made afresh under
+    torch.compile and for inference tensors (which count no versions)."""
+    tensors = (cu_seqlens_q,) if cu_seqlens_k is None else (cu_seqlens_q, cu_seqlens_k)
+    if torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
+        return documents_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tokens)
+    key, found = _last
+    if len(key) == len(tensors) + 1 and key[-1] == tokens and all(
+            ref() is t and version == t._version for (ref, version), t in zip(key, tensors)):
+        return found
+    found = documents_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tokens)
+    _last[:] = [(*((weakref.ref(t), t._version) for t in tensors), tokens), found]
+    return found
