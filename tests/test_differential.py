@@ -5,9 +5,9 @@ its soft cap), Gemma 3 text (SDPA; eager too), Gemma 3 with an image (SigLIP tow
 other both ways), Gemma 2 and 3 on FlashAttention (transformers' own path, its kernel a float64 stand-in:
 `helpers.stand_in_flash_attention`), Wan 2.1 (diffusers). Batches: no mask, a tokenizer's all-ones mask, left and right padding,
 packed documents (position ids restarting, no mask, as `DataCollatorWithFlattening` gives them; under FlashAttention
-also with its varlen kwargs, the collator's two tensors). Setups: plain,
-PEFT LoRA added after `patch` and before it, gradient checkpointing (reentrant and not), autocast bf16,
-torch.compile.
+also with its varlen kwargs, the collator's two tensors). Setups: plain, PEFT LoRA added after `patch` and before
+it (and after it with LoRA dropout: both models draw the same masks), gradient checkpointing (reentrant and not),
+autocast bf16, torch.compile.
 
 Each case runs one training step on both models from the same weights and inputs and compares the loss and the
 gradient of every trainable parameter (LoRA: the adapters'). Where backfuse serves the setup the patched model
@@ -111,9 +111,9 @@ def _batch(kind: str, model: str) -> dict:
     return {k: v.to(DEVICE) for k, v in batch.items()}
 
 
-def _lora(model, kind: str):
+def _lora(model, kind: str, dropout: float = 0.0):
     targets = ["to_q", "to_v"] if kind == "wan" else ["q_proj", "v_proj", "gate_proj"]
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=dropout)
     torch.manual_seed(3)
     if kind == "wan":
         return peft.inject_adapter_in_model(config, model)
@@ -122,6 +122,7 @@ def _lora(model, kind: str):
 
 def _step(model, batch: dict, setup: str) -> torch.Tensor:
     model.train()
+    torch.manual_seed(7)  # (LoRA dropout: both models draw the same masks)
     batch = dict(batch)
     if setup.startswith("checkpoint"):
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -150,10 +151,11 @@ def _pair(kind: str, setup: str):
     if kind.endswith("flash"):
         base.config._attn_implementation_internal = "flash_attention_2"
     base = base.to(DEVICE)
-    if setup == "lora_after":
+    if setup in ("lora_after", "lora_dropout"):
         ours = copy.deepcopy(base)
         backfuse.patch(ours, quiet=True)
-        base, ours = _lora(base, kind), _lora(ours, kind)
+        dropout = 0.3 if setup == "lora_dropout" else 0.0
+        base, ours = _lora(base, kind, dropout), _lora(ours, kind, dropout)
     elif setup == "lora_before":
         base = _lora(base, kind)
         ours = copy.deepcopy(base)
@@ -175,6 +177,7 @@ CASES = sorted({("gemma3", b, s) for b in BATCHES for s in SETUPS if s not in ("
                | {("gemma3-flash", "left", s) for s in ("lora_after", "checkpoint", "bf16", "compile")}
                | {("gemma3-flash", "collator", s) for s in ("plain", "lora_after", "checkpoint", "bf16")}
                | {("gemma2-flash", "collator", "plain")}
+               | {(m, b, "lora_dropout") for m, b in (("gemma3", "left"), ("gemma3-flash", "collator"), ("wan", "none"))}
                | {("wan", "none", s) for s in SETUPS})
 # Setups backfuse does not serve in a model: the patched model must say so (a warning) and give the model's result.
 # (LoRA layers are computed beside the plain ones, `lora.project`, around backfuse's attention: Gemma's

@@ -34,7 +34,7 @@ state, so a recomputation (gradient checkpointing, reentrant or not) decides the
   computes what lies between them (`F.gemma3_attention`: QK norm, RoPE, attention) and the projections are the
   modules' own: PEFT's LoRA layers whose forward is the vanilla sum with the plain ones beside them in one
   computation (`lora.project`: the base products, one product for all adapters' A), any others (quantized
-  weights, biases, hooks, parametrizations, LoRA dropout or DoRA) as the modules run themselves, so an adapter
+  weights, biases, hooks, parametrizations, DoRA) as the modules run themselves, so an adapter
   trains as it would without backfuse; the QK norms must be the model's own RMSNorm;
 - the soft cap the module's code applies (Gemma 2 under eager and FlashAttention; none in Gemma 3, whose
   code passes its config's cap to no attention function, so a cap set there is refused);
@@ -354,7 +354,7 @@ def bind(module) -> None:
             return (out if order is None else _reordered(out, inverse)), None
         # The projections as the modules compute them (in the tokens' own order, as a LoRA dropout draws its mask),
         # the attention between them backfuse's: PEFT's LoRA layers and plain ones together (`lora.project`),
-        # others (quantized weights, hooks, dropout) as the modules run.
+        # others (quantized weights, hooks, DoRA) as the modules run.
         qkv = _projections(module, ("q_proj", "k_proj", "v_proj"))
         q, k, v = (lora.project(hidden_states, qkv) if qkv is not None else
                    (module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)))
