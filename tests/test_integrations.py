@@ -369,6 +369,41 @@ def test_a_wan_processor_backfuse_cannot_vouch_for_runs_its_own_code():
         ours(x, t, text)  # diffusers' own processor: SageAttention is not installed here
 
 
+@pytest.mark.parametrize("text, lora", [(512, False), (300, False), (512, True)])
+def test_wan_i2v_attends_to_the_image_apart(text, lora):
+    """Wan I2V: the cross-attention's context is the image's tokens, then the text encoder's (diffusers splits off the
+    last 512, so a shorter text moves the split: 300 text tokens take part of the image's). The patched model
+    serves both attentions, the image's through its own k, v projections and k norm summed with the text's before the
+    output projection (with PEFT LoRA on q and the image's k too, as the modules compute them), and gives the
+    unpatched model's output and gradients."""
+    torch.manual_seed(0)
+    base = diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                           in_channels=4, out_channels=4, text_dim=24, freq_dim=16, ffn_dim=32,
+                                           num_layers=1, rope_max_seq_len=32, image_dim=20,
+                                           added_kv_proj_dim=32).to(DEVICE)
+    ours = copy.deepcopy(base)
+    assert backfuse.patch(ours, quiet=True) == {"WanAttention": 2}
+    if lora:
+        peft = pytest.importorskip("peft")
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "add_k_proj"], init_lora_weights=False)
+        for m in (base, ours):
+            torch.manual_seed(3)
+            peft.inject_adapter_in_model(config, m)
+    g = torch.Generator().manual_seed(1)
+    x, context, image = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((1, 4, 2, 4, 4), (1, text, 24), (1, 7, 20)))
+    results = []
+    for model in (base, ours):
+        out = model(x, torch.tensor([500], device=DEVICE), context, encoder_hidden_states_image=image, return_dict=False)[0]
+        (out * torch.linspace(-1, 1, out.numel(), device=DEVICE).view_as(out)).sum().backward()
+        results.append(out)
+    assert backfuse.fallbacks(ours) == {}
+    assert rel_err(results[1], results[0]) < 3e-3
+    theirs = dict(base.named_parameters())
+    for name, p in ours.named_parameters():
+        if p.grad is not None or theirs[name].grad is not None:
+            assert rel_err(p.grad, theirs[name].grad) < 3e-2, name
+
+
 def _flash_batch(kind: str, seq: int = 11) -> dict:
     """A batch as collators make it for FlashAttention: padding (left, right, holes no collator makes), or one row
     of packed documents by position ids restarting or by the varlen kwargs: one tensor for both, the two tensors

@@ -8,8 +8,11 @@ output projection) as one `F.wan_xattn` call where the projections are plain `nn
 layers with the plain ones beside them in one computation: `lora.project`) and `F.wan_attention` computes what
 lies between them; the self-attention's q and k turned by its rotary embedding
 after their norms (`rope=`: diffusers' (cos, sin) tables [1, N, 1, D], pairs as `apply_rotary_emb` turns
-them). Served when: the cross-attention's context is the text alone (no image context: `add_k_proj` is None)
-and it has no rotary embedding; the self-attention's rotary embedding is such a pair of tables with a row per
+them). I2V's cross-attention (`add_k_proj`: the image context's tokens before the text encoder's 512, as diffusers
+splits them) attends to the image apart, through its own k, v projections and k norm, and adds it to the text's
+before the output projection: the projections are then the modules' own and two `F.wan_attention`s the cores.
+Served when: the cross-attention has no rotary embedding, and with image context its image k norm is an RMSNorm
+like the text's; the self-attention's rotary embedding is such a pair of tables with a row per
 video token, and it is not split across ranks (context parallelism); there is no attention mask; the
 projections are not fused by `fuse_projections`; q, k and v have the model width; the output dropout is off
 (or the module is in eval mode); and the processor it replaced is diffusers' own `WanAttnProcessor` on an
@@ -63,16 +66,26 @@ class WanAttnProcessor:
         eps = norm_q.eps if norm_q.eps is not None else torch.finfo(hidden_states.dtype).eps
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         scale = 1 / math.sqrt(head_dim)
-        if _plain_projections(attn):
+        if _plain_projections(attn) and attn.add_k_proj is None:
             out = F.wan_xattn(hidden_states, context, attn.to_q.weight, attn.to_q.bias, attn.to_k.weight,
                               attn.to_k.bias, attn.to_v.weight, attn.to_v.bias, attn.to_out[0].weight,
                               attn.to_out[0].bias, scale, heads=attn.heads, norm_q_weight=norm_q.weight,
                               norm_k_weight=norm_k.weight, eps=eps, rope=rotary_emb)
-        else:  # the projections as the modules compute them (`lora.project` where it serves), the core backfuse's
-            q, k, v = _project(attn, (("to_q", hidden_states), ("to_k", context), ("to_v", context)))
-            a = F.wan_attention(q, k, v, norm_q.weight, norm_k.weight, scale, heads=attn.heads, eps=eps, rope=rotary_emb)
-            out = _project(attn, (("to_out.0", a),))[0]
-        return attn.to_out[1](out)
+            return attn.to_out[1](out)
+        # The projections as the modules compute them (`lora.project` where it serves), the cores backfuse's; I2V's
+        # image context (its first tokens: all but the text encoder's 512, as diffusers splits it) attended apart
+        # through its own k, v projections and k norm, the two attentions summed before the output projection.
+        image = None
+        if attn.add_k_proj is not None:
+            split = context.shape[1] - I2V_TEXT
+            image, context = context[:, :split], context[:, split:]
+        q, k, v = _project(attn, (("to_q", hidden_states), ("to_k", context), ("to_v", context)))
+        a = F.wan_attention(q, k, v, norm_q.weight, norm_k.weight, scale, heads=attn.heads, eps=eps, rope=rotary_emb)
+        if image is not None:
+            k_image, v_image = _project(attn, (("add_k_proj", image), ("add_v_proj", image)))
+            a = a + F.wan_attention(q, k_image, v_image, norm_q.weight, attn.norm_added_k.weight, scale,
+                                    heads=attn.heads, eps=eps)
+        return attn.to_out[1](_project(attn, (("to_out.0", a),))[0])
 
 
 def _own_processor(own, self_attention: bool) -> str | None:
@@ -98,8 +111,18 @@ def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_
     unusable = fused_unusable(hidden_states.device)
     if unusable:
         return f"backfuse's kernels cannot run here: {unusable}"
-    if attn.add_k_proj is not None:
-        return "image context (I2V)"
+    if attn.add_k_proj is not None:  # I2V: the image context before the text, split as diffusers slices it
+        tokens = range(encoder_hidden_states.shape[1]) if encoder_hidden_states is not None else range(0)
+        split = len(tokens) - I2V_TEXT
+        if not tokens[:split] or not tokens[split:]:
+            return "an image or text context of no tokens (I2V)"
+        norm = attn.norm_added_k
+        if type(norm) is not torch.nn.RMSNorm or norm.weight is None or norm.eps != attn.norm_k.eps:
+            return "an image k norm other than RMSNorm with weights and the text's eps"
+        if norm._forward_hooks or norm._forward_pre_hooks or replaced_forward(norm):
+            return "norm_added_k has hooks or its forward replaced on the module"
+        if attn.add_k_proj.out_features != attn.inner_dim or attn.add_v_proj.out_features != attn.inner_dim:
+            return "image k, v of another width than q"
     if attention_mask is not None:
         return "an attention mask"
     if encoder_hidden_states is None:  # the self-attention: turned by its rotary embedding, or not served
@@ -125,6 +148,9 @@ def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_
     if attn.training and attn.to_out[1].p:
         return "output dropout"
     return None
+
+
+I2V_TEXT = 512  # the text encoder's tokens after a Wan I2V cross-attention's image context (diffusers' split)
 
 
 def _linear(attn, name: str):
