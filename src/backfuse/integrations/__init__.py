@@ -3,7 +3,8 @@ binds backfuse's training ops to them. A patched module serves a call only where
 what the module's own code would (the mask the model built, the projections' own computation, the call's own
 state): plain `nn.Linear` projections are fused into the op, others (LoRA, quantized, hooked) run as the modules
 do around the op's attention core (PEFT's vanilla LoRA layers together with the plain ones: `lora.py`); anything
-else (a KV cache, dropout, image context in Wan) runs the module's own code, with a warning naming the reason.
+else (a KV cache, attention dropout, a mask the op does not take) runs the module's own code, with a warning naming
+the reason.
 
     report = backfuse.patch(model)      # e.g. {"Gemma3Attention": 26} (printed unless quiet=True)
     backfuse.unpatch(model)             # the modules' own code again
