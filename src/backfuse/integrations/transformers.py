@@ -28,8 +28,8 @@ state, so a recomputation (gradient checkpointing, reentrant or not) decides the
   sees the real keys before it, padded queries give 0, as unpadding does; FlashAttention counts a sliding
   window over the real tokens only, so on a layer whose window bites the real tokens go first for the
   kernels (a stable sort of the mask, on the device) and back after. Gemma 2's soft cap is served where the
-  implementation takes one (else transformers raises). Queries in fp32 are served in fp32 (transformers passes them on
-  to FlashAttention, which takes half types only).
+  implementation takes one (elsewhere transformers 5.25 raises, 5.17 drops the cap). Queries in fp32 are served
+  in fp32 (transformers passes them on to FlashAttention, which takes half types only).
 - projections: plain bias-free `nn.Linear` layers are fused into the call (`F.gemma3_core`); otherwise backfuse
   computes what lies between them (`F.gemma3_attention`: QK norm, RoPE, attention) and the projections are the
   modules' own: PEFT's LoRA layers whose forward is the vanilla sum with the plain ones beside them in one
@@ -273,10 +273,10 @@ def _one_layout(mask):
 def _soft_cap(module, impl: str, flash=None):
     """The soft cap the module's own code applies (None, or the cap), or why backfuse cannot know it (a str).
     Gemma 2's attention passes its cap to the attention function: eager applies it, FlashAttention where its
-    kernel takes one (transformers raises otherwise), SDPA does not take one (transformers raises, or ignores
-    it in older versions), so eager and FlashAttention are served with a cap. Gemma 3's attention keeps
-    `attn_logit_softcapping` from its config but passes it to no attention function (the released configs set
-    None): a cap there is refused, not guessed. flash: `_flash_features(impl)` under FlashAttention."""
+    kernel takes one (otherwise transformers 5.25 raises, 5.17 drops the cap), SDPA does not take one
+    (transformers raises, or ignores it in older versions), so eager and FlashAttention are served with a cap.
+    Gemma 3's attention keeps `attn_logit_softcapping` from its config but passes it to no attention function (the
+    released configs set None): a cap there is refused, not guessed. flash: `_flash_features(impl)` under FlashAttention."""
     cap = getattr(module, "attn_logit_softcapping", None)
     if cap is None:
         return None
@@ -284,7 +284,8 @@ def _soft_cap(module, impl: str, flash=None):
         return (f"attn_logit_softcapping={cap} on a {type(module).__name__} (its code passes the cap to no attention "
                 "function in the transformers versions backfuse knows; not guessed)")
     if flash and not flash["softcap"]:
-        return f"Gemma 2's soft cap under {impl!r}, whose kernel takes none (transformers raises)"
+        return (f"Gemma 2's soft cap under {impl!r}, whose kernel takes none (transformers 5.25 raises, 5.17 drops "
+                "the cap)")
     if impl != "eager" and not flash:
         return f"Gemma 2's soft cap under {impl!r} attention (only eager and FlashAttention apply it)"
     return cap
