@@ -22,6 +22,22 @@ def prob(request):
     return backfuse.problem(request.param)
 
 
+KEPT_BETWEEN_TESTS = 4 << 30  # bytes of cached GPU memory a worker keeps from one test to the next
+
+
+@pytest.fixture(autouse=True)
+def _cached_memory_given_back():
+    """On a GPU, a test's cached memory beyond KEPT_BETWEEN_TESTS goes back to the device after it: the GPU suite runs
+    ten workers on one device, and a worker keeping its largest test's cache (tens of GiB after a 27B preset's float64
+    reference) ran the others out of memory (session 43: five tests failed so, each passing alone)."""
+    yield
+    if DEVICE == "cuda" and torch.cuda.memory_reserved() > KEPT_BETWEEN_TESTS:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------- the GPU suite's record --------------------------------
 def pytest_addoption(parser):
     parser.addoption("--memcheck", action="store_true",
