@@ -250,6 +250,30 @@ def test_patched_model_compiles_to_one_graph(kind):
         assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-4, atol=1e-6))
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "wan"])
+def test_a_model_in_float64_runs_its_own_code(kind):
+    """A patched model in float64 (as a gradient check runs one): backfuse's ops take float32, bfloat16 and float16,
+    so each attention runs the module's own code, with a warning naming the dtype, and the model computes what the
+    unpatched one does (it raised a TypeError from inside the op before)."""
+    base = _wan(torch.float64) if kind == "wan" else _gemma(kind, torch.float64)
+    ours = copy.deepcopy(base)
+    backfuse.patch(ours, quiet=True)
+    if kind == "wan":
+        g = torch.Generator().manual_seed(2)
+        args = (torch.randn(1, 4, 2, 4, 4, generator=g, dtype=torch.float64).to(DEVICE),
+                torch.tensor([500], device=DEVICE), torch.randn(1, 5, 24, generator=g, dtype=torch.float64).to(DEVICE))
+        run = lambda m: m(*args, return_dict=False)[0]  # noqa: E731
+    else:
+        ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        run = lambda m: m(input_ids=ids, use_cache=False).logits  # noqa: E731
+    with pytest.warns(backfuse.BackfuseWarning, match=r"hidden states in torch.float64 \(backfuse's ops take "
+                                                      r"torch.float32, torch.bfloat16 or torch.float16\)"):
+        got = run(ours)
+    assert torch.equal(got, run(base))
+    assert set(backfuse.fallbacks(ours)) == {"hidden states in torch.float64 (backfuse's ops take torch.float32, "
+                                             "torch.bfloat16 or torch.float16)"}
+
+
 def _gemma_norm_forward(self, x):
     """Gemma's RMSNorm as Liger Kernel's Gemma setup computes it (fp32, weight offset 1, cast once)."""
     y = x.float()

@@ -3,8 +3,8 @@ binds backfuse's training ops to them. A patched module serves a call only where
 what the module's own code would (the mask the model built, the projections' own computation, the call's own
 state): plain `nn.Linear` projections are fused into the op, others (LoRA, quantized, hooked) run as the modules
 do around the op's attention core (PEFT's vanilla LoRA layers together with the plain ones: `lora.py`); anything
-else (a KV cache, attention dropout, a mask the op does not take) runs the module's own code, with a warning naming
-the reason.
+else (a KV cache, attention dropout, a mask the op does not take, float64) runs the module's own code, with a
+warning naming the reason.
 
     report = backfuse.patch(model)      # e.g. {"Gemma3Attention": 26} (printed unless quiet=True)
     backfuse.unpatch(model)             # the modules' own code again
@@ -27,6 +27,7 @@ from collections import Counter
 import torch
 
 from .. import callsite
+from ..problem import TRAINING_DTYPES, dtypes_text
 
 PATCHED = "_backfuse_patched"  # attribute of a patched module: (what was there before, the fallback counter)
 
@@ -104,6 +105,14 @@ def fallbacks(model) -> dict:
         if state is not None:
             total.update(state["fallbacks"])
     return dict(total)
+
+
+def unusable_dtype(name: str, tensor) -> str | None:
+    """Why backfuse's ops cannot take `tensor` (a call's activations) in its dtype, or None: they compute in
+    float32, bfloat16 and float16, so a model in float64 (a gradient check, say) runs its own code."""
+    if tensor is None or tensor.dtype in TRAINING_DTYPES:
+        return None
+    return f"{name} in {tensor.dtype} (backfuse's ops take {dtypes_text(TRAINING_DTYPES)})"
 
 
 def plain_linear(name: str, linear, *, bias: bool) -> str | None:

@@ -31,7 +31,7 @@ import torch
 
 from .. import functional as F
 from ..problem import fused_unusable
-from . import PATCHED, fall_back, lora, plain_linear, replaced_forward
+from . import PATCHED, fall_back, lora, plain_linear, replaced_forward, unusable_dtype
 
 
 def _is_wan_attention(module, patched: bool = False) -> bool:
@@ -111,6 +111,10 @@ def _why_not(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_
     unusable = fused_unusable(hidden_states.device)
     if unusable:
         return f"backfuse's kernels cannot run here: {unusable}"
+    dtype = unusable_dtype("hidden states", hidden_states) or unusable_dtype("encoder hidden states",
+                                                                             encoder_hidden_states)
+    if dtype:
+        return dtype
     if attn.add_k_proj is not None:  # I2V: the image context before the text, split as diffusers slices it
         tokens = range(encoder_hidden_states.shape[1]) if encoder_hidden_states is not None else range(0)
         split = len(tokens) - I2V_TEXT

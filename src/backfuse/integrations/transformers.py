@@ -39,7 +39,8 @@ state, so a recomputation (gradient checkpointing, reentrant or not) decides the
 - the soft cap the module's code applies (Gemma 2 under eager and FlashAttention; none in Gemma 3, whose
   code passes its config's cap to no attention function, so a cap set there is refused);
 - no KV cache (in training the patched model passes use_cache=False unless told otherwise: `wrap_model`),
-  attention dropout off (or eval mode), causal attention, no attention weights asked for.
+  attention dropout off (or eval mode), causal attention, no attention weights asked for, activations in float32,
+  bfloat16 or float16 (a model in float64 runs its own code).
 
 Otherwise the module runs its own forward, with a warning naming the reason (once per reason), counted
 by `backfuse.fallbacks(model)`.
@@ -56,7 +57,7 @@ import torch
 
 from .. import functional as F
 from ..problem import fused_unusable
-from . import PATCHED, fall_back, lora, plain_linear, replaced_forward
+from . import PATCHED, fall_back, lora, plain_linear, replaced_forward, unusable_dtype
 
 MODEL_PATCHED = "_backfuse_model_forward"
 SERVED = ("eager", "sdpa")  # attention implementations whose masks the kernels take as the module's code applies them
@@ -100,6 +101,9 @@ def _served(module, impl, hidden_states, position_embeddings, attention_mask, ca
         return f"backfuse's kernels cannot run here: {unusable}"
     if cache is not None:
         return "a KV cache (pass use_cache=False in training)"
+    dtype = unusable_dtype("hidden states", hidden_states)
+    if dtype:
+        return dtype
     flash = False if impl in SERVED else _flash_features(impl)
     if flash is None:
         return f"attention implementation {impl!r} (backfuse serves {', '.join(map(repr, SERVED))} and FlashAttention's)"
