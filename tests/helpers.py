@@ -169,7 +169,7 @@ def attention64(q, k, v, batch, heads, group, d, scale, cap, causal, window, add
     if window:
         visible &= i - j < window
     out = []
-    step = max(1, 2**28 // (batch * s_q * s_k))  # heads at a time: a few GB of float64 logits at most
+    step = max(1, 2**27 // (batch * s_q * s_k))  # heads at a time: 1 GiB of float64 logits at most (but one head)
     for h in range(0, heads, step):
         z = qh[:, h:h + step] @ kh[:, h:h + step].transpose(-1, -2) * scale
         if cap:

@@ -84,17 +84,22 @@ def test_graph_and_direct_launches_agree_bit_for_bit(pid):
 
 @GPU
 def test_a_launch_that_cannot_be_recorded_runs_directly_with_a_warning():
+    """Both direct runs on the caller's stream (a direct run left on the recording stream raced the caller's next
+    work: H100, session 44)."""
     out = torch.zeros(4, device=DEVICE)
     key = ("test", "uncapturable")
+    streams = []
 
     def launch():
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("not while recording")
+        streams.append(torch.cuda.current_stream().cuda_stream)
         out.add_(1)
 
     with pytest.warns(backfuse.GraphWarning, match="could not be recorded"):
         graphs.run(key, out.device, [launch])
     graphs.run(key, out.device, [launch])  # known to fail: direct, no second warning
+    assert streams == [torch.cuda.current_stream().cuda_stream] * 2
     assert out.tolist() == [2.0] * 4
 
 

@@ -247,16 +247,21 @@ def _flash_features(impl):
     features = None
     wrapper = getattr(sys.modules.get("transformers.integrations.flash_attention"), "flash_attention_forward", None)
     if fn is not None and fn is wrapper:
-        try:
-            from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+        import transformers.modeling_flash_attention_utils as fa
 
-            loaded = lazy_import_flash_attention(impl)
+        # (transformers 5.17 marks the implementation loaded before loading it: a failed load is undone, so that the
+        # module's own call meets the same error as without backfuse, not functions left from another one)
+        loaded_before = getattr(fa, "_loaded_implementation", None)
+        try:
+            loaded = fa.lazy_import_flash_attention(impl)
             process = loaded[1][0] if isinstance(loaded[1], tuple) else loaded[1]
             supports = process.keywords["supports_mapping"]
             features = {name: bool(supports.get(name)) for name in ("window_size", "softcap")}
             # (FlashAttention before 2.1 aligned causality to a document's first key: transformers' flag for it)
             features["top_left"] = bool(getattr(sys.modules[wrapper.__module__], "_use_top_left_mask", True))
         except Exception as e:  # noqa: BLE001 (what the model's own call would meet: it reports it itself)
+            if hasattr(fa, "_loaded_implementation"):
+                fa._loaded_implementation = loaded_before
             features = f"flash attention implementation {impl!r} not loadable here ({type(e).__name__}: {e})"
     _FLASH[impl] = (fn, features)
     return features

@@ -179,6 +179,7 @@ def run(key, device: torch.device, launches: Sequence[Callable[[], None]]) -> No
         with _pooled(where):
             graph = drv.capture(recorder.cuda_stream, lambda: _direct(launches))
     except Exception as e:  # noqa: BLE001 - any failure to record leaves the direct launches, which raise real errors
+        torch.cuda.set_stream(stream)  # the direct launches go to the caller's stream, not the recording one
         if exec_ is not None:
             drv.destroy_exec(exec_)
         _keep(slot, FAILED)
