@@ -166,6 +166,42 @@ def test_e2e_splits_kernels_by_what_they_compute(kernel, kind):
 
 
 
+def test_e2e_kernel_split_sums_and_names_each_kind(monkeypatch):
+    """The split from a profile's kernels (a stand-in profiler on any machine): each kind's time a step, its costliest
+    kernels first and at most TOP of them (names cut to 80 characters), the CPU's events left out."""
+    import types
+
+    import torch.profiler
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    long_name = "nvjet_tst_" + "x" * 100
+    kernels = ([(f"triton_poi_fused_{i}", 10.0 * (i + 1)) for i in range(7)] + [(long_name, 400.0), ("nvjet_small", 40.0)]
+               + [("attention_backward_kernel", 300.0), ("elsewhere", 9999.0)])
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [types.SimpleNamespace(name=n, device_time_total=us, device_type=cpu if n == "elsewhere" else cuda)
+                    for n, us in kernels]
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    split = e2e.kernel_split(lambda: None, steps=2)
+    assert split["products_ms"] == 0.22 and split["attention_ms"] == 0.15 and split["rest_ms"] == 0.14
+    assert split["products_top"] == [[long_name[:80], 0.2], ["nvjet_small", 0.02]]
+    assert split["attention_top"] == [["attention_backward_kernel", 0.15]]
+    assert [n for n, _ in split["rest_top"]] == [f"triton_poi_fused_{i}" for i in (6, 5, 4, 3, 2)]
+    assert split["kernels"] == 5
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the profiler's kernels exist on a GPU")
 def test_e2e_kernel_split_finds_a_steps_products_and_attention():
     a = torch.randn(256, 256, device=DEVICE, requires_grad=True)
@@ -177,3 +213,7 @@ def test_e2e_kernel_split_finds_a_steps_products_and_attention():
 
     split = e2e.kernel_split(step, steps=2)
     assert split["products_ms"] > 0 and split["attention_ms"] > 0 and split["rest_ms"] > 0 and split["kernels"] >= 4
+    for kind in e2e.KINDS:  # each kind's costliest kernels, named, adding up to at most the kind's time
+        top = split[f"{kind}_top"]
+        assert 1 <= len(top) <= e2e.TOP and all(len(name) <= 80 for name, _ in top)
+        assert sum(ms for _, ms in top) <= split[f"{kind}_ms"] + 1e-3 * len(top)

@@ -187,8 +187,8 @@ def kind_of(kernel: str) -> str:
 
 def kernel_split(step, steps: int = 3) -> dict:
     """GPU time per step by kind of kernel (`kind_of`), from the profiler over `steps` steps of `step`:
-    {products_ms, attention_ms, rest_ms, kernels (a step's), rest_top: the three costliest "rest" kernels
-    [name, ms a step]}."""
+    {products_ms, attention_ms, rest_ms, kernels (a step's), and per kind <kind>_top: its TOP costliest kernels
+    [name (its first 80 characters), ms a step]}."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -196,19 +196,20 @@ def kernel_split(step, steps: int = 3) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    by_kind, rest, count = dict.fromkeys(KINDS, 0.0), {}, 0
+    by_name, count = {kind: {} for kind in KINDS}, 0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        ms = e.device_time_total / steps / 1e3
-        kind = kind_of(e.name)
-        by_kind[kind] += ms
+        names = by_name[kind_of(e.name)]
+        names[e.name] = names.get(e.name, 0.0) + e.device_time_total / steps / 1e3
         count += 1
-        if kind == "rest":
-            rest[e.name[:80]] = rest.get(e.name[:80], 0.0) + ms
-    top = sorted(rest.items(), key=lambda kv: -kv[1])[:3]
-    return {**{f"{k}_ms": round(v, 3) for k, v in by_kind.items()}, "kernels": count // steps,
-            "rest_top": [[n, round(ms, 3)] for n, ms in top]}
+    split = {f"{kind}_ms": round(sum(names.values()), 3) for kind, names in by_name.items()}
+    for kind, names in by_name.items():
+        split[f"{kind}_top"] = [[n[:80], round(ms, 3)] for n, ms in sorted(names.items(), key=lambda kv: -kv[1])[:TOP]]
+    return {**split, "kernels": count // steps}
+
+
+TOP = 5  # kernels named per kind in a split
 
 
 def steady_after() -> int:
