@@ -12,8 +12,8 @@ def _sm90_cases(dtype: str):
     """(name, kernel, pointer types, constexprs, warps, stages) of the training kernels as the GPU launches them:
     the attention at every tile choice `steps.attention_tiles` makes (each at its heaviest options: the range
     guard's maxima, the additive mask, a cap where the tiles are the cap's, the query norm at head size 128,
-    Wan's), forward and backward with dQ by atomics or by programs; the norm/RoPE backward, a cast, the guard's
-    check."""
+    Wan's), forward and backward with dQ by atomics or by programs; the norm/RoPE backward, Wan's row norm with
+    RoPE both ways, a cast, the guard's check."""
     from backfuse.kernels.triton import attention, passes, rope
     from backfuse.train import steps
 
@@ -38,10 +38,17 @@ def _sm90_cases(dtype: str):
     yield ("bounds", attention.attention_bounds_kernel, ptr | {"documents": "*i32"},
            dict(CAUSAL=True, WINDOW=True, DOCS=True, MASK=3, BR=64, BN=64), 4, 1)
     yield "key bounds", attention.attention_key_bounds_kernel, ptr, dict(BR=64, BK=64), 4, 1
-    for pairs in (False, True):
-        yield (f"norm/RoPE backward pairs={pairs}", rope.norm_rope_backward_kernel,
-               {n: "*fp32" for n in ("dout", "x", "w", "cos", "sin", "parts", "ranges")} | {"dx": f"*{dtype}"},
-               dict(D=128, LD_DOUT=3072, LD_X=5120, LD_DX=5120, BT=32, RANGES=True, NORM=True, PAIRS=pairs), 4, 1)
+    yield ("norm/RoPE backward", rope.norm_rope_backward_kernel,
+           {n: "*fp32" for n in ("dout", "x", "w", "cos", "sin", "parts", "ranges")} | {"dx": f"*{dtype}"},
+           dict(D=128, LD_DOUT=3072, LD_X=5120, LD_DX=5120, BT=32, RANGES=True, NORM=True), 4, 1)
+    # Wan 14B's rows (5120 columns: the widest tile), normed across the heads and turned on pairs, both ways
+    bw, bt = steps._row_block(5120)
+    rows = {n: f"*{dtype}" for n in ("x", "out", "dy", "dx")} | {n: "*fp32" for n in ("w", "rstd", "cos", "sin",
+                                                                                    "parts", "ranges")}
+    yield ("row norm + RoPE", passes.row_norm_kernel, rows,
+           dict(W=5120, BW=bw, LD_X=5120, LD_OUT=5120, BT=bt, RSTD=False, NORM=True, ROPE=128), 8, 1)
+    yield ("row norm + RoPE backward", passes.row_norm_backward_kernel, rows,
+           dict(W=5120, BW=bw, LD_DY=5120, LD_X=5120, LD_DX=5120, BT=bt, RANGES=True, NORM=True, ROPE=128), 8, 1)
     yield ("cast", passes.cast_kernel, {"src": "*fp32", "dst": f"*{dtype}", "ranges": "*fp32", "state": "*fp32"},
            dict(BLOCK=8192, UPSTREAM=True, RANGES=True), 8, 1)
     yield ("guard check", passes.guard_check_kernel, {"maxima": "*fp32", "flags": "*i32", "state": "*fp32", "log": "*fp32"},

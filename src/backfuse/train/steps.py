@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kernels.schedule import cdiv
-from ..kernels.triton import attention, passes, rope
+from ..kernels.triton import attention, passes
 from .masks import Masking
 from .program import Buffer, Kernel, constant, torch_step
 
@@ -37,8 +37,6 @@ DELTA = Kernel(attention.attention_delta_kernel)
 BACKWARD = Kernel(attention.attention_backward_kernel)
 BOUNDS = Kernel(attention.attention_bounds_kernel)
 KEY_BOUNDS = Kernel(attention.attention_key_bounds_kernel)
-ROPE = Kernel(rope.norm_rope_kernel)
-ROPE_BACKWARD = Kernel(rope.norm_rope_backward_kernel)
 
 _dummies: dict = {}
 
@@ -108,39 +106,20 @@ def _row_block(width: int) -> tuple:
     return bw, max(1, min(16, 8192 // bw))
 
 
-def row_norm(x, w, out, eps: float, rstd=None):
-    """out = RMSNorm(x) * w over each row (all of its columns); given rstd [T] fp32, only each row's
-    1 / sqrt(mean(x^2) + eps) into it (w and out unused: None)."""
+def row_norm(x, w, out, eps: float, rstd=None, rope=None):
+    """out = RMSNorm(x) * w over each row (all of its columns); rope = (cos, sin, head size): then turned by RoPE on
+    interleaved pairs (`passes.py: _turn_pairs`; cos, sin [rows, head size] tables, token t reading row t % rows),
+    w None: the turn alone; given rstd [T] fp32, only each row's 1 / sqrt(mean(x^2) + eps) into it (w and out
+    unused: None). out may be x."""
     tokens, width = x.shape
     bw, bt = _row_block(width)
     only = rstd is not None  # (x stands for the pointers the kernel does not use)
-    return ROW_NORM((cdiv(tokens, bt),), dict(x=x, w=x if only else w, out=x if only else out, rstd=rstd if only else x,
-                                              T=tokens, eps=float(eps)),
+    cos, sin, head = rope if rope is not None else (x, x, 0)
+    return ROW_NORM((cdiv(tokens, bt),), dict(x=x, w=x if w is None else w, out=x if only else out,
+                                              rstd=rstd if only else x, cos=cos, sin=sin, T=tokens,
+                                              cos_rows=cos.shape[0], eps=float(eps)),
                     W=width, BW=bw, LD_X=x.stride(0), LD_OUT=(x if only else out).stride(0), BT=bt, RSTD=only,
-                    num_warps=8 if bw >= 4096 else 4)
-
-
-ROPE_ROWS = 32  # tokens a program of the RoPE steps turns
-
-
-def rope_pairs(x, cos, sin, head_dim: int):
-    """x turned in place by RoPE on interleaved pairs (`kernels/triton/rope.py`, PAIRS): x token-major rows
-    [T, heads * D]; cos, sin [rows, D] fp32 tables, token t reading row t % rows."""
-    tokens, width = x.shape
-    return ROPE((cdiv(tokens, ROPE_ROWS), width // head_dim),
-                dict(x=x, w=cos, cos=cos, sin=sin, out=x, T=tokens, cos_rows=cos.shape[0], eps=0.0),
-                D=head_dim, LD_X=x.stride(0), LD_OUT=x.stride(0), BT=ROPE_ROWS, NORM=False, PAIRS=True, num_warps=4)
-
-
-def rope_pairs_backward(dx, cos, sin, head_dim: int, guard, region: str):
-    """dx turned back in place (the transpose of `rope_pairs`), its range checked as `region` (fp16)."""
-    tokens, width = dx.shape
-    ranges, _, checked = _guarded(guard, dx.device)
-    return ROPE_BACKWARD((cdiv(tokens, ROPE_ROWS), width // head_dim),
-                         dict(dout=dx, x=dx, w=cos, cos=cos, sin=sin, dx=dx, parts=cos, ranges=ranges, T=tokens,
-                              cos_rows=cos.shape[0], eps=0.0, r_dx=_slot(guard, region)),
-                         D=head_dim, LD_DOUT=dx.stride(0), LD_X=dx.stride(0), LD_DX=dx.stride(0), BT=ROPE_ROWS,
-                         RANGES=checked, NORM=False, PAIRS=True, num_warps=4)
+                    NORM=w is not None or only, ROPE=head, num_warps=8 if bw >= 4096 else 4)
 
 
 def row_norm_parts(tokens: int) -> int:
@@ -152,16 +131,21 @@ def row_norm_rows(tokens: int) -> int:
     return tokens if INTERPRETED else max(64, cdiv(tokens, 256))
 
 
-def row_norm_backward(dy, x, w, dx, parts, eps: float, guard, region: str):
-    """dx (and w's gradient in parts, [row_norm_parts(T), W] fp32) of `row_norm`."""
-    tokens, width = x.shape
+def row_norm_backward(dy, x, w, dx, parts, eps: float, guard, region: str, rope=None):
+    """dx (and w's gradient in parts, [row_norm_parts(T), W] fp32) of `row_norm` with the same rope; w None: of the
+    turn alone (x and parts unused: None). dx may be dy."""
+    tokens, width = dy.shape
     bw, bt = _row_block(width)
     per = row_norm_rows(tokens)
-    ranges, _, checked = _guarded(guard, x.device)
-    return ROW_NORM_BACKWARD((cdiv(tokens, per),), dict(dy=dy, x=x, w=w, dx=dx, parts=parts, ranges=ranges, T=tokens,
-                                                         eps=float(eps), rows_per_program=per, r_dx=_slot(guard, region)),
-                             W=width, BW=bw, LD_DY=dy.stride(0), LD_X=x.stride(0), LD_DX=dx.stride(0), BT=bt,
-                             RANGES=checked, num_warps=8 if bw >= 4096 else 4)
+    ranges, _, checked = _guarded(guard, dy.device)
+    cos, sin, head = rope if rope is not None else (dy, dy, 0)
+    norm = w is not None
+    return ROW_NORM_BACKWARD((cdiv(tokens, per),), dict(dy=dy, x=x if norm else dy, w=w if norm else dy, dx=dx,
+                                                         parts=parts if norm else dy, ranges=ranges, cos=cos, sin=sin,
+                                                         T=tokens, cos_rows=cos.shape[0], eps=float(eps),
+                                                         rows_per_program=per, r_dx=_slot(guard, region)),
+                             W=width, BW=bw, LD_DY=dy.stride(0), LD_X=(x if norm else dy).stride(0), LD_DX=dx.stride(0),
+                             BT=bt, RANGES=checked, NORM=norm, ROPE=head, num_warps=8 if bw >= 4096 else 4)
 
 
 def column_sum_parts(rows: int) -> int:

@@ -208,51 +208,83 @@ def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SC
         tl.store(state + _AMAX, 0.0)
 
 
-@triton.jit(do_not_specialize=["T"])
-def row_norm_kernel(x, w, out, rstd, T, eps, W: tl.constexpr, BW: tl.constexpr, LD_X: tl.constexpr,
-                    LD_OUT: tl.constexpr, BT: tl.constexpr, RSTD: tl.constexpr):
+@triton.jit
+def _turn_pairs(y, cos, sin, rows, ok, cos_rows, BT: tl.constexpr, BW: tl.constexpr, W: tl.constexpr,
+                D: tl.constexpr, BACK: tl.constexpr):
+    """Rows y [BT, BW] (columns W of BW) turned by RoPE on interleaved pairs, head by head of D columns, as
+    diffusers' `apply_rotary_emb` turns Wan's q and k: pair i = columns (2i, 2i + 1) turns by cos[t, 2i mod D] and
+    sin[t, 2i mod D + 1] of the tables [cos_rows, D] (read in fp32; row t = token mod cos_rows, a position shared by the
+    batch's entries); BACK: the transpose (the angle negated), the backward's."""
+    lo, hi = tl.split(tl.reshape(y, (BT, BW // 2, 2)))
+    i = tl.arange(0, BW // 2)
+    at = (rows % cos_rows)[:, None] * D + ((2 * i) % D)[None, :]
+    pair_ok = ok[:, None] & (2 * i < W)[None, :]
+    c = tl.load(cos + at, mask=pair_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin + at + 1, mask=pair_ok, other=0.0).to(tl.float32)
+    if BACK:
+        s = -s
+    return tl.reshape(tl.join(lo * c - hi * s, hi * c + lo * s), (BT, BW))
+
+
+@triton.jit(do_not_specialize=["T", "cos_rows"])
+def row_norm_kernel(x, w, out, rstd, cos, sin, T, cos_rows, eps, W: tl.constexpr, BW: tl.constexpr,
+                    LD_X: tl.constexpr, LD_OUT: tl.constexpr, BT: tl.constexpr, RSTD: tl.constexpr,
+                    NORM: tl.constexpr, ROPE: tl.constexpr):
     """out = x r w over each row's W features, r = 1 / sqrt(mean(x^2) + eps) (an RMSNorm across all heads,
-    as Wan's cross-attention applies to q and k), BT rows per program, in fp32. RSTD: r into rstd [T]
-    instead (the attention applies the norm as it loads the rows: `attention.py: _query_tile`)."""
+    as Wan's attentions apply to q and k), BT rows per program, in fp32; ROPE (a head size, 0: none): then turned
+    by RoPE on interleaved pairs (`_turn_pairs`, Wan's self-attention); NORM False: out = the turn of x alone.
+    RSTD: r into rstd [T] instead (the attention applies the norm as it loads the rows: `attention.py:
+    _query_tile`). out may be x (in place)."""
     rows = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     c = tl.arange(0, BW)
-    ok = (rows < T)[:, None] & (c < W)[None, :]
+    row_ok = rows < T
+    ok = row_ok[:, None] & (c < W)[None, :]
     v = tl.load(x + rows[:, None] * LD_X + c[None, :], mask=ok, other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(v * v, 1) / W + eps)
     if RSTD:
-        tl.store(rstd + rows, r, mask=rows < T)
+        tl.store(rstd + rows, tl.rsqrt(tl.sum(v * v, 1) / W + eps), mask=row_ok)
     else:
-        scale = tl.load(w + c, mask=c < W, other=0.0).to(tl.float32)
-        tl.store(out + rows[:, None] * LD_OUT + c[None, :],
-                 narrow(v * r[:, None] * scale[None, :], out.dtype.element_ty), mask=ok)
+        if NORM:
+            r = tl.rsqrt(tl.sum(v * v, 1) / W + eps)
+            v = v * r[:, None] * tl.load(w + c, mask=c < W, other=0.0).to(tl.float32)[None, :]
+        if ROPE:
+            v = _turn_pairs(v, cos, sin, rows, row_ok, cos_rows, BT, BW, W, ROPE, False)
+        tl.store(out + rows[:, None] * LD_OUT + c[None, :], narrow(v, out.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["T", "rows_per_program", "r_dx"])
-def row_norm_backward_kernel(dy, x, w, dx, parts, ranges, T, eps, rows_per_program, r_dx, W: tl.constexpr,
-                             BW: tl.constexpr, LD_DY: tl.constexpr, LD_X: tl.constexpr, LD_DX: tl.constexpr,
-                             BT: tl.constexpr, RANGES: tl.constexpr):
-    """The backward of `row_norm_kernel` over rows_per_program rows (BT at a time): with n = x r and
-    m = dy w, dx = r (m - n mean(m n)); parts[program] = sum over its rows of dy * n (w's gradient,
-    summed in order afterwards). RANGES: the largest |dx| into ranges[r_dx]."""
+@triton.jit(do_not_specialize=["T", "cos_rows", "rows_per_program", "r_dx"])
+def row_norm_backward_kernel(dy, x, w, dx, parts, ranges, cos, sin, T, cos_rows, eps, rows_per_program, r_dx,
+                             W: tl.constexpr, BW: tl.constexpr, LD_DY: tl.constexpr, LD_X: tl.constexpr,
+                             LD_DX: tl.constexpr, BT: tl.constexpr, RANGES: tl.constexpr, NORM: tl.constexpr,
+                             ROPE: tl.constexpr):
+    """The backward of `row_norm_kernel` over rows_per_program rows (BT at a time): dy turned back first (ROPE),
+    then with n = x r and m = dy w, dx = r (m - n mean(m n)) and parts[program] = sum over its rows of dy * n (w's
+    gradient, summed in order afterwards); NORM False: dx = dy turned back. RANGES: the largest |dx| into
+    ranges[r_dx]. dx may be dy (in place: a program reads the rows it writes before it writes them)."""
     c = tl.arange(0, BW)
     col_ok = c < W
-    scale = tl.load(w + c, mask=col_ok, other=0.0).to(tl.float32)
+    if NORM:
+        scale = tl.load(w + c, mask=col_ok, other=0.0).to(tl.float32)
     grad_w = tl.zeros((BW,), dtype=tl.float32)
     top = 0.0
     start = tl.program_id(0) * rows_per_program
     for r0 in range(start, tl.minimum(start + rows_per_program, T), BT):
         rows = (r0 + tl.arange(0, BT)).to(tl.int64)
-        ok = (rows < T)[:, None] & col_ok[None, :]
-        v = tl.load(x + rows[:, None] * LD_X + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        g = tl.load(dy + rows[:, None] * LD_DY + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(v * v, 1) / W + eps)[:, None]
-        n = v * r
-        grad_w += tl.sum(g * n, 0)
-        m = g * scale[None, :]
-        d = r * (m - n * (tl.sum(m * n, 1) / W)[:, None])
+        row_ok = rows < T
+        ok = row_ok[:, None] & col_ok[None, :]
+        d = tl.load(dy + rows[:, None] * LD_DY + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        if ROPE:
+            d = _turn_pairs(d, cos, sin, rows, row_ok, cos_rows, BT, BW, W, ROPE, True)
+        if NORM:
+            v = tl.load(x + rows[:, None] * LD_X + c[None, :], mask=ok, other=0.0).to(tl.float32)
+            r = tl.rsqrt(tl.sum(v * v, 1) / W + eps)[:, None]
+            n = v * r
+            grad_w += tl.sum(d * n, 0)
+            m = d * scale[None, :]
+            d = r * (m - n * (tl.sum(m * n, 1) / W)[:, None])
         tl.store(dx + rows[:, None] * LD_DX + c[None, :], narrow(d, dx.dtype.element_ty), mask=ok)
         if RANGES:
             top = tl.maximum(top, largest(d))
-    tl.store(parts + tl.program_id(0).to(tl.int64) * W + c, grad_w, mask=col_ok)
+    if NORM:
+        tl.store(parts + tl.program_id(0).to(tl.int64) * W + c, grad_w, mask=col_ok)
     if RANGES:
         fold(ranges, r_dx, top)

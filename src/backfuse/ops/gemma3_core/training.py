@@ -198,7 +198,7 @@ def _norm_rope(p: Plan, x, w, cos, sin, out, heads: int, eps: float):
                      dict(x=x, w=cos if w is None else w, cos=cos, sin=sin, out=out, T=t, cos_rows=p.cos_rows,
                           eps=float(eps)),
                      D=p.config.head_dim, LD_X=x.stride(0), LD_OUT=out.stride(0), BT=p.norm_rows,
-                     NORM=p.config.qk_norm, PAIRS=False, num_warps=4)
+                     NORM=p.config.qk_norm, num_warps=4)
 
 
 def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> list:
@@ -278,7 +278,7 @@ def norm_rope_backward(p, g, cos, sin, eps: float, *rows_of) -> list:
         dict(dout=d_rot, x=raw, w=cos2 if weight is None else weight, cos=cos2, sin=sin2, dx=dst, parts=parts,
              ranges=ranges, T=t, cos_rows=p.cos_rows, eps=float(eps), r_dx=steps._slot(g, region)),
         D=cfg.head_dim, LD_DOUT=d_rot.stride(0), LD_X=raw.stride(0), LD_DX=dst.stride(0), BT=rows, RANGES=checked,
-        NORM=cfg.qk_norm, PAIRS=False, num_warps=warps)
+        NORM=cfg.qk_norm, num_warps=warps)
         for d_rot, raw, weight, dst, parts, heads, region in rows_of]
 
 

@@ -109,11 +109,9 @@ def _forward_launches(p: Plan, g, inputs, a, scale: float) -> list:
     activations a (with cuDNN's attention: to its operands; the caller's `Allocating` step runs it)."""
     q, k, v, nq, nk = (x.view(-1, x.shape[-1]) if x.dim() == 3 else x for x in inputs[:5])
     launches = [steps.cast(v, a.v, g, "values")] if p.casts else []
-    launches += [steps.row_norm(q, None, None, p.eps, rstd=a.q_rstd) if p.q_on_load else steps.row_norm(q, nq, a.q, p.eps),
-                 steps.row_norm(k, nk, a.k, p.eps)]
-    if p.rope:
-        cos, sin = _tables(p, inputs)
-        launches += [steps.rope_pairs(a.q, cos, sin, p.config.head_dim), steps.rope_pairs(a.k, cos, sin, p.config.head_dim)]
+    rope = (*_tables(p, inputs), p.config.head_dim) if p.rope else None  # (normed and turned in one pass)
+    launches += [steps.row_norm(q, None, None, p.eps, rstd=a.q_rstd) if p.q_on_load else
+                 steps.row_norm(q, nq, a.q, p.eps, rope=rope), steps.row_norm(k, nk, a.k, p.eps, rope=rope)]
     if not p.cudnn:
         q_att, q_norm, k_att, v_att = _operands(p, inputs, a)
         launches.append(steps.attention_forward(p.attention, p.tiles, q_att, k_att, v_att, a.o, a.lse, scale, g,
@@ -188,16 +186,15 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             d = s.do
 
         def after(dq, dk, dv) -> list:
-            """From the attention's dQ, dK, dV on: RoPE's transpose (in place), the norms' backward into grad_q,
-            grad_k and their weights' gradients, dV into grad_v where the attention wrote it elsewhere."""
+            """From the attention's dQ, dK, dV on: RoPE's transpose with the norms' backward into grad_q, grad_k
+            and their weights' gradients, dV into grad_v where the attention wrote it elsewhere."""
             launches = []
-            if p.rope and through:
-                cos, sin = _tables(p, inputs)
-                launches += [steps.rope_pairs_backward(dq, cos, sin, p.config.head_dim, g, "gradient of queries"),
-                             steps.rope_pairs_backward(dk, cos, sin, p.config.head_dim, g, "gradient of keys")]
-            if through:
-                launches += [steps.row_norm_backward(dq, q.view(tv, -1), nq, gq, s.parts_nq, p.eps, g, "gradient of queries"),
-                             steps.row_norm_backward(dk, k.view(tt, -1), nk, gk, s.parts_nk, p.eps, g, "gradient of keys")]
+            if through:  # RoPE's transpose (p.rope) and the norms' backward in one pass over the rows
+                rope = (*_tables(p, inputs), p.config.head_dim) if p.rope else None
+                launches += [steps.row_norm_backward(dq, q.view(tv, -1), nq, gq, s.parts_nq, p.eps, g, "gradient of queries",
+                                                     rope=rope),
+                             steps.row_norm_backward(dk, k.view(tt, -1), nk, gk, s.parts_nk, p.eps, g, "gradient of keys",
+                                                     rope=rope)]
             for need, out, parts, sums in ((n[3], "grad_nq", s.parts_nq, s.sums_nq), (n[4], "grad_nk", s.parts_nk, s.sums_nk)):
                 if need:
                     launches += steps.column_sums(parts, getattr(w, out), sums, g, unscale=True)

@@ -216,13 +216,14 @@ def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
         launches = [addmm(bq, video.view(p.tv, d), wq.T, q_out), addmm(bk, text.view(p.tt, d), wk.T, k_raw),
                     addmm(bv, text.view(p.tt, d), wv.T, a.v)]
         v = a.v
-    if p.norm:
-        launches += [steps.row_norm(a.q_raw, x[9], a.q, p.eps) if p.rope else
-                     steps.row_norm(a.q_raw, None, None, p.eps, rstd=a.q_rstd), steps.row_norm(k_raw, x[10], a.k, p.eps)]
+    rope = (*_tables(p, [*x[:9], None, *x[9:]]), p.config.head_dim) if p.rope else None
+    if p.norm:  # (with RoPE: normed and turned in one pass over the rows)
+        launches += [steps.row_norm(a.q_raw, x[9], a.q, p.eps, rope=rope) if p.rope else
+                     steps.row_norm(a.q_raw, None, None, p.eps, rstd=a.q_rstd),
+                     steps.row_norm(k_raw, x[10], a.k, p.eps, rope=rope)]
+    elif p.rope:  # turned in place
+        launches += [steps.row_norm(a.q, None, a.q, p.eps, rope=rope), steps.row_norm(k_raw, None, k_raw, p.eps, rope=rope)]
     k = a.k if p.norm else k_raw
-    if p.rope:
-        cos, sin = _tables(p, [*x[:9], None, *x[9:]])
-        launches += [steps.rope_pairs(a.q, cos, sin, p.config.head_dim), steps.rope_pairs(k, cos, sin, p.config.head_dim)]
     q, q_norm = _queries(p, a, x[9] if p.norm else None)
     if not p.cudnn:  # (cuDNN's attention allocates its outputs: the callers' `Allocating` steps)
         launches.append(steps.attention_forward(p.attention, p.tiles, q, k, v, a.o, a.lse, scale, g, q_norm=q_norm))
@@ -328,14 +329,16 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             """From the attention's dQ, dK, dV on: RoPE's and the norms' backward (in place), the bias sums,
             the products with the inputs."""
             launches = []
-            if p.rope:  # RoPE's transpose, in place: dQ, dK before the turn
-                cos, sin = _tables(p, inputs)
-                launches += [steps.rope_pairs_backward(dq, cos, sin, p.config.head_dim, g, "gradient of queries"),
-                             steps.rope_pairs_backward(dk, cos, sin, p.config.head_dim, g, "gradient of keys")]
-            if p.norm:  # the norms' backward, in place: dQ, dK before the norms; the norms' weight gradients
+            rope = (*_tables(p, inputs), p.config.head_dim) if p.rope else None
+            if p.norm:  # RoPE's transpose and the norms' backward, in place: dQ, dK before the turn and the norms
                 launches += [steps.row_norm_backward(dq, a.q_raw, inputs[10], dq, s.parts_nq, p.eps, g,
-                                                     "gradient of queries"),
-                             steps.row_norm_backward(dk, k_raw, inputs[11], dk, s.parts_nk, p.eps, g, "gradient of keys")]
+                                                     "gradient of queries", rope=rope),
+                             steps.row_norm_backward(dk, k_raw, inputs[11], dk, s.parts_nk, p.eps, g, "gradient of keys",
+                                                     rope=rope)]
+            elif p.rope:  # RoPE's transpose alone, in place
+                launches += [steps.row_norm_backward(dq, None, None, dq, None, p.eps, g, "gradient of queries", rope=rope),
+                             steps.row_norm_backward(dk, None, None, dk, None, p.eps, g, "gradient of keys", rope=rope)]
+            if p.norm:  # the norms' weight gradients
                 for need, out, parts, sums in ((n[10], "grad_nq", s.parts_nq, s.sums_nq),
                                                (n[11], "grad_nk", s.parts_nk, s.sums_nk)):
                     if need:
