@@ -101,6 +101,19 @@ def test_the_cudnn_form_with_a_stand_in_core_is_right(monkeypatch):
             del F._plans[k]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_normed_turned_queries_and_keys_are_made_again_not_saved(dtype):
+    """With RoPE (the self-attention) the saved activations hold O and lse: Q and K normed and turned are made
+    again in the backward from the caller's q and k (`Plan.turned_anew`), two tensors of the video's size fewer a
+    call, and right against float64 all the same (the backward's copies start poisoned)."""
+    check(2, 23, 23, 64, 2, dtype, True)
+    plans = [p for k, p in F._plans.items() if k[0] == "021 attention" and k[5] and p.nv == 23]
+    assert plans and all(p.turned_anew for p in plans)
+    for p in plans:
+        assert not {"q", "k"} & {b.name for b in p.activations.specs}
+        assert {b.name for b in p.backward_scratch.specs} >= {"q", "k"}
+
+
 def test_custom_op_passes_torch_library_checks():
     """torch.library.opcheck on the forward op (schema, fake tensor, autograd registration), both forms."""
     for rope in (False, True):

@@ -64,6 +64,21 @@ def test_self_attention_on_cudnn_matches_float64(monkeypatch):
     assert any(p.cudnn for k, p in F._plans.items() if k[0] == "021" and k[5])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_normed_turned_queries_and_keys_are_made_again_not_saved(dtype):
+    """With its norms the self-attention saves the projections' rows, V, O and lse: Q and K normed and turned are
+    made again in the backward from the rows (`Plan.turned_anew`), as compile's partitioner recomputes them, two
+    tensors of the video's size fewer a call; the backward's copies start poisoned (`check` is right against
+    float64 all the same)."""
+    check(1, 29, 64, 4, True, dtype)
+    plans = [p for k, p in F._plans.items() if k[0] == "021" and k[5] and getattr(p, "nv", 0) == 29]
+    assert plans and all(p.turned_anew for p in plans)
+    for p in plans:
+        saved = {b.name: b.nbytes for b in p.activations.specs}
+        assert not {"q", "k"} & set(saved) and "q_raw" in saved
+        assert {b.name for b in p.backward_scratch.specs} >= {"q", "k"}
+
+
 def check(batch, n, hidden, heads, norm, dtype):
     """One call's output and every gradient against float64."""
     torch.manual_seed(n + hidden)

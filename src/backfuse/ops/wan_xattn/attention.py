@@ -57,9 +57,10 @@ class Plan(training.Plan):
     @functools.cached_property
     def activations(self):
         tv, tt, d, c = self.tv, self.tt, self.config.hidden, self.compute
-        return Arena([Buffer("q_rstd", (tv,), torch.float32) if self.q_on_load else Buffer("q", (tv, d), c),
-                      Buffer("k", (tt, d), c), Buffer("v", (tt, d), c) if self.casts else None, Buffer("o", (tv, d), c),
-                      Buffer("lse", (self.batch * self.config.heads, self.nv), torch.float32)])
+        turned = not self.turned_anew  # (normed, turned Q and K: saved, or in `turned`)
+        return Arena([Buffer("q_rstd", (tv,), torch.float32) if self.q_on_load else Buffer("q", (tv, d), c) if turned
+                      else None, Buffer("k", (tt, d), c) if turned else None, Buffer("v", (tt, d), c) if self.casts else None,
+                      Buffer("o", (tv, d), c), Buffer("lse", (self.batch * self.config.heads, self.nv), torch.float32)])
 
     @functools.cached_property
     def backward_scratch(self):
@@ -74,7 +75,7 @@ class Plan(training.Plan):
                         (("q", tv), ("k", tt))),
                       *(Buffer(f"sums_n{name}", (steps.column_sum_parts(steps.row_norm_parts(rows)), d), fp32)
                         for name, rows in (("q", tv), ("k", tt))),
-                      *(() if self.save else self.activations.specs)])
+                      *(() if self.save else self.activations.specs), *self.turned.specs])
 
     @functools.cached_property
     def weight_grads(self):
@@ -96,24 +97,31 @@ def _tables(p: Plan, inputs) -> tuple:
     return tuple(t.view(p.nv, p.config.head_dim) for t in inputs[5:7]) if p.rope else (None, None)
 
 
-def _operands(p: Plan, inputs, a) -> tuple:
+def _operands(p: Plan, inputs, a, t) -> tuple:
     """(q, q_norm, k, v) as the attention reads them (`training._queries`: the caller's q and its norm applied as it
-    is loaded, or the normed Q)."""
+    is loaded, or the normed Q; t: `training._turned`'s)."""
     q, v, nq = inputs[0], inputs[2], inputs[3]
-    queries = (q.view(p.tv, -1), (a.q_rstd, nq)) if p.q_on_load else (a.q, None)
-    return (*queries, a.k, a.v if p.casts else v.view(p.tt, -1))
+    queries = (q.view(p.tv, -1), (a.q_rstd, nq)) if p.q_on_load else (t.q, None)
+    return (*queries, t.k, a.v if p.casts else v.view(p.tt, -1))
 
 
-def _forward_launches(p: Plan, g, inputs, a, scale: float) -> list:
+def _norms(p: Plan, inputs, a, t) -> list:
+    """Q's and K's norms into t (`training._turned`), each turned where the plan has RoPE (one pass over the rows),
+    or Q's 1 / rms into a where the attention norms Q as it loads it."""
+    q, k, nq, nk = (x.view(-1, x.shape[-1]) if x.dim() == 3 else x for x in (*inputs[:2], *inputs[3:5]))
+    rope = (*_tables(p, inputs), p.config.head_dim) if p.rope else None
+    return [steps.row_norm(q, None, None, p.eps, rstd=a.q_rstd) if p.q_on_load else
+            steps.row_norm(q, nq, t.q, p.eps, rope=rope), steps.row_norm(k, nk, t.k, p.eps, rope=rope)]
+
+
+def _forward_launches(p: Plan, g, inputs, a, t, scale: float) -> list:
     """The launches from the inputs (q, k, v, norm_q_weight, norm_k_weight[, cos, sin]) to O and lse in the
-    activations a (with cuDNN's attention: to its operands; the caller's `Allocating` step runs it)."""
-    q, k, v, nq, nk = (x.view(-1, x.shape[-1]) if x.dim() == 3 else x for x in inputs[:5])
-    launches = [steps.cast(v, a.v, g, "values")] if p.casts else []
-    rope = (*_tables(p, inputs), p.config.head_dim) if p.rope else None  # (normed and turned in one pass)
-    launches += [steps.row_norm(q, None, None, p.eps, rstd=a.q_rstd) if p.q_on_load else
-                 steps.row_norm(q, nq, a.q, p.eps, rope=rope), steps.row_norm(k, nk, a.k, p.eps, rope=rope)]
+    activations a, the normed Q and K in t (with cuDNN's attention: to its operands; the caller's `Allocating` step
+    runs it)."""
+    v = inputs[2].view(-1, inputs[2].shape[-1]) if inputs[2].dim() == 3 else inputs[2]
+    launches = ([steps.cast(v, a.v, g, "values")] if p.casts else []) + _norms(p, inputs, a, t)
     if not p.cudnn:
-        q_att, q_norm, k_att, v_att = _operands(p, inputs, a)
+        q_att, q_norm, k_att, v_att = _operands(p, inputs, a, t)
         launches.append(steps.attention_forward(p.attention, p.tiles, q_att, k_att, v_att, a.o, a.lse, scale, g,
                                                 q_norm=q_norm))
     return launches
@@ -127,17 +135,19 @@ def forward(inputs, scale: float, plan: Plan):
     g = _guard(p, "forward", device, inputs[3].data_ptr())
     if g is not None:
         g.poll()
-    acts = p.activations
+    acts, turned = p.activations, p.turned
     a_flat = acts.allocate(device)
+    t_flat = turned.allocate(device) if p.turned_anew else None  # (the normed, turned Q and K, not saved)
     out = buffers.empty(q.shape, p.io, device)
     key = ("wan_attention forward", p, scale)
 
     def build():
         a = acts.views(a_flat)
-        launches = _forward_launches(p, g, inputs, a, scale)
+        t = turned.views(t_flat) if p.turned_anew else a
+        launches = _forward_launches(p, g, inputs, a, t, scale)
         o2 = out.view(p.tv, -1)
         if p.cudnn:  # O and lse into the saved activations (cuDNN allocates its own), O into the output
-            launches.append(Allocating(key, lambda: cudnn.forward(p.attention, a.q, a.k, inputs[2].view(p.tt, -1), scale),
+            launches.append(Allocating(key, lambda: cudnn.forward(p.attention, t.q, t.k, inputs[2].view(p.tt, -1), scale),
                                        lambda o, lse: [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), lambda: o2.copy_(o)],
                                        "cuDNN's attention forward"))
         else:
@@ -146,7 +156,7 @@ def forward(inputs, scale: float, plan: Plan):
             launches.append(steps.check(g))
         return launches
 
-    execute(key, device, bases(*inputs, out, a_flat, *guards.tensors(g)), build)
+    execute(key, device, bases(*inputs, out, a_flat, *([] if t_flat is None else [t_flat]), *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -177,9 +187,12 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
     def build():
         s = scratch.views(s_flat)
         a = s if a_flat is None else p.activations.views(a_flat)
+        t = s if p.turned_anew else a  # (`training._turned`)
         launches = []
         if a_flat is None:
-            launches += _forward_launches(p, fg, inputs, a, scale) + ([steps.check(fg)] if fg is not None else [])
+            launches += _forward_launches(p, fg, inputs, a, t, scale) + ([steps.check(fg)] if fg is not None else [])
+        elif p.turned_anew:  # Q and K normed and turned again
+            launches += _norms(p, inputs, a, t)
         d = go
         if p.casts:
             launches += [steps.amax(go, g), steps.cast(go, s.do, g, "gradient of attention output", upstream=True)]
@@ -204,12 +217,12 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
 
         if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest
             def attention():
-                o, lse = cudnn.forward(p.attention, a.q, a.k, v.view(tt, -1), scale) if a_flat is None else (a.o, a.lse)
-                return o, cudnn.backward(p.attention, a.q, a.k, v.view(tt, -1), o, lse, d, scale)
+                o, lse = cudnn.forward(p.attention, t.q, t.k, v.view(tt, -1), scale) if a_flat is None else (a.o, a.lse)
+                return o, cudnn.backward(p.attention, t.q, t.k, v.view(tt, -1), o, lse, d, scale)
 
             launches.append(Allocating(key, attention, lambda o, grads: after(*grads), "cuDNN's attention backward"))
         else:
-            q_att, q_norm, k_att, v_att = _operands(p, inputs, a)
+            q_att, q_norm, k_att, v_att = _operands(p, inputs, a, t)
             dv = s.dv if p.split > 1 or p.casts else gv
             launches.append(steps.attention_delta(p.attention, a.o, d, s.delta, g))
             if p.split > 1:  # fp32 atomic sums

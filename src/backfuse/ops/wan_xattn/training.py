@@ -91,6 +91,14 @@ class Plan(Precision):
         return self.norm and not (self.rope or self.cudnn)
 
     @property
+    def turned_anew(self) -> bool:
+        """Q and K normed and turned (the self-attention with its norms) are not saved: the forward leaves them in its
+        scratch, and the backward norms and turns them again from the rows before the norms (the projections' rows
+        it keeps; `attention.py`: the caller's q and k), one row pass each, as compile's partitioner recomputes
+        them: two tensors of the video's size fewer saved a call."""
+        return self.rope and self.norm and self.save
+
+    @property
     def tv(self) -> int:
         return self.batch * self.nv
 
@@ -114,8 +122,9 @@ class Plan(Precision):
     def activations(self):
         """What the forward leaves for the backward (saved, or the backward's own recomputation)."""
         tv, tt, d, c = self.tv, self.tt, self.config.hidden, self.compute
-        specs = [Buffer("q_rstd", (tv,), torch.float32) if self.q_on_load else Buffer("q", (tv, d), c), Buffer("o", (tv, d), c),
-                 Buffer("lse", (self.batch * self.config.heads, self.nv), torch.float32)]
+        turned = not self.turned_anew  # (normed, turned Q and K: saved, or in the scratches)
+        specs = [Buffer("q_rstd", (tv,), torch.float32) if self.q_on_load else Buffer("q", (tv, d), c) if turned else None,
+                 Buffer("o", (tv, d), c), Buffer("lse", (self.batch * self.config.heads, self.nv), torch.float32)]
         if self.casts:
             specs += [Buffer("kv", (tt, 2 * d), c), Buffer("video_c", (tv, d), c), Buffer("text_c", (tt, d), c),
                       Buffer("wq_c", (d, d), c), Buffer("wkv_c", (2 * d, d), c), Buffer("wo_c", (d, d), c)]
@@ -123,13 +132,20 @@ class Plan(Precision):
             specs += [Buffer("k_raw" if self.norm else "k", (tt, d), c), Buffer("v", (tt, d), c)]
         if self.norm:  # the projections before their norms (the norms' backward reads them, and the attention
             # norms Q as it loads it: q_rstd; with rope, normed and turned Q: q), and normed K
-            specs += [Buffer("q_raw", (tv, d), c), Buffer("k", (tt, d), c)]
+            specs += [Buffer("q_raw", (tv, d), c), Buffer("k", (tt, d), c) if turned else None]
         return Arena(specs)
+
+    @functools.cached_property
+    def turned(self):
+        """Q and K normed and turned, where they are not saved (`turned_anew`)."""
+        return Arena([Buffer("q", (self.tv, self.config.hidden), self.compute),
+                      Buffer("k", (self.tt, self.config.hidden), self.compute)] if self.turned_anew else [])
 
     @functools.cached_property
     def forward_scratch(self):
         d, c = self.config.hidden, self.compute
-        return Arena([Buffer("bq_c", (d,), c), Buffer("bkv_c", (2 * d,), c)] if self.casts else [])
+        return Arena([*([Buffer("bq_c", (d,), c), Buffer("bkv_c", (2 * d,), c)] if self.casts else []),
+                      *self.turned.specs])
 
     @functools.cached_property
     def upstream_of_attention(self):
@@ -160,7 +176,7 @@ class Plan(Precision):
                       for name, rows in (("q", tv), ("k", tt))]
         if not self.save:  # the backward's own forward
             specs += self.activations.specs + self.forward_scratch.specs
-        return Arena(specs)
+        return Arena([*specs, *self.turned.specs])
 
     @functools.cached_property
     def weight_grads(self):
@@ -216,31 +232,45 @@ def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
         launches = [addmm(bq, video.view(p.tv, d), wq.T, q_out), addmm(bk, text.view(p.tt, d), wk.T, k_raw),
                     addmm(bv, text.view(p.tt, d), wv.T, a.v)]
         v = a.v
-    rope = (*_tables(p, [*x[:9], None, *x[9:]]), p.config.head_dim) if p.rope else None
-    if p.norm:  # (with RoPE: normed and turned in one pass over the rows)
-        launches += [steps.row_norm(a.q_raw, x[9], a.q, p.eps, rope=rope) if p.rope else
-                     steps.row_norm(a.q_raw, None, None, p.eps, rstd=a.q_rstd),
-                     steps.row_norm(k_raw, x[10], a.k, p.eps, rope=rope)]
+    t = _turned(p, a, s)
+    if p.norm:
+        launches += [steps.row_norm(a.q_raw, None, None, p.eps, rstd=a.q_rstd)] if p.q_on_load else []
+        launches += _norm_and_turn(p, x[9], x[10], _tables(p, [*x[:9], None, *x[9:]]), a.q_raw, k_raw, t)
     elif p.rope:  # turned in place
+        rope = (*_tables(p, [*x[:9], None, *x[9:]]), p.config.head_dim)
         launches += [steps.row_norm(a.q, None, a.q, p.eps, rope=rope), steps.row_norm(k_raw, None, k_raw, p.eps, rope=rope)]
-    k = a.k if p.norm else k_raw
-    q, q_norm = _queries(p, a, x[9] if p.norm else None)
+    k = t.k if p.norm else k_raw
+    q, q_norm = _queries(p, t, x[9] if p.norm else None)
     if not p.cudnn:  # (cuDNN's attention allocates its outputs: the callers' `Allocating` steps)
         launches.append(steps.attention_forward(p.attention, p.tiles, q, k, v, a.o, a.lse, scale, g, q_norm=q_norm))
     return launches
 
 
-def _keys_values(p: Plan, a) -> tuple:
-    """(K, V) as the attention reads them."""
+def _turned(p: Plan, a, s):
+    """Where the normed (and turned) Q and K lie: the scratch s where they are turned anew (`Plan.turned_anew`: s
+    holds `Plan.turned`), else the activations a (the backward recomputing its own forward: a is s)."""
+    return s if p.turned_anew else a
+
+
+def _norm_and_turn(p: Plan, nq, nk, tables, q_raw, k_raw, t) -> list:
+    """The norms (weights nq, nk) of the projections' rows q_raw, k_raw into t.q (unless the attention norms Q as it
+    loads it) and t.k, each with its RoPE turn where the plan has one (tables: `_tables`; one pass over the rows)."""
+    rope = (*tables, p.config.head_dim) if p.rope else None
+    return (([] if p.q_on_load else [steps.row_norm(q_raw, nq, t.q, p.eps, rope=rope)])
+            + [steps.row_norm(k_raw, nk, t.k, p.eps, rope=rope)])
+
+
+def _keys_values(p: Plan, a, t) -> tuple:
+    """(K, V) as the attention reads them (t: `_turned`)."""
     if p.casts:
         d = p.config.hidden
-        return (a.k if p.norm else a.kv[:, :d]), a.kv[:, d:]
-    return a.k, a.v
+        return (t.k if p.norm else a.kv[:, :d]), a.kv[:, d:]
+    return t.k, a.v
 
 
 def _queries(p: Plan, a, norm_weight) -> tuple:
     """(q, q_norm) of the attention launches: with the q norm applied on load, the rows before it and the
-    norm to apply as they are loaded (no normed copy of Q is kept), else Q."""
+    norm to apply as they are loaded (no normed copy of Q is kept), else Q (a: `_turned`'s)."""
     return (a.q_raw, (a.q_rstd, norm_weight)) if p.q_on_load else (a.q, None)
 
 
@@ -261,11 +291,12 @@ def forward(inputs, scale: float, plan: Plan):
 
     def build():
         a, s = acts.views(a_flat), scratch.views(s_flat)
+        t = _turned(plan, a, s)
         launches = _forward_launches(plan, g, inputs[:9] + inputs[10:], a, s, scale)
         o2 = out.view(plan.tv, plan.config.hidden)
         if plan.cudnn:  # O and lse into the saved activations (cuDNN allocates its own), the output projection
             launches.append(Allocating(
-                key, lambda: cudnn.forward(plan.attention, a.q, *_keys_values(plan, a), scale),
+                key, lambda: cudnn.forward(plan.attention, t.q, *_keys_values(plan, a, t), scale),
                 lambda o, lse: [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), addmm(bo, o, wo.T, o2)],
                 "cuDNN's attention forward"))
         elif plan.casts:  # fp32 output: the bias added in fp32
@@ -319,8 +350,11 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
                 dk, dv = None, None  # (cuDNN's: its own tensors)
             else:
                 dk, dv = (s.dkv[:, :d], s.dkv[:, d:]) if p.stacked else (s.dk, s.dv)
-        k = a.k if p.norm else k_raw
-        q, q_norm = _queries(p, a, inputs[10] if p.norm else None)
+        t = _turned(p, a, s)
+        if p.turned_anew:  # Q and K normed and turned again
+            launches += _norm_and_turn(p, inputs[10], inputs[11], _tables(p, inputs), a.q_raw, k_raw, t)
+        k = t.k if p.norm else k_raw
+        q, q_norm = _queries(p, t, inputs[10] if p.norm else None)
         dc = (p.upstream_of_attention.views(bytes_of(grad_video)) if n[0] else s).dc
         if n[9]:
             launches += steps.column_sums(go_c, w.grad_bo, s.parts_bo, g, unscale=True)
@@ -365,8 +399,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
         through_attention = any(n[:8]) or (p.norm and any(n[10:12]))
         if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest
             def attention():
-                o, lse = cudnn.forward(p.attention, a.q, k, v, scale) if a_flat is None else (a.o, a.lse)
-                return o, (cudnn.backward(p.attention, a.q, k, v, o, lse, dc, scale) if through_attention else ())
+                o, lse = cudnn.forward(p.attention, t.q, k, v, scale) if a_flat is None else (a.o, a.lse)
+                return o, (cudnn.backward(p.attention, t.q, k, v, o, lse, dc, scale) if through_attention else ())
 
             def rest(o, grads):
                 return ([mm(go_c.T, o, w.grad_wo)] if n[8] else []) + (after(*grads) if through_attention else [])
