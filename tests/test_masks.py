@@ -330,28 +330,31 @@ def test_queries_weighing_every_key_alike_leave_the_keys_exact(cap, split, dq_at
     (Gemma 2 trains on eager attention; Gemma's tokenizers pad on the left). They take no part in the keys'
     bounds, so a padded entry's keys keep the exact loop, and every key block visits them in a loop of their
     own. The attention kernels (key blocks split or not, dQ by atomics or by programs) against float64 adding the
-    mask as eager does, on poisoned outputs: left padding, right padding (no such query), and left padding with
-    holes (keys whose loop reads the mask, which then takes those queries in)."""
+    mask as eager does, on poisoned outputs: left padding, right padding (no such query), left padding with
+    holes (keys whose loop reads the mask, which then takes those queries in), and left padding over whole query
+    blocks (70 rows: the interpreter's first two blocks of 32, the GPU's first of 64), whose forward reads V
+    alone."""
     import math
 
     from backfuse.train import masks, steps
 
     torch.manual_seed(0)
-    b, s, heads, group, d = 3, 45, 4, 2, 32
+    b, s, heads, group, d = 4, 90, 4, 2, 32
     i = torch.arange(s)
     visible = (i[None] <= i[:, None]).repeat(b, 1, 1)
     visible[0, :, :7] = False  # left padding: queries 0-6 see nothing
     visible[1, :, 38:] = False  # right padding: every query sees a real key
     visible[2, :, :3] = False
     visible[2, 20:23, 5:9] = False
+    visible[3, :, :70] = False  # queries 0-69 see nothing
     mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)[:, None].to(DEVICE)
     a = steps.Attention(b, s, s, heads, group, d, causal=True, softcap=cap, masking=masks.masking_of(mask, None))
     bounds = _bounds(a)
     for launch in steps.attention_bounds(a, bounds, mask):
         launch()
     k_hi = bounds[3, :b * s].view(b, s).cpu()
-    assert bounds[4, :2 * b].tolist() == [0, 6, s, -1, 0, 2]
-    assert (k_hi[:2] < 1 << 30).all() and (k_hi[2] >= 1 << 30).any()  # padded entries exact; holes marked
+    assert bounds[4, :2 * b].tolist() == [0, 6, s, -1, 0, 2, 0, 69]
+    assert (k_hi[[0, 1, 3]] < 1 << 30).all() and (k_hi[2] >= 1 << 30).any()  # padded entries exact; holes marked
 
     kv = heads // group
     q, k, v, do = (torch.randn(b * s, w * d, device=DEVICE).to(torch.bfloat16) for w in (heads, kv, kv, heads))

@@ -222,6 +222,28 @@ def _forward_steps(qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v,
     return m_i, l_i, acc, k_max, v_max
 
 
+@triton.jit
+def _alike_steps(b, kv, k, v, S_k, D: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, RANGES: tl.constexpr):
+    """The forward of a block whose rows all weigh every key alike (MASK_ADD's fully masked rows, eager's padded
+    queries: every logit finfo.min, so P = 1 / S_k for every key): (m_i, l_i, acc, largest |k|, largest |v|) as
+    `_forward_steps` returns them, m_i = 0 and l_i = S_k (lse = log2 S_k, as the backward's KEYS_ALIKE loop reads
+    it) and acc the sum of V, from V alone: no logits (K is read only for the range guard)."""
+    total = tl.zeros((BN, D), dtype=tl.float32)
+    k_max = 0.0
+    v_max = 0.0
+    for n0 in range(0, S_k, BN):
+        cols = n0 + tl.arange(0, BN)
+        col_ok = cols < S_k
+        vt = _head_tile(v, b * S_k + cols, col_ok, LD_V, kv * D, D)
+        total += vt.to(tl.float32)
+        if RANGES:
+            k_max = tl.maximum(k_max, largest(_head_tile(k, b * S_k + cols, col_ok, LD_K, kv * D, D)))
+            v_max = tl.maximum(v_max, largest(vt))
+    acc = tl.zeros((BM, D), dtype=tl.float32) + tl.sum(total, 0)[None, :]
+    return tl.zeros((BM,), dtype=tl.float32), tl.zeros((BM,), dtype=tl.float32) + S_k, acc, k_max, v_max
+
+
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "r_q", "r_k", "r_v", "m_sb", "m_sq", "m_sk"])
 def attention_forward_kernel(
     q, k, v, o, lse, ranges, q_rstd, q_w, lo, hi, mask,
@@ -234,7 +256,8 @@ def attention_forward_kernel(
     """O and lse of BM queries of one (batch entry, head): grid (B * HEADS, query blocks), the last
     blocks (the most keys when causal) first. Online softmax over BN keys at a time, only over the
     key blocks the mask leaves visible (a window's earlier blocks are skipped, not masked); with MASK,
-    the key blocks between the block's rows' lowest and highest bounds."""
+    the key blocks between the block's rows' lowest and highest bounds; with MASK_ADD, a block whose rows all
+    weigh every key alike from V alone (`_alike_steps`)."""
     bh = tl.program_id(0)
     block = tl.num_programs(1) - 1 - tl.program_id(1)
     b = bh // HEADS
@@ -255,15 +278,20 @@ def attention_forward_kernel(
     lo_r = rows  # (read only with MASK)
     hi_r = rows
     partial = False
+    alike = False
     if MASK != MASK_NONE:
         lo_r, hi_r, part_r = _row_bounds(lo, hi, b, rows, row_ok, S_q, S_k)
         if MASK == MASK_KEEP or MASK == MASK_ADD:
             partial = tl.max(part_r.to(tl.int32)) > 0
+        if MASK == MASK_ADD:
+            alike = tl.max(lo_r) < 0  # (a row past S_q has lo = S_k: a block holding one is not alike)
         n_lo = tl.maximum(0, tl.min(lo_r)) // BN * BN
         n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
     # A block none of whose rows is partial reads only their bounds (`_masked` with MASK_BOUNDS), in a loop of its own
     FAST: tl.constexpr = MASK_BOUNDS if MASK == MASK_KEEP or MASK == MASK_ADD else MASK
-    if partial:  # (static False without a mask to read)
+    if alike:  # (static False but with MASK_ADD)
+        m_i, l_i, acc, k_max, v_max = _alike_steps(b, kv, k, v, S_k, D, LD_K, LD_V, BM, BN, RANGES)
+    elif partial:  # (static False without a mask to read)
         m_i, l_i, acc, k_max, v_max = _forward_steps(
             qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq, m_sk,
             D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, MASK)
