@@ -187,7 +187,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
     def build():
         s = scratch.views(s_flat)
         a = s if a_flat is None else p.activations.views(a_flat)
-        t = s if p.turned_anew else a  # (`training._turned`)
+        t = training._turned(p, a, s)
         launches = []
         if a_flat is None:
             launches += _forward_launches(p, fg, inputs, a, t, scale) + ([steps.check(fg)] if fg is not None else [])
