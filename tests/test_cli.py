@@ -578,8 +578,11 @@ def test_gpu_bench_plumbing(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("section", ["models", "dynamic", "memory", "e2e"])
 def test_readme_shows_each_training_section_of_the_results_file(section):
-    """README's training tables are scripts/update_readme.py's, from h200.json's sections and their runs."""
+    """README's training tables are scripts/update_readme.py's, from h200.json's sections and their runs (h100.json's
+    where h200.json has none yet)."""
     doc = _h200()
+    if not doc.get(section):
+        doc = json.loads((ROOT / "benchmarks" / "results" / "h100.json").read_text())
     table = getattr(report, f"{section}_table")(doc.get(section, {}), doc.get(f"{section}_run"))
     readme = (ROOT / "README.md").read_text()
     assert readme.split(f"<!-- {section}:start -->\n", 1)[1].split(f"\n<!-- {section}:end -->", 1)[0] == table
