@@ -27,13 +27,14 @@ def _sm90_cases(dtype: str):
             common = dict(HEADS=8, GROUP=2, D=d, CAUSAL=True, WINDOW=True, HAS_CAP=softcap, RANGES=True, APPROX_TANH=True,
                           Q_NORM=d == 128, LD_Q=8 * d, LD_K=4 * d, LD_V=4 * d)
             name = f"D={d}{' cap' if softcap else ''}"
-            for mask in (0, 2, 3):
-                yield (f"{name} forward mask={mask}", attention.attention_forward_kernel, ptr,
-                       dict(common, LD_O=8 * d, BM=t.bm, BN=t.bn, MASK=mask), t.warps, t.stages)
-                for atomic in sorted({t.dq_atomic, False}):
-                    yield (f"{name} backward mask={mask} dq_atomic={atomic}", attention.attention_backward_kernel, ptr,
+            for mask, reads in ((0, False), (2, False), (3, False), (3, True)):
+                yield (f"{name} forward mask={mask}{' reads' if reads else ''}", attention.attention_forward_kernel, ptr,
+                       dict(common, LD_O=8 * d, BM=t.bm, BN=t.bn, MASK=mask, READS=reads), t.warps, t.stages)
+                for atomic in sorted({t.dq_atomic, False} - ({True} if reads else set())):  # (no dQ programs to read)
+                    yield (f"{name} backward mask={mask} dq_atomic={atomic}{' reads' if reads else ''}",
+                           attention.attention_backward_kernel, ptr,
                            dict(common, LD_DO=8 * d, LD_DQ=8 * d, LD_DK=4 * d, LD_DV=4 * d, KV_BN=t.kv_bn, KV_BM=t.kv_bm,
-                                Q_BM=t.q_bm, Q_BN=t.q_bn, KV_ATOMIC=True, DQ_ATOMIC=atomic, MASK=mask),
+                                Q_BM=t.q_bm, Q_BN=t.q_bn, KV_ATOMIC=True, DQ_ATOMIC=atomic, MASK=mask, READS=reads),
                            t.bwd_warps, t.bwd_stages)
     yield ("bounds", attention.attention_bounds_kernel, ptr | {"documents": "*i32"},
            dict(CAUSAL=True, WINDOW=True, DOCS=True, MASK=3, BR=64, BN=64), 4, 1)
@@ -56,8 +57,9 @@ def _sm90_cases(dtype: str):
 
 
 def _sm90_shared(dtype: str) -> list:
-    """[{name, shared bytes}] of every `_sm90_cases` kernel compiled for sm_90 (run without TRITON_INTERPRET)."""
-    from backfuse.kernels.gluon.sm90 import compile_triton
+    """[{name, shared bytes, serialized}] of every `_sm90_cases` kernel compiled for sm_90 (run without
+    TRITON_INTERPRET); serialized: ptxas made each wgmma wait for the one before (`usage`'s count)."""
+    from backfuse.kernels.gluon.sm90 import compile_triton, usage
 
     out = []
     for name, fn, pointers, constexprs, warps, stages in _sm90_cases(dtype):
@@ -66,7 +68,7 @@ def _sm90_shared(dtype: str) -> list:
         sig = {p.name: pointers.get(p.name) or ("i32" if p.do_not_specialize else "fp32") for p in fn.params
                if not p.is_constexpr}
         kernel = compile_triton(fn, sig, constexprs, num_warps=warps, num_stages=stages)
-        out.append({"name": name, "shared": kernel.metadata.shared})
+        out.append({"name": name, "shared": kernel.metadata.shared, "serialized": usage(kernel).serialized})
     return out
 
 

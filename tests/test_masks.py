@@ -364,10 +364,10 @@ def test_queries_weighing_every_key_alike_leave_the_keys_exact(cap, split, dq_at
     dk, dv = ((torch.zeros(b * s, kv * d, device=DEVICE) for _ in range(2)) if split > 1 else
               (torch.full_like(k, nan), torch.full_like(v, nan)))
     tiles, scale = steps.attention_tiles(d, GPU), 1 / math.sqrt(d)
-    for launch in (steps.attention_forward(a, tiles, q, k, v, o, lse, scale, None, bounds=bounds, mask=mask),
+    for launch in (*steps.attention_forward(a, tiles, q, k, v, o, lse, scale, None, bounds=bounds, mask=mask),
                    steps.attention_delta(a, o, do, delta, None),
-                   steps.attention_backward(a, tiles, split, q, k, v, do, lse, delta, dq, dk, dv, scale, None,
-                                            dq_atomic=dq_atomic, bounds=bounds, mask=mask)):
+                   *steps.attention_backward(a, tiles, split, q, k, v, do, lse, delta, dq, dk, dv, scale, None,
+                                             dq_atomic=dq_atomic, bounds=bounds, mask=mask)):
         launch()
     exact = [x.double().requires_grad_() for x in (q, k, v)]
     ref = attention64(*exact, b, heads, group, d, scale, cap, False, 0, additive=mask)

@@ -86,11 +86,15 @@ class Run:
         self.dk = torch.empty(tk, kv * a.head_dim, device=dev, dtype=wide)
         self.dv = torch.empty_like(self.dk)
         self.scale, self.atomic = scale, atomic
-        self.forward = steps.attention_forward(a, tiles, self.q, self.k, self.v, self.o, self.lse, scale, None)
+        self.forward_launches = steps.attention_forward(a, tiles, self.q, self.k, self.v, self.o, self.lse, scale, None)
         self.delta_launch = steps.attention_delta(a, self.o, self.do, self.delta, None)
-        self.backward_launch = steps.attention_backward(a, tiles, self.split, self.q, self.k, self.v, self.do, self.lse,
-                                                        self.delta, self.dq, self.dk, self.dv, scale, None,
-                                                        dq_atomic=atomic)
+        self.backward_launches = steps.attention_backward(a, tiles, self.split, self.q, self.k, self.v, self.do,
+                                                          self.lse, self.delta, self.dq, self.dk, self.dv, scale, None,
+                                                          dq_atomic=atomic)
+
+    def forward(self):
+        for launch in self.forward_launches:
+            launch()
 
     def backward(self):
         if self.split > 1:
@@ -99,7 +103,8 @@ class Run:
         if self.atomic:
             self.dq.zero_()
         self.delta_launch()
-        self.backward_launch()
+        for launch in self.backward_launches:
+            launch()
 
     def grads(self):
         return [t.float() for t in (self.o, self.dq, self.dk, self.dv)]

@@ -100,8 +100,8 @@ def training_attention_loops(head_dim: int = 256):
             sig = {p.name: "i32" if p.do_not_specialize else "fp32" if p.name in ("scale", "cap") else
                    "*i32" if p.name in ("lo", "hi", "k_lo", "k_hi", "alike") else f"*{mask_type}" if p.name == "mask" else
                    "*fp32" if p.name in fp32 else "*bf16" for p in fn.params if not p.is_constexpr}
-            kernel = compile_triton(fn, sig, dict(common, **extra, CAUSAL=mask == 0, MASK=mask), num_warps=warps,
-                                    num_stages=stages)
+            kernel = compile_triton(fn, sig, dict(common, **extra, CAUSAL=mask == 0, MASK=mask, READS=False),
+                                    num_warps=warps, num_stages=stages)
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(kernel.asm["cubin"])
                 f.flush()

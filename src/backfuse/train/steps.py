@@ -317,21 +317,28 @@ def _query_norm(q_norm, q) -> tuple:
     return q_norm if q_norm is not None else (q, q)
 
 
+def reads_apart(a: Attention) -> bool:
+    """Whether a's mask is read (a "keep" or "add" mask, where a query block has a partial row): the attention's
+    blocks that read it then run in a launch of their own (`kernels/triton/attention.py: READ_APART`)."""
+    return a.masking is not None and a.masking.mask is not None
+
+
 def attention_forward(a: Attention, tiles: AttentionTiles, q, k, v, o, lse, scale: float, guard,
                       regions=("queries", "keys", "values"), q_norm=None, bounds=None, mask=None):
-    """o, lse of attention a; q, k, v, o token-major views (rows ld apart, head h at column h * D).
-    q_norm: (rstd, weight) of an RMSNorm across q's heads, applied as q is loaded (q: the rows before it).
-    With a.masking: bounds (`attention_bounds`') and the mask tensor it names (None: no tensor)."""
+    """The launches writing o, lse of attention a; q, k, v, o token-major views (rows ld apart, head h at column
+    h * D). q_norm: (rstd, weight) of an RMSNorm across q's heads, applied as q is loaded (q: the rows before it).
+    With a.masking: bounds (`attention_bounds`') and the mask tensor it names (None: no tensor); a mask to read
+    adds a second launch for the query blocks with a partial row (`reads_apart`)."""
     ranges, _, _ = _guarded(guard, q.device)
     r_q, r_k, r_v = (_slot(guard, r) for r in regions)
     q_rstd, q_w = _query_norm(q_norm, q)
-    return FORWARD(
-        (a.batch * a.heads, cdiv(a.s_q, tiles.bm)),
-        dict(q=q, k=k, v=v, o=o, lse=lse, ranges=ranges, q_rstd=q_rstd, q_w=q_w, S_q=a.s_q, S_k=a.s_k,
-             scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, r_q=r_q, r_k=r_k, r_v=r_v,
-             **_mask_args(a, bounds, mask, q)),
-        LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_O=o.stride(0), BM=tiles.bm, BN=tiles.bn,
-        num_warps=tiles.warps, num_stages=tiles.stages, Q_NORM=q_norm is not None, **a.meta(guard))
+    args = dict(q=q, k=k, v=v, o=o, lse=lse, ranges=ranges, q_rstd=q_rstd, q_w=q_w, S_q=a.s_q, S_k=a.s_k,
+                scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, r_q=r_q, r_k=r_k, r_v=r_v,
+                **_mask_args(a, bounds, mask, q))
+    return [FORWARD((a.batch * a.heads, cdiv(a.s_q, tiles.bm)), args, LD_Q=q.stride(0), LD_K=k.stride(0),
+                    LD_V=v.stride(0), LD_O=o.stride(0), BM=tiles.bm, BN=tiles.bn, num_warps=tiles.warps,
+                    num_stages=tiles.stages, Q_NORM=q_norm is not None, READS=reads, **a.meta(guard))
+            for reads in (False, True)[:1 + reads_apart(a)]]
 
 
 def attention_delta(a: Attention, o, do, delta, guard, region="gradient of attention output"):
@@ -347,7 +354,8 @@ def attention_delta(a: Attention, o, do, delta, guard, region="gradient of atten
 def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v, do, lse, delta, dq, dk, dv,
                        scale: float, guard, regions=("gradient of queries", "gradient of keys", "gradient of values"),
                        dq_atomic: bool = False, q_norm=None, bounds=None, mask=None):
-    """dq, dk, dv of attention a. split > 1: dk, dv are fp32 and zeroed before (atomic sums).
+    """The launches writing dq, dk, dv of attention a (a second one, of dQ programs, where `reads_apart`). split > 1:
+    dk, dv are fp32 and zeroed before (atomic sums).
     dq_atomic: dq is fp32, zeroed before, and receives dQ as atomic sums from the key blocks' programs
     (no dQ programs: no recomputation of P and dP for dQ). q_norm: as `attention_forward`'s (dq: the
     gradient of the normed q)."""
@@ -356,16 +364,17 @@ def attention_backward(a: Attention, tiles: AttentionTiles, split: int, q, k, v,
     r_dq, r_dk, r_dv = (_slot(guard, r) for r in regions)
     kv_programs = a.batch * (a.heads // a.group) * cdiv(a.s_k, tiles.kv_bn) * split
     q_programs = 0 if dq_atomic else a.batch * a.heads * cdiv(a.s_q, tiles.q_bm)
-    return BACKWARD(
-        (kv_programs + q_programs,),
-        dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ranges=ranges, q_rstd=q_rstd,
-             q_w=q_w, S_q=a.s_q, S_k=a.s_k,
-             scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window, kv_programs=kv_programs, split=split,
-             r_dq=r_dq, r_dk=r_dk, r_dv=r_dv, **_mask_args(a, bounds, mask, q, keys=True)),
-        LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_DO=do.stride(0), LD_DQ=dq.stride(0),
-        LD_DK=dk.stride(0), LD_DV=dv.stride(0), KV_BN=tiles.kv_bn, KV_BM=tiles.kv_bm, Q_BM=tiles.q_bm,
-        Q_BN=tiles.q_bn, KV_ATOMIC=split > 1, DQ_ATOMIC=dq_atomic, num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages,
-        Q_NORM=q_norm is not None, **a.meta(guard))
+    args = dict(q=q, k=k, v=v, do=do, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, ranges=ranges, q_rstd=q_rstd,
+                q_w=q_w, S_q=a.s_q, S_k=a.s_k, scale=float(scale), cap=float(a.softcap) or 1.0, window=a.window,
+                kv_programs=kv_programs, split=split, r_dq=r_dq, r_dk=r_dk, r_dv=r_dv,
+                **_mask_args(a, bounds, mask, q, keys=True))
+    grids = [(kv_programs + q_programs,)] + ([(q_programs,)] if q_programs and reads_apart(a) else [])
+    return [BACKWARD(grid, args, LD_Q=q.stride(0), LD_K=k.stride(0), LD_V=v.stride(0), LD_DO=do.stride(0),
+                     LD_DQ=dq.stride(0), LD_DK=dk.stride(0), LD_DV=dv.stride(0), KV_BN=tiles.kv_bn, KV_BM=tiles.kv_bm,
+                     Q_BM=tiles.q_bm, Q_BN=tiles.q_bn, KV_ATOMIC=split > 1, DQ_ATOMIC=dq_atomic,
+                     num_warps=tiles.bwd_warps, num_stages=tiles.bwd_stages, Q_NORM=q_norm is not None, READS=reads,
+                     **a.meta(guard))
+            for grid, reads in zip(grids, (False, True))]
 
 
 def zero(t):

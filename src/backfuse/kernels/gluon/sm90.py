@@ -42,10 +42,16 @@ class Usage:
     local: int  # bytes of local memory per thread outside the stack frame
     stack: int  # bytes of stack frame per thread: where ptxas puts register spills
     wgmma: int  # HGMMA instructions in the SASS
+    waits: int = 0  # WARPGROUP.DEPBAR instructions: waits for the wgmma in flight
+
+    @property
+    def serialized(self) -> bool:
+        """ptxas made every wgmma wait for the one before (its C7515 "Potential Performance Loss"): a wait each."""
+        return self.wgmma > 0 and self.waits >= self.wgmma
 
     def __str__(self) -> str:
         return (f"smem {self.shared / 1024:6.1f} KB  regs {self.registers:3d}  local {self.local:4d} B  "
-                f"stack {self.stack:4d} B  HGMMA {self.wgmma:3d}")
+                f"stack {self.stack:4d} B  HGMMA {self.wgmma:3d}{' serialized' if self.serialized else ''}")
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, *, num_warps: int, maxnreg: int | None = None):
@@ -66,7 +72,7 @@ def compile_triton(fn, signature: dict, constexprs: dict, *, num_warps: int, num
 
 
 def usage(kernel) -> Usage:
-    """Shared memory, registers, local memory, stack (spills) and wgmma count of a compiled kernel
+    """Shared memory, registers, local memory, stack (spills), wgmma and wgmma-wait counts of a compiled kernel
     (cuobjdump on its cubin)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -75,4 +81,4 @@ def usage(kernel) -> Usage:
         res = subprocess.run([_CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     return Usage(kernel.metadata.shared, int(re.search(r"REG:(\d+)", res).group(1)),
                  int(re.search(r"LOCAL:(\d+)", res).group(1)), int(re.search(r"STACK:(\d+)", res).group(1)),
-                 sass.count("HGMMA"))
+                 sass.count("HGMMA"), sass.count("WARPGROUP.DEPBAR"))

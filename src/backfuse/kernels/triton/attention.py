@@ -131,6 +131,12 @@ MASK_KEEP = tl.constexpr(2)
 MASK_ADD = tl.constexpr(3)
 _MASKED_OUT = tl.constexpr(-1.0e38)  # an additive mask value at or below it hides the key (finfo.min of any dtype)
 _PARTIAL = tl.constexpr(1 << 30)  # added to a row's stored hi: the mask hides keys inside its bounds (or adds to them)
+# READ_APART: with a mask to read (MASK_KEEP, MASK_ADD) the forward's and the dQ programs' blocks with a partial row
+# run in a launch of their own (READS). A loop that reads the mask tile beside the logits' tile makes ptxas
+# serialize every wgmma of its kernel (C7515: "non wgmma instructions defining accumulator registers"), so in one
+# kernel with it the other blocks' loops lost their overlap too: a dense causal additive mask, which no row reads,
+# cost Gemma 2 9B's backward 13.6 ms a step against ~8.8 unmasked (session 45). The key blocks' programs keep their
+# three loops in one kernel: without the dQ programs' mask read, ptxas overlaps them (`tests/sm90_kernels.py`).
 
 
 @triton.jit
@@ -251,13 +257,14 @@ def attention_forward_kernel(
     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_O: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-    RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr,
+    RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr, READS: tl.constexpr,
 ):
     """O and lse of BM queries of one (batch entry, head): grid (B * HEADS, query blocks), the last
     blocks (the most keys when causal) first. Online softmax over BN keys at a time, only over the
     key blocks the mask leaves visible (a window's earlier blocks are skipped, not masked); with MASK,
     the key blocks between the block's rows' lowest and highest bounds; with MASK_ADD, a block whose rows all
-    weigh every key alike from V alone (`_alike_steps`)."""
+    weigh every key alike from V alone (`_alike_steps`). READS: this launch takes the blocks with a partial row
+    alone, whose tiles read the mask; else it takes every other block (`READ_APART`)."""
     bh = tl.program_id(0)
     block = tl.num_programs(1) - 1 - tl.program_id(1)
     b = bh // HEADS
@@ -287,26 +294,27 @@ def attention_forward_kernel(
             alike = tl.max(lo_r) < 0  # (a row past S_q has lo = S_k: a block holding one is not alike)
         n_lo = tl.maximum(0, tl.min(lo_r)) // BN * BN
         n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
-    # A block none of whose rows is partial reads only their bounds (`_masked` with MASK_BOUNDS), in a loop of its own
+    # a block with no partial row: its rows' bounds alone decide (`_masked` with MASK_BOUNDS)
     FAST: tl.constexpr = MASK_BOUNDS if MASK == MASK_KEEP or MASK == MASK_ADD else MASK
-    if alike:  # (static False but with MASK_ADD)
-        m_i, l_i, acc, k_max, v_max = _alike_steps(b, kv, k, v, S_k, D, LD_K, LD_V, BM, BN, RANGES)
-    elif partial:  # (static False without a mask to read)
-        m_i, l_i, acc, k_max, v_max = _forward_steps(
-            qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq, m_sk,
-            D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, MASK)
-    else:
-        m_i, l_i, acc, k_max, v_max = _forward_steps(
-            qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq, m_sk,
-            D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, FAST)
-    seen = l_i > 0.0  # a row seeing no key (masked, or past S_q): O = 0, lse = inf (its P is 0 in the backward)
-    l_i = tl.where(seen, l_i, 1.0)
-    _store_head_tile(o, b * S_q + rows, row_ok, LD_O, h * D, D, acc / l_i[:, None])
-    tl.store(lse + bh * S_q + rows, tl.where(seen, m_i + tl.log2(l_i), float("inf")), mask=row_ok)
-    if RANGES:
-        fold(ranges, r_q, largest(qt))
-        fold(ranges, r_k, k_max)
-        fold(ranges, r_v, v_max)
+    if partial == READS:  # (partial: static False without a mask to read, where READS is False)
+        if not READS:
+            m_i, l_i, acc, k_max, v_max = _forward_steps(
+                qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq,
+                m_sk, D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, FAST)
+        elif alike:  # (static False but with MASK_ADD; such rows are partial)
+            m_i, l_i, acc, k_max, v_max = _alike_steps(b, kv, k, v, S_k, D, LD_K, LD_V, BM, BN, RANGES)
+        else:
+            m_i, l_i, acc, k_max, v_max = _forward_steps(
+                qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq,
+                m_sk, D, LD_K, LD_V, BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, MASK)
+        seen = l_i > 0.0  # a row seeing no key (masked, or past S_q): O = 0, lse = inf (its P is 0 in the backward)
+        l_i = tl.where(seen, l_i, 1.0)
+        _store_head_tile(o, b * S_q + rows, row_ok, LD_O, h * D, D, acc / l_i[:, None])
+        tl.store(lse + bh * S_q + rows, tl.where(seen, m_i + tl.log2(l_i), float("inf")), mask=row_ok)
+        if RANGES:
+            fold(ranges, r_q, largest(qt))
+            fold(ranges, r_k, k_max)
+            fold(ranges, r_v, v_max)
 
 
 @triton.jit(do_not_specialize=["T", "S_q", "r_do"])
@@ -514,9 +522,10 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
                  LD_Q: tl.constexpr, LD_K: tl.constexpr, LD_V: tl.constexpr, LD_DO: tl.constexpr, LD_DQ: tl.constexpr,
                  Q_BM: tl.constexpr, Q_BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                  HAS_CAP: tl.constexpr, RANGES: tl.constexpr, APPROX_TANH: tl.constexpr, Q_NORM: tl.constexpr,
-                 MASK: tl.constexpr):
+                 MASK: tl.constexpr, READS: tl.constexpr):
     """dQ of Q_BM queries of one (batch entry, head) over their visible keys (Q_BN at a time), the
-    last query blocks (the most keys when causal) first."""
+    last query blocks (the most keys when causal) first; READS: the blocks with a partial row alone, else every
+    other block (`READ_APART`)."""
     per_block = q_programs // ((S_q + Q_BM - 1) // Q_BM)
     block = (q_programs - 1 - local) // per_block
     bh = local % per_block
@@ -544,15 +553,16 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
         partial = tl.max(part_r.to(tl.int32)) > 0
         n_lo = tl.maximum(0, tl.min(lo_r)) // Q_BN * Q_BN
         n_hi = tl.minimum(S_k, tl.max(hi_r) + 1)
-    # (one loop, reading the mask where a row of the block is partial: a second loop's pipeline buffers would not
-    # fit beside the key blocks' in one program's shared memory)
-    dq_acc = _query_steps(qt, dot_, row_lse, row_delta, rows, lo_r, hi_r, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap,
-                          window, m_sb, m_sq, m_sk, partial, D, LD_K, LD_V, Q_BM, Q_BN, CAUSAL, WINDOW, HAS_CAP, APPROX_TANH,
-                          MASK)
-    dq_acc = dq_acc * scale
-    _store_head_tile(dq, tok, row_ok, LD_DQ, h * D, D, dq_acc)
-    if RANGES:
-        fold(ranges, r_dq, largest(dq_acc))
+    FAST: tl.constexpr = MASK_BOUNDS if MASK == MASK_KEEP or MASK == MASK_ADD else MASK
+    LOOP: tl.constexpr = MASK if READS else FAST  # (READS: the mask read where the block is partial)
+    if partial == READS:
+        dq_acc = _query_steps(qt, dot_, row_lse, row_delta, rows, lo_r, hi_r, b, kv, n_lo, n_hi, k, v, mask, S_k, scale,
+                              cap, window, m_sb, m_sq, m_sk, partial, D, LD_K, LD_V, Q_BM, Q_BN, CAUSAL, WINDOW, HAS_CAP,
+                              APPROX_TANH, LOOP)
+        dq_acc = dq_acc * scale
+        _store_head_tile(dq, tok, row_ok, LD_DQ, h * D, D, dq_acc)
+        if RANGES:
+            fold(ranges, r_dq, largest(dq_acc))
 
 
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "kv_programs", "split", "r_dq", "r_dk", "r_dv", "m_sb", "m_sq",
@@ -565,22 +575,28 @@ def attention_backward_kernel(
     LD_DQ: tl.constexpr, LD_DK: tl.constexpr, LD_DV: tl.constexpr,
     KV_BN: tl.constexpr, KV_BM: tl.constexpr, Q_BM: tl.constexpr, Q_BN: tl.constexpr, KV_ATOMIC: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, RANGES: tl.constexpr,
-    APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr,
+    APPROX_TANH: tl.constexpr, DQ_ATOMIC: tl.constexpr, Q_NORM: tl.constexpr, MASK: tl.constexpr, READS: tl.constexpr,
 ):
     """Programs [0, kv_programs): dK, dV of a key block (`_key_block`); the rest: dQ of a query block
     (`_query_block`). P is recomputed from lse; one launch of both kinds, each independent of the other.
     DQ_ATOMIC: no dQ programs; the key blocks' programs add dQ into fp32 dq instead. With Q_NORM, dq is
-    the gradient of the normed queries."""
+    the gradient of the normed queries. READS: a launch of dQ programs alone, those of the query blocks with a
+    partial row (`READ_APART`); the first launch's dQ programs then take the others."""
     pid = tl.program_id(0)
-    if pid < kv_programs:
+    if READS:
+        _query_block(pid, tl.num_programs(0), q, k, v, do, lse, delta, dq, ranges, q_rstd, q_w, lo, hi, mask, S_q, S_k,
+                     scale, cap, window, r_dq, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q, LD_K, LD_V, LD_DO, LD_DQ, Q_BM,
+                     Q_BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, Q_NORM, MASK, True)
+    elif pid < kv_programs:
         _key_block(pid, kv_programs, split, q, k, v, do, lse, delta, dq, dk, dv, ranges, q_rstd, q_w, lo, hi, k_lo, k_hi,
                    alike, mask, S_q, S_k, scale, cap, window, r_dk, r_dv, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q, LD_K, LD_V,
                    LD_DO, LD_DQ, LD_DK, LD_DV, KV_BN, KV_BM, KV_ATOMIC, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH,
                    DQ_ATOMIC, Q_NORM, MASK)
-    else:
+    elif not DQ_ATOMIC:
         _query_block(pid - kv_programs, tl.num_programs(0) - kv_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
                      q_w, lo, hi, mask, S_q, S_k, scale, cap, window, r_dq, m_sb, m_sq, m_sk, HEADS, GROUP, D, LD_Q,
-                     LD_K, LD_V, LD_DO, LD_DQ, Q_BM, Q_BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, Q_NORM, MASK)
+                     LD_K, LD_V, LD_DO, LD_DQ, Q_BM, Q_BN, CAUSAL, WINDOW, HAS_CAP, RANGES, APPROX_TANH, Q_NORM, MASK,
+                     False)
 
 
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "m_sb", "m_sq", "m_sk"])

@@ -92,10 +92,9 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> li
     if p.masking is not None:
         launches += steps.attention_bounds(p.attention, a.bounds, *masks)
     if not p.cudnn:  # (cuDNN's attention allocates its outputs: the callers' `Allocating` steps)
-        launches.append(steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k,
-                                                a.v_c if p.casts else v.view(t, -1), a.o, a.lse, scaling, g,
-                                                training.ATTENTION_FORWARD_REGIONS, bounds=getattr(a, "bounds", None),
-                                                mask=masks[0]))
+        launches += steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v_c if p.casts else v.view(t, -1),
+                                            a.o, a.lse, scaling, g, training.ATTENTION_FORWARD_REGIONS,
+                                            bounds=getattr(a, "bounds", None), mask=masks[0])
     return launches
 
 
@@ -187,14 +186,13 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
         extra = dict(bounds=getattr(a, "bounds", None), mask=masks[0])
         if p.split > 1:
             launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
-                         steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, vee, d, a.lse, s.delta,
-                                                  s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, regions, p.dq_atomic, **extra),
+                         *steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, vee, d, a.lse, s.delta,
+                                                   s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, regions, p.dq_atomic, **extra),
                          steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv, 1,
                                                g, "gradient of v projection")]
         else:
-            launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, vee, d, a.lse, s.delta,
-                                                     s.d_rot_q, s.d_rot_k, gv, scaling, g, regions, p.dq_atomic,
-                                                     **extra))
+            launches += steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, vee, d, a.lse, s.delta, s.d_rot_q,
+                                                 s.d_rot_k, gv, scaling, g, regions, p.dq_atomic, **extra)
         if through:
             launches += _norm_rope_backward(p, g, inputs, s, w, s.d_rot_q, s.d_rot_k, gq, gk, eps)
         if g is not None:

@@ -225,9 +225,8 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> li
     if p.masking is not None:
         launches += steps.attention_bounds(p.attention, a.bounds, *masks)
     if not p.cudnn:
-        launches.append(steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v, a.o, a.lse, scaling, g,
-                                                ATTENTION_FORWARD_REGIONS, bounds=getattr(a, "bounds", None),
-                                                mask=masks[0]))
+        launches += steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v, a.o, a.lse, scaling, g,
+                                            ATTENTION_FORWARD_REGIONS, bounds=getattr(a, "bounds", None), mask=masks[0])
     return launches
 
 
@@ -385,15 +384,15 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
                 launches.append(steps.zero(s.d_rot_q))
             if p.split > 1:
                 launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
-                             steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
-                                                      s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, ATTENTION_BACKWARD_REGIONS,
-                                                      p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0]),
+                             *steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
+                                                       s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, ATTENTION_BACKWARD_REGIONS,
+                                                       p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0]),
                              steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv,
                                                    1, g, "gradient of v projection")]
             else:
-                launches.append(steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
-                                                         s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS,
-                                                         p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0]))
+                launches += steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
+                                                     s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS,
+                                                     p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0])
             launches += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, s.d_rot_q, s.d_rot_k, gv, eps)
         return launches + _finish(g, w, grad_hidden)
 

@@ -122,8 +122,8 @@ def _forward_launches(p: Plan, g, inputs, a, t, scale: float) -> list:
     launches = ([steps.cast(v, a.v, g, "values")] if p.casts else []) + _norms(p, inputs, a, t)
     if not p.cudnn:
         q_att, q_norm, k_att, v_att = _operands(p, inputs, a, t)
-        launches.append(steps.attention_forward(p.attention, p.tiles, q_att, k_att, v_att, a.o, a.lse, scale, g,
-                                                q_norm=q_norm))
+        launches += steps.attention_forward(p.attention, p.tiles, q_att, k_att, v_att, a.o, a.lse, scale, g,
+                                            q_norm=q_norm)
     return launches
 
 
@@ -227,8 +227,8 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             launches.append(steps.attention_delta(p.attention, a.o, d, s.delta, g))
             if p.split > 1:  # fp32 atomic sums
                 launches += [steps.zero(s.dk), steps.zero(s.dv)]
-            launches.append(steps.attention_backward(p.attention, p.tiles, p.split, q_att, k_att, v_att, d, a.lse, s.delta,
-                                                     s.dq, s.dk, dv, scale, g, q_norm=q_norm))
+            launches += steps.attention_backward(p.attention, p.tiles, p.split, q_att, k_att, v_att, d, a.lse, s.delta,
+                                                 s.dq, s.dk, dv, scale, g, q_norm=q_norm)
             launches += after(s.dq, s.dk, dv)
         if g is not None:
             if g.scaled:  # the upstream scale's undoing on what carries it

@@ -242,7 +242,7 @@ def _forward_launches(p: Plan, g, x, a, s, scale: float) -> list:
     k = t.k if p.norm else k_raw
     q, q_norm = _queries(p, t, x[9] if p.norm else None)
     if not p.cudnn:  # (cuDNN's attention allocates its outputs: the callers' `Allocating` steps)
-        launches.append(steps.attention_forward(p.attention, p.tiles, q, k, v, a.o, a.lse, scale, g, q_norm=q_norm))
+        launches += steps.attention_forward(p.attention, p.tiles, q, k, v, a.o, a.lse, scale, g, q_norm=q_norm)
     return launches
 
 
@@ -416,18 +416,18 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
                 if p.split > 1:  # fp32 atomic sums, then their copies in the compute dtype
                     if p.stacked:
                         launches += [steps.zero(s.dkv32),
-                                     steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
-                                                              s.dkv32[:, :d], s.dkv32[:, d:], scale, g, q_norm=q_norm),
+                                     *steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
+                                                               s.dkv32[:, :d], s.dkv32[:, d:], scale, g, q_norm=q_norm),
                                      steps.cast(s.dkv32, s.dkv, g, "gradient of keys")]
                     else:
                         launches += [steps.zero(s.dk32), steps.zero(s.dv32),
-                                     steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
-                                                              s.dk32, s.dv32, scale, g, q_norm=q_norm),
+                                     *steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
+                                                               s.dk32, s.dv32, scale, g, q_norm=q_norm),
                                      steps.cast(s.dk32, s.dk, g, "gradient of keys"),
                                      steps.cast(s.dv32, s.dv, g, "gradient of values")]
                 else:
-                    launches.append(steps.attention_backward(att, p.tiles, 1, q, k, v, dc, a.lse, s.delta, s.dq, dk, dv,
-                                                             scale, g, q_norm=q_norm))
+                    launches += steps.attention_backward(att, p.tiles, 1, q, k, v, dc, a.lse, s.delta, s.dq, dk, dv,
+                                                         scale, g, q_norm=q_norm)
                 launches += after(s.dq, dk, dv)
         if g is not None and g.scaled:
             products = [grad_video, grad_text] + [getattr(w, name, None) for name in ("grad_wq", "grad_wkv", "grad_wo")]
