@@ -36,9 +36,10 @@ def _sm90_cases(dtype: str):
                            dict(common, LD_DO=8 * d, LD_DQ=8 * d, LD_DK=4 * d, LD_DV=4 * d, KV_BN=t.kv_bn, KV_BM=t.kv_bm,
                                 Q_BM=t.q_bm, Q_BN=t.q_bn, KV_ATOMIC=True, DQ_ATOMIC=atomic, MASK=mask, READS=reads),
                            t.bwd_warps, t.bwd_stages)
+    (br, bn), (kbr, kbk) = steps.BOUNDS_TILES
     yield ("bounds", attention.attention_bounds_kernel, ptr | {"documents": "*i32"},
-           dict(CAUSAL=True, WINDOW=True, DOCS=True, MASK=3, BR=64, BN=64), 4, 1)
-    yield "key bounds", attention.attention_key_bounds_kernel, ptr, dict(BR=64, BK=64), 4, 1
+           dict(CAUSAL=True, WINDOW=True, DOCS=True, MASK=3, BR=br, BN=bn), 4, 1)
+    yield "key bounds", attention.attention_key_bounds_kernel, ptr, dict(BR=kbr, BK=kbk), 4, 1
     yield ("norm/RoPE backward", rope.norm_rope_backward_kernel,
            {n: "*fp32" for n in ("dout", "x", "w", "cos", "sin", "parts", "ranges")} | {"dx": f"*{dtype}"},
            dict(D=128, LD_DOUT=3072, LD_X=5120, LD_DX=5120, BT=32, RANGES=True, NORM=True), 4, 1)

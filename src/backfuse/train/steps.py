@@ -294,21 +294,28 @@ def _mask_args(a: Attention, bounds, mask, q, keys: bool = False) -> dict:
     return args | dict(mask=mask, m_sb=mask.stride(0), m_sq=0, m_sk=mask.stride(1))
 
 
+# (rows, keys) a step of the rows' bounds' programs, (rows a step, keys) of the keys' bounds' programs. On the GPU the
+# rows' programs take 16 rows and 256 keys a step: a dense mask leaves them every key to read, and 64-row programs
+# over 64-key steps were 64 programs at 1 x 4096 taking ~0.3 ms a call, one dependent load after another (s45-3:
+# 1.67 ms a step at gemma3-27b); the keys' programs read 256 rows' bounds a step (a fourth of the steps).
+BOUNDS_TILES = ((32, 64), (32, 32)) if INTERPRETED else ((16, 256), (256, 64))
+
+
 def attention_bounds(a: Attention, bounds, mask=None, documents=None) -> list:
     """Launches writing `bounds_buffer`'s tensor: each query row's bounds (`attention_bounds_kernel`) from a's
     causality and window, the documents' first and last keys (which hold the causality) and the mask
     (`Masking`), then each key's and the alike rows' from them (`attention_key_bounds_kernel`)."""
     m = a.masking
     args = _mask_args(a, bounds, mask, bounds)
-    rows = 32 if INTERPRETED else 64
-    return [BOUNDS((a.batch, cdiv(a.s_q, rows)),
+    (br, bn), (kbr, kbk) = BOUNDS_TILES
+    return [BOUNDS((a.batch, cdiv(a.s_q, br)),
                    dict(lo=bounds[0], hi=bounds[1], mask=args["mask"], documents=bounds if documents is None else documents,
                         S_q=a.s_q, S_k=a.s_k, window=a.window, m_sb=args["m_sb"], m_sq=args["m_sq"], m_sk=args["m_sk"]),
                    CAUSAL=a.causal and not m.dense and not m.documents, WINDOW=a.window > 0 and not m.dense,
                    DOCS=m.documents, MASK=m.mode,
-                   BR=rows, BN=64, num_warps=4),
-            KEY_BOUNDS((a.batch, cdiv(a.s_k, rows)), dict(lo=bounds[0], hi=bounds[1], k_lo=bounds[2], k_hi=bounds[3],
-                                                          alike=bounds[4], S_q=a.s_q, S_k=a.s_k), BR=rows, BK=rows, num_warps=4)]
+                   BR=br, BN=bn, num_warps=4),
+            KEY_BOUNDS((a.batch, cdiv(a.s_k, kbk)), dict(lo=bounds[0], hi=bounds[1], k_lo=bounds[2], k_hi=bounds[3],
+                                                         alike=bounds[4], S_q=a.s_q, S_k=a.s_k), BR=kbr, BK=kbk, num_warps=4)]
 
 
 def _query_norm(q_norm, q) -> tuple:
