@@ -29,7 +29,9 @@ causality is compared, and the rows' bounds and the mask are not read in the loo
 key alike (MASK_ADD's fully masked rows: eager attention's padded queries) take no part in the keys' bounds:
 each dK, dV program visits them in a loop of their own, over their batch entry's first to last such row (or,
 where its keys' bounds are not exact anyway, in the mask-reading loop), so a padded batch under eager attention
-keeps the exact loop for its real queries.
+keeps the exact loop for its real queries. With a mask to read, the query blocks holding a row whose mask is
+more than its bounds (forward, dQ) run in a launch of their own (`READ_APART`), so that the others' kernel keeps
+its wgmma in flight.
 Backward, from dO:
     delta = rowsum(dO * O),  dP = dO V^T,  dC = P * (dP - delta)
     dS = dC * scale  (* (1 - t^2) with the cap)      -- the gradient of the logits' q.k
