@@ -274,7 +274,6 @@ def attention_forward_kernel(
     kv = h // GROUP
     rows = block * BM + tl.arange(0, BM)
     row_ok = rows < S_q
-    qt = _query_tile(q, q_rstd, q_w, b * S_q + rows, row_ok, LD_Q, h, D, Q_NORM)
     m_i = tl.full((BM,), -1.0e30, dtype=tl.float32)  # finite: a row with no visible key yet adds exp2(-inf) = 0
     l_i = tl.zeros((BM,), dtype=tl.float32)
     acc = tl.zeros((BM, D), dtype=tl.float32)
@@ -299,6 +298,7 @@ def attention_forward_kernel(
     # a block with no partial row: its rows' bounds alone decide (`_masked` with MASK_BOUNDS)
     FAST: tl.constexpr = MASK_BOUNDS if MASK == MASK_KEEP or MASK == MASK_ADD else MASK
     if partial == READS:  # (partial: static False without a mask to read, where READS is False)
+        qt = _query_tile(q, q_rstd, q_w, b * S_q + rows, row_ok, LD_Q, h, D, Q_NORM)
         if not READS:
             m_i, l_i, acc, k_max, v_max = _forward_steps(
                 qt, rows, lo_r, hi_r, m_i, l_i, acc, b, kv, n_lo, n_hi, k, v, mask, S_k, scale, cap, window, m_sb, m_sq,
@@ -537,10 +537,6 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
     rows = block * Q_BM + tl.arange(0, Q_BM)
     row_ok = rows < S_q
     tok = b * S_q + rows
-    qt = _query_tile(q, q_rstd, q_w, tok, row_ok, LD_Q, h, D, Q_NORM)
-    dot_ = _head_tile(do, tok, row_ok, LD_DO, h * D, D)
-    row_lse = tl.load(lse + bh * S_q + rows, mask=row_ok, other=float("inf"))
-    row_delta = tl.load(delta + bh * S_q + rows, mask=row_ok, other=0.0)
     n_lo = 0
     n_hi = S_k
     if CAUSAL:
@@ -558,6 +554,10 @@ def _query_block(local, q_programs, q, k, v, do, lse, delta, dq, ranges, q_rstd,
     FAST: tl.constexpr = MASK_BOUNDS if MASK == MASK_KEEP or MASK == MASK_ADD else MASK
     LOOP: tl.constexpr = MASK if READS else FAST  # (READS: the mask read where the block is partial)
     if partial == READS:
+        qt = _query_tile(q, q_rstd, q_w, tok, row_ok, LD_Q, h, D, Q_NORM)
+        dot_ = _head_tile(do, tok, row_ok, LD_DO, h * D, D)
+        row_lse = tl.load(lse + bh * S_q + rows, mask=row_ok, other=float("inf"))
+        row_delta = tl.load(delta + bh * S_q + rows, mask=row_ok, other=0.0)
         dq_acc = _query_steps(qt, dot_, row_lse, row_delta, rows, lo_r, hi_r, b, kv, n_lo, n_hi, k, v, mask, S_k, scale,
                               cap, window, m_sb, m_sq, m_sk, partial, D, LD_K, LD_V, Q_BM, Q_BN, CAUSAL, WINDOW, HAS_CAP,
                               APPROX_TANH, LOOP)
