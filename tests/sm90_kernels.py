@@ -51,8 +51,12 @@ def _sm90_cases(dtype: str):
            dict(W=5120, BW=bw, LD_X=5120, LD_OUT=5120, BT=bt, RSTD=False, NORM=True, ROPE=128), 8, 1)
     yield ("row norm + RoPE backward", passes.row_norm_backward_kernel, rows,
            dict(W=5120, BW=bw, LD_DY=5120, LD_X=5120, LD_DX=5120, BT=bt, RANGES=True, NORM=True, ROPE=128), 8, 1)
-    yield ("cast", passes.cast_kernel, {"src": "*fp32", "dst": f"*{dtype}", "ranges": "*fp32", "state": "*fp32"},
-           dict(BLOCK=8192, UPSTREAM=True, RANGES=True), 8, 1)
+    casts = {"src": "*fp32", "dst": f"*{dtype}", "ranges": "*fp32", "state": "*fp32"}
+    for redo in (False, True):  # the upstream gradients' first cast, and the second where the exponent changed
+        yield f"cast{' again' * redo}", passes.cast_kernel, casts, dict(BLOCK=8192, UPSTREAM=True, REDO=redo, RANGES=True), 8, 1
+        yield (f"heads to tokens{' again' * redo}", passes.heads_to_tokens_kernel, casts,
+               dict(GROUP=4, D=256, HEADS_OUT=4, LD=1024, BT=32, UPSTREAM=True, REDO=redo, RANGES=True), 4, 1)
+    yield "decide", passes.decide_kernel, {"state": "*fp32", "ranges": "*fp32"}, {}, 1, 1
     yield ("guard check", passes.guard_check_kernel, {"maxima": "*fp32", "flags": "*i32", "state": "*fp32", "log": "*fp32"},
            dict(R=32, SCALED=True), 4, 1)
 

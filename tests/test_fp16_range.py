@@ -200,8 +200,9 @@ def _train_step(pid, factor, seed=5, inputs=None):
 
 @pytest.mark.parametrize("pid", ["072", "021", "037"])
 def test_training_guard_scales_tiny_upstream_gradients(pid, fresh_guards):
-    """Upstream gradients of 1e-7 (fp16 subnormals): the device measures them first and scales by 2^k, so
-    the gradients are as accurate as at ordinary sizes, with no warning (which would fail the test)."""
+    """Upstream gradients of 1e-7 (fp16 subnormals): the first cast, at the last call's exponent (none yet: 0),
+    finds them too small, and the second casts them again at 2^k, so the gradients are as accurate as at
+    ordinary sizes, with no warning (which would fail the test)."""
     prob, inputs, outs = _train_step(pid, 1e-7)
     _check_close(prob, outs, prob.reference(*inputs), 1e-7)
     (g,) = [g for g in guard._guards.values() if g.label.endswith("backward")]
@@ -209,16 +210,22 @@ def test_training_guard_scales_tiny_upstream_gradients(pid, fresh_guards):
 
 
 @OVERFLOWS
-def test_training_guard_follows_a_sudden_change_of_the_gradients(fresh_guards):
-    """021: a call at ordinary sizes, then one whose upstream gradients are 1e6 times larger, then one 1e-12
-    times smaller: each is measured before its cast, so each is accurate, with no warning."""
-    prob, inputs, outs = _train_step("021", 1.0)
+@pytest.mark.parametrize("pid", ["021", "072"])
+def test_training_guard_follows_a_sudden_change_of_the_gradients(pid, fresh_guards):
+    """A call at ordinary sizes, then upstream gradients 1e6 times larger, then 1e-6 times as large, twice:
+    each call is accurate, with no warning, and casts its upstream gradients a second time (state[4], redo)
+    only where their size jumped (072: one exponent for its three)."""
+    prob, inputs, outs = _train_step(pid, 1.0)
     _check_close(prob, outs, prob.reference(*inputs))
+    (g,) = [g for g in guard._guards.values() if g.label.endswith("backward")]
+    redone = [g.state[4].item()]
     with warnings.catch_warnings():
         warnings.simplefilter("error", backfuse.Fp16RangeWarning)
-        for factor in (1e6, 1e-6):
+        for factor in (1e6, 1e-6, 1e-6):
             scaled = _scaled(prob, inputs, factor, prob.upstream_grads)
             _check_close(prob, prob.backward(*scaled), prob.reference(*scaled), factor)
+            redone.append(g.state[4].item())
+    assert redone == [0.0, 1.0, 1.0, 0.0]
 
 
 @OVERFLOWS

@@ -11,11 +11,13 @@ and warns (`Fp16RangeWarning`) naming the call, the tensor and its largest |valu
 
 The upstream gradients of a mean-reduced loss are tiny, so every call scales them by a power of two
 2^k on the device (exact: it commutes with rounding, and the outputs are divided by 2^k again). k is
-chosen there too, from this call's largest |upstream gradient| (one extra read of them before their
-cast) and from how large the tensors formed from them were relative to it in the last call (kept per
-layer): 0 where everything fits with 4 bits to spare at both ends, else the upstream gradients'
-largest |value| into [1, 2), within what the others allow. So a call's graph is the same at every
-scale, a sudden change of the gradients' size costs nothing, and the host never waits.
+chosen there too, from this call's largest |upstream gradient| and from how large the tensors formed from
+them were relative to it in the last call (kept per layer): 0 where everything fits with 4 bits to spare
+at both ends, else the last call's k where that fits, else the upstream gradients' largest |value| into
+[1, 2), within what the others allow. The gradients are read once: cast at the last call's k while their
+largest |value| is taken, and cast a second time only where this call's k differs (`steps.upstream_casts`:
+a layer's first call, a jump of their size). So a call's graph is the same at every scale, a sudden
+change of the gradients' size costs one more read of them, and the host never waits.
 
 A call whose values did not fit (a tensor formed from the upstream gradients jumping by more than the
 margin relative to them, or an input fp16 cannot hold) is not recomputed: its outputs stand, and the
@@ -39,7 +41,7 @@ from ..fp16_guard import FP16_MAX, SMALLEST_SAFE_MAX, Fp16RangeWarning
 from ..kernels import buffers
 from ..kernels.schedule import Holds
 
-STATE_FIELDS = ("ready", "next", "used", "amax", "calls")
+STATE_FIELDS = ("used", "amax", "rho_max", "rho_min", "redo")  # `kernels/triton/passes.py`
 MAX_REGIONS = 32
 GUARDS_KEPT = 1024  # the most recently used (a model's layers, and the direction of each)
 

@@ -23,7 +23,7 @@ FLAT_BLOCK = 1 << 16 if INTERPRETED else 8192
 FLAT_WARPS = 8
 
 CAST = Kernel(passes.cast_kernel)
-AMAX = Kernel(passes.amax_kernel)
+DECIDE = Kernel(passes.decide_kernel)
 HEADS_TO_TOKENS = Kernel(passes.heads_to_tokens_kernel)
 REPEAT = Kernel(passes.repeat_heads_kernel)
 ROW_NORM = Kernel(passes.row_norm_kernel)
@@ -62,34 +62,51 @@ def _slot(guard, region) -> int:
     return -1 if guard is None or region is None else guard.slot(region)
 
 
-def cast(src, dst, guard, region: str, *, upstream: bool = False):
-    """dst = src in dst's dtype (both contiguous, flat); upstream: times this call's 2^k."""
+def cast(src, dst, guard, region: str, *, upstream: bool = False, redo: bool = False):
+    """dst = src in dst's dtype (both contiguous, flat); upstream (a scaled guard's calls): times 2^k, the
+    first or (redo) the second cast of `upstream_casts`."""
     ranges, state, checked = _guarded(guard, src.device)
     n = src.numel()
     return CAST((cdiv(n, FLAT_BLOCK),), dict(src=src, dst=dst, ranges=ranges, state=state, n=n,
                                             r=_slot(guard, region)),
-                BLOCK=FLAT_BLOCK, UPSTREAM=upstream and checked, RANGES=checked, num_warps=FLAT_WARPS)
+                BLOCK=FLAT_BLOCK, UPSTREAM=upstream, REDO=redo, RANGES=checked, num_warps=FLAT_WARPS)
 
 
-def amax(src, guard):
-    """The upstream gradients' largest |value| into the guard state (before their scaled cast)."""
-    n = src.numel()
-    return AMAX((cdiv(n, FLAT_BLOCK),), dict(src=src, state=guard.state, n=n), BLOCK=FLAT_BLOCK)
-
-
-def heads_to_tokens(src, dst, group: int, guard, region: str, *, upstream: bool = False, amax: bool = False):
+def heads_to_tokens(src, dst, group: int, guard, region: str, *, upstream: bool = False, redo: bool = False):
     """dst[B * S, (H / group) * D] = src[B, H, S, D] (any strides but a contiguous last axis) summed over
-    each group of `group` heads, in dst's dtype (dst may be a column block of a wider buffer).
-    amax: instead, src's largest |value| into the guard state (before the scaled pass)."""
+    each group of `group` heads, in dst's dtype (dst may be a column block of a wider buffer); upstream and
+    redo as `cast`."""
     batch, heads, seq, d = src.shape
     ranges, state, checked = _guarded(guard, src.device)
     bt = 64 if INTERPRETED else max(8, min(64, 8192 // d))
     return HEADS_TO_TOKENS(
         (cdiv(seq, bt), batch * heads // group),
-        dict(src=src, dst=src if amax else dst, ranges=ranges, state=state, S=seq, stride_b=src.stride(0),
-             stride_h=src.stride(1), stride_s=src.stride(2), r=_slot(guard, region)),
-        GROUP=group, D=d, HEADS_OUT=heads // group, LD=(src if amax else dst).stride(0), BT=bt, AMAX=amax,
-        UPSTREAM=upstream and checked, RANGES=checked and not amax, num_warps=4)
+        dict(src=src, dst=dst, ranges=ranges, state=state, S=seq, stride_b=src.stride(0), stride_h=src.stride(1),
+             stride_s=src.stride(2), r=_slot(guard, region)),
+        GROUP=group, D=d, HEADS_OUT=heads // group, LD=dst.stride(0), BT=bt, UPSTREAM=upstream, REDO=redo,
+        RANGES=checked, num_warps=4)
+
+
+def upstream_casts(guard, casts) -> list:
+    """The launches that cast an op's upstream gradients to the products' dtype, scaled by this call's 2^k
+    where the guard scales (`guard.Guard.scaled`), reading them once where their size has not jumped: each
+    cast first at the last call's k while it takes their largest |value|, then `passes.decide_kernel` keeps
+    that k where this call's gradients fit it, or records another and has the second casts, which otherwise
+    exit at once, cast again at it (before anything reads the first). casts: (src, dst, region, group), group
+    None for a flat cast, else `heads_to_tokens`' sum over `group` heads; at most three."""
+    scaled = guard is not None and guard.scaled
+
+    def launch(src, dst, region, group, redo):
+        if group is None:
+            return cast(src, dst, guard, region, upstream=scaled, redo=redo)
+        return heads_to_tokens(src, dst, group, guard, region, upstream=scaled, redo=redo)
+
+    first = [launch(*c, False) for c in casts]
+    if not scaled:
+        return first
+    slots = [_slot(guard, region) for _, _, region, _ in casts] + [-1] * (3 - len(casts))
+    decide = DECIDE((1,), dict(state=guard.state, ranges=guard.maxima, r0=slots[0], r1=slots[1], r2=slots[2]))
+    return first + [decide] + [launch(*c, True) for c in casts]
 
 
 def repeat_heads(src, dst, group: int, head_dim: int):

@@ -13,10 +13,11 @@ import triton.language as tl
 from .attention import fold, largest, narrow
 
 # The guard state's fields (float32 on the device), in `backfuse/train/guard.py`'s order.
-_USED = tl.constexpr(0)  # the exponent k this call scales its upstream gradients by (2^k)
-_AMAX = tl.constexpr(1)  # this call's largest |upstream gradient| (measured before the scaled cast)
+_USED = tl.constexpr(0)  # the exponent k this call scales its upstream gradients by (2^k); the last call's until decided
+_AMAX = tl.constexpr(1)  # this call's largest |upstream gradient| (measured as they are cast)
 _RHO_MAX = tl.constexpr(2)  # the last call's log2 of the largest |linear tensor| over the upstream's largest
 _RHO_MIN = tl.constexpr(3)  # ... of the smallest such maximum of a tensor checked for underflow
+_REDO = tl.constexpr(4)  # 1 where this call's upstream gradients did not fit the last call's k: cast again at _USED
 FP16_MAX = tl.constexpr(65504.0)
 SMALLEST_SAFE = tl.constexpr(2.0**-12)
 # Bits of room kept at both ends of the safe range when choosing an exponent, so that the tensors formed
@@ -24,22 +25,18 @@ SMALLEST_SAFE = tl.constexpr(2.0**-12)
 MARGIN = tl.constexpr(4.0)
 
 
-@triton.jit(do_not_specialize=["n"])
-def amax_kernel(src, state, n, BLOCK: tl.constexpr):
-    """state[_AMAX] = max(state[_AMAX], largest |src| of this program's block): the upstream gradients'
-    largest |value| (read once before their scaled cast; the check resets it)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.atomic_max(state + _AMAX, largest(tl.load(src + offs, mask=offs < n, other=0.0)))
-
-
-@triton.jit
-def upstream_exponent(state):
-    """The exponent k of this call's scale 2^k of the upstream gradients, from their largest |value| a
-    (this call's) and how large the tensors formed from them were relative to a in the last call (rho):
-    among the k where every such tensor would fit fp16's safe range with MARGIN bits to spare at both
-    ends (without the margins where none does), 0 where that is one of them, else the one nearest to
-    bringing a into [1, 2). (a = 0, Inf or NaN: 0.)"""
+@triton.jit(do_not_specialize=["r0", "r1", "r2"])
+def decide_kernel(state, ranges, r0, r1, r2):
+    """One program after an op's upstream gradients were cast at the last call's exponent (state[_USED]),
+    their largest |value| a in state[_AMAX]: this call's exponent k, from a and how large the tensors formed
+    from them were relative to a in the last call (rho). Among the k where every such tensor fits fp16's safe
+    range with MARGIN bits to spare at both ends (without the margins where none does): 0 where that is one
+    of them, else the last call's where it is one, else the one nearest to bringing a into [1, 2). Where k is
+    not the last call's, state[_USED] = k, state[_REDO] = 1 and the casts' regions r0..r2 (< 0: none) are
+    cleared for the second casts (`cast_kernel` REDO) to fill; else state[_REDO] = 0. (a = 0, Inf or NaN:
+    the last call's k; every k gives the same.)"""
     amax = tl.load(state + _AMAX)
+    last = tl.load(state + _USED)
     a = tl.log2(tl.maximum(amax, 1e-38))
     high = tl.floor(tl.log2(FP16_MAX) - a - tl.load(state + _RHO_MAX))
     low = tl.ceil(tl.log2(SMALLEST_SAFE) - a - tl.load(state + _RHO_MIN))
@@ -47,22 +44,38 @@ def upstream_exponent(state):
     low = tl.where(roomy, low + MARGIN, low)
     high = tl.where(roomy, high - MARGIN, high)
     k = tl.minimum(tl.maximum(-tl.floor(a), low), high)
+    k = tl.where((low <= last) & (last <= high), last, k)
     k = tl.where((low <= 0.0) & (0.0 <= high), 0.0, k)
-    return tl.where((amax == 0.0) | (amax != amax) | (amax > 3.0e38), 0.0, k)
+    k = tl.where((amax == 0.0) | (amax != amax) | (amax > 3.0e38), last, k)
+    redo = k != last
+    tl.store(state + _REDO, redo.to(tl.float32))
+    if redo:
+        tl.store(state + _USED, k)
+        if r0 >= 0:
+            tl.store(ranges + r0, 0.0)
+        if r1 >= 0:
+            tl.store(ranges + r1, 0.0)
+        if r2 >= 0:
+            tl.store(ranges + r2, 0.0)
 
 
 @triton.jit(do_not_specialize=["n", "r"])
-def cast_kernel(src, dst, ranges, state, n, r, BLOCK: tl.constexpr, UPSTREAM: tl.constexpr, RANGES: tl.constexpr):
-    """dst = src in dst's dtype, flat; UPSTREAM: times 2^k (`upstream_exponent`, which program 0 records
-    as this call's in the state). RANGES: the largest |value| converted goes to ranges[r]."""
+def cast_kernel(src, dst, ranges, state, n, r, BLOCK: tl.constexpr, UPSTREAM: tl.constexpr, REDO: tl.constexpr,
+                RANGES: tl.constexpr):
+    """dst = src in dst's dtype, flat. UPSTREAM: times 2^k, k = state[_USED] (the last call's exponent), and
+    the largest |src| into state[_AMAX] for `decide_kernel`; with REDO instead: the second cast, after it,
+    which exits at once unless state[_REDO] (and then casts at the k decided). RANGES: the largest |value|
+    converted goes to ranges[r]."""
+    if REDO:
+        if tl.load(state + _REDO) == 0.0:
+            return
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     x = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
     if UPSTREAM:
-        k = upstream_exponent(state)
-        x = x * tl.exp2(k)
-        if tl.program_id(0) == 0:
-            tl.store(state + _USED, k)
+        if not REDO:
+            tl.atomic_max(state + _AMAX, largest(x))
+        x = x * tl.exp2(tl.load(state + _USED))
     tl.store(dst + offs, narrow(x, dst.dtype.element_ty), mask=ok)
     if RANGES:
         fold(ranges, r, largest(x))
@@ -71,11 +84,14 @@ def cast_kernel(src, dst, ranges, state, n, r, BLOCK: tl.constexpr, UPSTREAM: tl
 @triton.jit(do_not_specialize=["S", "stride_b", "stride_h", "stride_s", "r"])
 def heads_to_tokens_kernel(src, dst, ranges, state, S, stride_b, stride_h, stride_s, r,
                            GROUP: tl.constexpr, D: tl.constexpr, HEADS_OUT: tl.constexpr, LD: tl.constexpr,
-                           BT: tl.constexpr, AMAX: tl.constexpr, UPSTREAM: tl.constexpr, RANGES: tl.constexpr):
+                           BT: tl.constexpr, UPSTREAM: tl.constexpr, REDO: tl.constexpr, RANGES: tl.constexpr):
     """dst[b * S + s, j * D + d] = sum over g < GROUP of src[b, j * GROUP + g, s, d] (src: any strides of
     its first three axes, its last contiguous), in fp32, stored in dst's dtype (token-major, rows LD
-    apart, HEADS_OUT heads); UPSTREAM: times 2^k as `cast_kernel`. AMAX: instead of any of that, the
-    largest |src| into the state as `amax_kernel`. Grid (token blocks of BT, B * HEADS_OUT)."""
+    apart, HEADS_OUT heads); UPSTREAM and REDO as `cast_kernel` (the largest |src| of any head goes to
+    state[_AMAX]). Grid (token blocks of BT, B * HEADS_OUT)."""
+    if REDO:
+        if tl.load(state + _REDO) == 0.0:
+            return
     bj = tl.program_id(1)
     b = bj // HEADS_OUT
     j = bj % HEADS_OUT
@@ -88,20 +104,16 @@ def heads_to_tokens_kernel(src, dst, ranges, state, S, stride_b, stride_h, strid
         base = src + b.to(tl.int64) * stride_b + (j * GROUP + g).to(tl.int64) * stride_h
         x = tl.load(base + s.to(tl.int64)[:, None] * stride_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         acc += x
-        if AMAX:
+        if UPSTREAM and not REDO:
             top = tl.maximum(top, largest(x))
-    if AMAX:
-        tl.atomic_max(state + _AMAX, top)
-    else:
-        if UPSTREAM:
-            k = upstream_exponent(state)
-            acc = acc * tl.exp2(k)
-            if (tl.program_id(0) == 0) & (bj == 0):
-                tl.store(state + _USED, k)
-        tok = (b * S + s).to(tl.int64)
-        tl.store(dst + tok[:, None] * LD + j * D + d[None, :], narrow(acc, dst.dtype.element_ty), mask=ok[:, None])
-        if RANGES:
-            fold(ranges, r, largest(acc))
+    if UPSTREAM:
+        if not REDO:
+            tl.atomic_max(state + _AMAX, top)
+        acc = acc * tl.exp2(tl.load(state + _USED))
+    tok = (b * S + s).to(tl.int64)
+    tl.store(dst + tok[:, None] * LD + j * D + d[None, :], narrow(acc, dst.dtype.element_ty), mask=ok[:, None])
+    if RANGES:
+        fold(ranges, r, largest(acc))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -169,7 +181,7 @@ def guard_check_kernel(maxima, flags, state, log, n_regions, R: tl.constexpr, SC
     """One program at the end of a call: checks each region's largest |value| (maxima, as rounded to
     fp16, so scaled by this call's 2^k where linear) against fp16's safe range, records the regions
     out of range in the host-visible log, keeps (SCALED) how large the linear tensors were relative to
-    the upstream gradients for the next call's exponent (`upstream_exponent`), and resets the maxima.
+    the upstream gradients for the next call's exponent (`decide_kernel`), and resets the maxima.
 
     flags per region: 1 linear in the upstream gradients, 2 checked for underflow (4, the upstream
     gradients themselves, is the state's own measure here). log (pinned host memory): [calls, regions found

@@ -162,7 +162,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
                 [steps.check(fg)] if fg is not None else [])
         d = da
         if p.casts:
-            launches += [steps.amax(da, g), steps.cast(da, s.da, g, "gradient of attention output", upstream=True)]
+            launches += steps.upstream_casts(g, [(da, s.da, "gradient of attention output", None)])
             d = s.da
         if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest in place
             vee = v.view(t, -1)

@@ -353,7 +353,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
             launches += _forward_launches(p, fg, inputs, a, scaling, eps, masks) + (
                 [steps.check(fg)] if fg is not None else [])
         if p.casts:
-            launches += [steps.amax(go, g), steps.cast(go, s.go_c, g, "grad_output", upstream=True)]
+            launches += steps.upstream_casts(g, [(go, s.go_c, "grad_output", None)])
             go_c, wo_c = s.go_c, a.wo_c
         else:
             go_c, wo_c = go, wo

@@ -105,10 +105,12 @@ class Plan(Precision):
     @functools.cached_property
     def backward_scratch(self):
         c, cfg, n = self.compute, self.config, self.needs
-        # The query side's products finish with GQ before the encoder side's sums are written.
+        # The query side's products finish with GQ before the encoder side's sums are written; where the
+        # upstream gradients are scaled (fp16 copies of float32), all three are cast first, side by side.
         queries = [Buffer("gq", (self.td, cfg.q_out), c) if (n[0] or n[2]) and not self.gq_in_place else None]
         keys = () if self.keys_in_grad_dec else self.keys.specs
-        return Arena([*(self.activations.specs if not self.save else ()), Phases(queries, keys)])
+        sides = [*queries, *keys] if self.casts else [Phases(queries, keys)]
+        return Arena([*(self.activations.specs if not self.save else ()), *sides])
 
     @functools.cached_property
     def weight_grads(self):
@@ -196,18 +198,16 @@ def backward(inputs, grads, plan: Plan, a_flat):
             if a_flat is None:
                 launches += _casts(p, fg, inputs, a) + ([steps.check(fg)] if fg is not None else [])
             dec_c, enc_c, wq_c = a.dec_c, a.enc_c, a.wq_c
-            launches += [steps.heads_to_tokens(t, None, group, g, None, amax=True)
-                         for t, group, used in ((gq, 1, n[0] or n[2]), (gk, cfg.group, True), (gv, cfg.group, True))
-                         if used]
         else:
             dec_c, enc_c, wq_c = dec.view(p.td, cfg.hidden), enc.view(p.te, cfg.cross_hidden), wq
         queries, keys = [], []  # the two sides' launches
+        q_casts, k_casts = [], []  # and the casts of their upstream gradients (`steps.upstream_casts`)
         if n[0] or n[2]:
             if p.gq_in_place:
                 gq_t = gq.transpose(1, 2).reshape(p.td, cfg.q_out)
             else:
                 gq_t = s.gq
-                queries.append(steps.heads_to_tokens(gq, s.gq, 1, g, "grad_query_states", upstream=True))
+                q_casts.append((gq, s.gq, "grad_query_states", 1))
             if n[0]:
                 queries.append(mm(gq_t, wq_c, grad_dec.view(p.td, cfg.hidden)))
             if n[2]:
@@ -215,8 +215,8 @@ def backward(inputs, grads, plan: Plan, a_flat):
         if n[1] or n[3] or n[4]:
             k = p.keys.views(bytes_of(grad_dec)) if p.keys_in_grad_dec else s
             gk_c, gv_c = (k.gkv[:, :kv_out], k.gkv[:, kv_out:]) if p.casts else (k.gk, k.gv)
-            keys += [steps.heads_to_tokens(gk, gk_c, cfg.group, g, "grad_key_states (head-group sums)", upstream=True),
-                     steps.heads_to_tokens(gv, gv_c, cfg.group, g, "grad_value_states (head-group sums)", upstream=True)]
+            k_casts += [(gk, gk_c, "grad_key_states (head-group sums)", cfg.group),
+                        (gv, gv_c, "grad_value_states (head-group sums)", cfg.group)]
             ge = grad_enc.view(p.te, cfg.cross_hidden) if n[1] else None
             if p.casts:
                 if n[1]:
@@ -230,6 +230,10 @@ def backward(inputs, grads, plan: Plan, a_flat):
                     keys.append(mm(k.gk.T, enc_c, w.grad_wk))
                 if n[4]:
                     keys.append(mm(k.gv.T, enc_c, w.grad_wv))
+        if p.casts:  # one exponent for all three: every cast before any product
+            launches += steps.upstream_casts(g, q_casts + k_casts)
+        else:
+            queries, keys = steps.upstream_casts(g, q_casts) + queries, steps.upstream_casts(g, k_casts) + keys
         launches += keys + queries if p.keys_in_grad_dec else queries + keys
         if g is not None and g.scaled:
             products = [grad_dec, grad_enc] + [getattr(w, name, None) for name in ("grad_wq", "grad_wkv")]

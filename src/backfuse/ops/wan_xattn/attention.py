@@ -195,7 +195,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             launches += _norms(p, inputs, a, t)
         d = go
         if p.casts:
-            launches += [steps.amax(go, g), steps.cast(go, s.do, g, "gradient of attention output", upstream=True)]
+            launches += steps.upstream_casts(g, [(go, s.do, "gradient of attention output", None)])
             d = s.do
 
         def after(dq, dk, dv) -> list:

@@ -340,7 +340,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             if fg is not None:
                 launches.append(steps.check(fg))
         if p.casts:
-            launches += [steps.amax(go, g), steps.cast(go, s.go_c, g, "grad_output", upstream=True)]
+            launches += steps.upstream_casts(g, [(go, s.go_c, "grad_output", None)])
             go_c, wq_c, wo_c, video_c, text_c = s.go_c, a.wq_c, a.wo_c, a.video_c, a.text_c
             k_raw, v, dk, dv = a.kv[:, :d], a.kv[:, d:], s.dkv[:, :d], s.dkv[:, d:]
         else:
