@@ -3,6 +3,11 @@ allocation) and where backfuse's step spends it (inclusive time of each layer of
 wrapping those functions with timers).
 
     PYTHONPATH=src python3 benchmarks/tools/train_host.py
+    PYTHONPATH=src TRITON_INTERPRET=1 python3 benchmarks/tools/train_host.py --cpu
+
+--cpu (any machine): the host's own work of each op's step on CPU tensors, its launches left out (the ops'
+`execute` a no-op), against `bench --train`'s `host_floor_us` step with the same tensors: what our Python
+costs beyond an autograd op that computes nothing, without the launches, the allocator or the graphs.
 """
 
 from __future__ import annotations
@@ -139,5 +144,25 @@ def main():
             f"{k} {v / steps / 1e3:.0f}" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])))
 
 
+def cpu_host(calls: int = 2000):
+    from backfuse.bench.train import floor_of
+
+    for module in (wan, qkv, gemma):
+        module.execute = lambda *a, **k: None
+    for pid in ("021", "072", "037"):
+        for dtype in (torch.float32, torch.bfloat16):
+            lay = layer(pid, dtype)
+            ours, floor = (min(per_call_us(s.step, calls) for _ in range(3)) for s in (lay, floor_of(lay)))
+            print(f"{pid} {str(dtype)[6:]:8s} step {ours:6.1f} us, floor {floor:5.1f} us: {ours / floor:.2f}x, "
+                  f"{ours - floor:5.1f} us over")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "--cpu" in sys.argv:
+        DEV = "cpu"
+        torch.cuda.synchronize = lambda: None
+        cpu_host()
+    else:
+        main()
