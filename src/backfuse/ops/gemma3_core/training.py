@@ -411,7 +411,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
 
 def _rows(stacked, counts, own: bool) -> list:
     """The row blocks of one product's result; own: each but the first copied (memory of its own)."""
-    parts = list(stacked.split(counts))
+    parts = list(stacked.split_with_sizes(counts))
     return parts[:1] + [x.clone() for x in parts[1:]] if own else parts
 
 
