@@ -98,9 +98,9 @@ def is_int(value) -> bool:
 def check_real(value, where: str) -> float:
     """value as a float, when it is a finite real number (not a bool); else the error `where` starts. A
     number torch.compile traces (a dynamic float) is left as it is: the op gets its value at run time."""
-    if type(value) is float and math.isfinite(value):  # the common case, in a few hundred ns
-        return value
     if torch.compiler.is_compiling():
+        return value
+    if type(value) is float and math.isfinite(value):  # the common case, without the ABC's isinstance
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where} must be a real number, got {type(value).__name__}")
