@@ -84,19 +84,18 @@ def _autocasting(tensors) -> str | None:
         return None
 
 
-def _autocast(tensors):
-    """The floating tensors cast to the autocast dtype where autocast is on for their device."""
+_NOTHING = contextlib.nullcontext()  # (reusable: entering it does nothing)
+
+
+def _autocast(tensors) -> tuple:
+    """(the floating tensors cast to the autocast dtype where autocast is on for their device, the context the
+    op runs in: autocast off there, so that its products run in the dtype its inputs now have)."""
     device = _autocasting(tensors)
     if device is None:
-        return tensors
+        return tensors, _NOTHING
     dtype = torch.get_autocast_dtype(device)
-    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors]
-
-
-def _autocast_off(tensors):
-    """Autocast off inside the op (its products run in the dtype its inputs now have), where it is on."""
-    device = _autocasting(tensors)
-    return contextlib.nullcontext() if device is None else torch.autocast(device, enabled=False)
+    return ([t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors],
+            torch.autocast(device, enabled=False))
 
 
 def _eps(value, where: str):
@@ -113,7 +112,7 @@ _needs_plan = _plan_cache.needs_plan
 
 def _attributed(site):
     """Warnings inside point at `site` (none: no warning can come, bfloat16 products)."""
-    return contextlib.nullcontext() if site is None else callsite.attributed_to(site)
+    return _NOTHING if site is None else callsite.attributed_to(site)
 
 
 def _site(plan):
@@ -224,11 +223,12 @@ def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
         raise ValueError(f"{_WAN_LABEL}: rope must be (cos, sin), two tables, got {type(rope).__name__}")
     norms = [] if norm_q_weight is None else [norm_q_weight, norm_k_weight]
     tables = [] if rope is None else list(rope)  # (never autocast: the tables stay in their own dtype)
-    tensors = _autocast([video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias, *norms])
+    tensors, autocast_off = _autocast([video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight,
+                                       o_bias, *norms])
     if torch.compiler.is_compiling():
         return torch.ops.backfuse.wan_xattn_forward(*tensors, *([None, None] if not norms else []),
                                                     *(tables or [None, None]), scale, heads, eps)[0]
-    with _autocast_off(tensors):
+    with autocast_off:
         return _WanXattn.apply(scale, heads, save_activations, eps, bool(tables), *tensors, *tables)
 
 
@@ -304,10 +304,10 @@ def wan_attention(query, key, value, norm_q_weight, norm_k_weight, scale, *, hea
     if rope is not None and (not isinstance(rope, (tuple, list)) or len(rope) != 2):
         raise ValueError(f"{_WAN_ATTENTION_LABEL}: rope must be (cos, sin), two tables, got {type(rope).__name__}")
     tables = [] if rope is None else list(rope)  # (never autocast: the tables stay in their own dtype)
-    tensors = _autocast([query, key, value, norm_q_weight, norm_k_weight])
+    tensors, autocast_off = _autocast([query, key, value, norm_q_weight, norm_k_weight])
     if torch.compiler.is_compiling():
         return torch.ops.backfuse.wan_attention_forward(*tensors, *(tables or [None, None]), scale, heads, eps)[0]
-    with _autocast_off(tensors):
+    with autocast_off:
         return _WanAttention.apply(scale, heads, save_activations, eps, bool(tables), *tensors, *tables)
 
 
@@ -358,17 +358,11 @@ class _QkvGqa(torch.autograd.Function):
         if not any(needs):
             return (None,) * 7
         saved = ctx.saved_tensors
-        grads = [g if g is not None else torch.zeros(s, dtype=ctx.plan.io, device=saved[0].device) for g, s in
-                 zip((gq, gk, gv), _qkv_shapes(ctx.plan))]
+        grads = [g if g is not None else torch.zeros(s, dtype=ctx.plan.io, device=saved[0].device) for g, (s, _) in
+                 zip((gq, gk, gv), ctx.plan.outputs)]
         with _attributed(ctx.site):
             out = _qkv.backward(saved[:5], grads, _needs_plan(ctx.plan, needs), saved[5] if len(saved) > 5 else None)
         return (None, None, *out)
-
-
-def _qkv_shapes(plan) -> tuple:
-    c = plan.config
-    return ((plan.batch, c.heads, plan.sd, c.head_dim), (plan.batch, c.heads, plan.se, c.head_dim),
-            (plan.batch, c.heads, plan.se, c.head_dim))
 
 
 def qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight, *, head_dim: int = 256,
@@ -376,10 +370,10 @@ def qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight, *, hea
     """Cross-attention q, k, v projections with grouped KV heads (`ops/qkv_gqa/training.py`):
     (query_states [B, H, Sd, D], key_states and value_states [B, H, Se, D], each KV head repeated to
     its H / KV query heads), H = q_weight rows / head_dim, KV = k_weight rows / head_dim."""
-    tensors = _autocast([decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight])
+    tensors, autocast_off = _autocast([decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight])
     if torch.compiler.is_compiling():
         return tuple(torch.ops.backfuse.qkv_gqa_forward(*tensors, head_dim)[:3])
-    with _autocast_off(tensors):
+    with autocast_off:
         return _QkvGqa.apply(head_dim, save_activations, *tensors)
 
 
@@ -469,7 +463,8 @@ def _qk_norm(label: str, qnw, knw, head_dim):
 def _gemma_plan(tensors, softcap, window, save, head_dim=None, mask=None, documents=None):
     masking = _masks.masking_of(mask, documents)
     key = ("037", _signature(tensors), softcap, window, save, head_dim, _cudnn.enabled(),
-           torch.are_deterministic_algorithms_enabled(), masking, _plan_cache.layout((mask, documents)))
+           torch.are_deterministic_algorithms_enabled(), masking,
+           masking and _plan_cache.layout((mask, documents)))
     plan = _plans.get(key)
     if plan is None:
         hidden, cos, sin, wq, wk, wv, wo, qnw, knw = tensors
@@ -550,18 +545,14 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
     scaling = check_real(scaling, f"{_GEMMA_LABEL}: input 'scaling'")
     eps = _eps(eps, f"{_GEMMA_LABEL}: input 'rms_norm_eps'")
     softcap = _softcap(softcap)
-    tensors = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight, k_norm_weight])
+    tensors, autocast_off = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
+                                       k_norm_weight])
     mask, documents = _gemma_masks(_GEMMA_LABEL, "hidden_states", attention_mask, cu_seqlens, cu_seqlens_k,
                                     tensors[0])
-    return _gemma_call(tensors, mask, documents, scaling, softcap, eps, window, head_dim, save_activations)
-
-
-def _gemma_call(tensors, mask, documents, scaling, softcap, eps, window, head_dim, save_activations):
-    """gemma3_core on autocast inputs and the kernels' (mask, documents)."""
     if torch.compiler.is_compiling():
         return torch.ops.backfuse.gemma3_core_forward(*tensors, mask, documents, scaling, softcap, eps, window,
                                                       head_dim or 0)[0]
-    with _autocast_off(tensors):
+    with autocast_off:
         return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, documents, *tensors)
 
 
@@ -573,7 +564,8 @@ _gemma_attention = _Lazy("backfuse.ops.gemma3_core.attention", "_gemma_attention
 def _gemma_attention_plan(tensors, softcap, window, save, head_dim=None, mask=None, documents=None):
     masking = _masks.masking_of(mask, documents)
     key = ("037 attention", _signature(tensors), softcap, window, save, head_dim, _cudnn.enabled(),
-           torch.are_deterministic_algorithms_enabled(), masking, _plan_cache.layout((mask, documents)))
+           torch.are_deterministic_algorithms_enabled(), masking,
+           masking and _plan_cache.layout((mask, documents)))
     plan = _plans.get(key)
     if plan is None:
         q, k, v, cos, sin, qnw, knw = tensors
@@ -639,13 +631,14 @@ def gemma3_attention(query_states, key_states, value_states, cos, sin, q_norm_we
     scaling = check_real(scaling, f"{_ATTENTION_LABEL}: input 'scaling'")
     eps = _eps(eps, f"{_ATTENTION_LABEL}: input 'rms_norm_eps'")
     softcap = _softcap(softcap)
-    tensors = _autocast([query_states, key_states, value_states, cos, sin, q_norm_weight, k_norm_weight])
+    tensors, autocast_off = _autocast([query_states, key_states, value_states, cos, sin, q_norm_weight,
+                                       k_norm_weight])
     mask, documents = _gemma_masks(_ATTENTION_LABEL, "query_states", attention_mask, cu_seqlens, cu_seqlens_k,
                                     tensors[0])
     if torch.compiler.is_compiling():
         return torch.ops.backfuse.gemma3_attention_forward(*tensors, mask, documents, scaling, softcap, eps, window,
                                                            head_dim or 0)[0]
-    with _autocast_off(tensors):
+    with autocast_off:
         return _Gemma3Attention.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, documents, *tensors)
 
 

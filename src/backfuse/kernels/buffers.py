@@ -23,16 +23,20 @@ def poisoned():
         _poison = saved
 
 
-def empty(shape, dtype, device, pinned: bool = False) -> torch.Tensor:
-    """pinned: page-locked host memory (device "cpu"), which GPU kernels can write directly."""
+def empty(shape, dtype, device, pinned: bool = False, strides=None) -> torch.Tensor:
+    """pinned: page-locked host memory (device "cpu"), which GPU kernels can write directly; strides: laid out
+    with these (dense: a permutation of a contiguous tensor's), else contiguous."""
     if not _poison and not pinned and not torch.are_deterministic_algorithms_enabled():
-        return torch.empty(shape, dtype=dtype, device=device)
+        if strides is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
     # Our kernels write every element they later read (the poisoned tests check it), so torch's
     # deterministic-mode fill of fresh memory would only add a kernel per buffer.
     deterministic = torch.utils.deterministic
     fill, deterministic.fill_uninitialized_memory = deterministic.fill_uninitialized_memory, False
     try:
-        t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pinned)
+        t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pinned) if strides is None else \
+            torch.empty_strided(shape, strides, dtype=dtype, device=device, pin_memory=pinned)
     finally:
         deterministic.fill_uninitialized_memory = fill
     if _poison:

@@ -46,9 +46,13 @@ def cached(key, make):
 
 
 def replaced(plan, **changes):
-    """plan with changes (dataclasses.replace), one object per (plan, changes). (The key holds the plan
-    itself, which compares by identity: a dropped plan's address can be another's later.)"""
-    return cached((plan, tuple(sorted(changes.items()))), lambda: dataclasses.replace(plan, **changes))
+    """plan with changes (dataclasses.replace), one object per (plan, changes), kept in the plan itself (its
+    `variants`): it lives as long as the plan does, and a call finds it by one dict lookup of the changes."""
+    key = tuple(sorted(changes.items()))
+    variant = plan.variants.get(key)
+    if variant is None:
+        variant = plan.variants[key] = dataclasses.replace(plan, **changes)
+    return variant
 
 
 def recurring(plan, later) -> None:
@@ -62,7 +66,7 @@ def recurring(plan, later) -> None:
 def looked_up(key, plan):
     """plan, or the plan `recurring` set for it (kept for key from then on) once plan has been looked up
     CUDNN_AFTER times."""
-    waiting = _pending.get(plan)
+    waiting = dict.get(_pending, plan)  # (without moving it to the end: the oldest pending go first)
     if waiting is None:
         return plan
     waiting[0] += 1
@@ -75,8 +79,12 @@ def looked_up(key, plan):
 
 def needs_plan(plan, needs: tuple, own: bool = False):
     """plan computing only the gradients flagged in needs; own: each in memory of its own (the custom ops:
-    torch.library's contract forbids outputs that alias each other)."""
-    return replaced(plan, needs=needs, own_grads=own)
+    torch.library's contract forbids outputs that alias each other). (`replaced`, with the key a backward's
+    call makes: (needs, own).)"""
+    variant = plan.variants.get((needs, own))
+    if variant is None:
+        variant = plan.variants[(needs, own)] = dataclasses.replace(plan, needs=needs, own_grads=own)
+    return variant
 
 
 def sm_count(device: torch.device) -> int:

@@ -17,6 +17,7 @@ changing lengths run templates. On the CPU (the Triton interpreter) the launches
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections import OrderedDict
@@ -41,20 +42,25 @@ SIZES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int32: 4, 
 class Precision:
     """What a training plan's input dtype (its field `io`) implies; a base of the ops' plans."""
 
-    @property
+    @functools.cached_property
     def compute(self) -> torch.dtype:
         """The products' operand dtype (`COMPUTE`)."""
         return COMPUTE[self.io]
 
-    @property
+    @functools.cached_property
     def guarded(self) -> bool:
         """fp16 operands: the range guard watches the call (`train/guard.py`)."""
         return self.compute == torch.float16
 
-    @property
+    @functools.cached_property
     def casts(self) -> bool:
         """float32 inputs: the call works on fp16 copies of them."""
         return self.io == torch.float32
+
+    @functools.cached_property
+    def variants(self) -> dict:
+        """This plan with some fields changed, by the changes (`plans.replaced`, `plans.needs_plan`)."""
+        return {}
 
 
 @dataclass(frozen=True)

@@ -241,11 +241,10 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
     acts = p.activations
     a_flat = acts.allocate(device)
     out = buffers.empty(hidden.shape, p.io, device)
-    out2 = out.view(p.tokens, cfg.hidden)
     key = ("gemma3_core forward", p, scaling, eps)
 
     def build():
-        a = acts.views(a_flat)
+        a, out2 = acts.views(a_flat), out.view(p.tokens, cfg.hidden)
         launches = _forward_launches(p, g, inputs, a, scaling, eps, masks)
         if p.cudnn:  # A and lse into the saved activations (cuDNN allocates its own), the output projection
             launches.append(Allocating(
@@ -341,22 +340,22 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
     acts, scratch, wgrads = p.activations, p.backward_scratch, p.weight_grads
     s_flat, w = scratch.allocate(device), wgrads.allocate(device)
     grad_hidden = buffers.empty(hidden.shape, p.io, device) if n[0] else None
-    go = grad_out.contiguous().view(t, cfg.hidden)
+    go = grad_out.contiguous()
     through_attention = any(n[:4]) or n[5] or n[6]  # (without the QK norm, n[5] and n[6] are False)
     made = [grad_hidden] if grad_hidden is not None else []
 
     def build():
-        s = scratch.views(s_flat)
+        s, go2 = scratch.views(s_flat), go.view(t, cfg.hidden)
         a = s if a_flat is None else acts.views(a_flat)
         launches = []
         if a_flat is None:
             launches += _forward_launches(p, fg, inputs, a, scaling, eps, masks) + (
                 [steps.check(fg)] if fg is not None else [])
         if p.casts:
-            launches += steps.upstream_casts(g, [(go, s.go_c, "grad_output", None)])
+            launches += steps.upstream_casts(g, [(go2, s.go_c, "grad_output", None)])
             go_c, wo_c = s.go_c, a.wo_c
         else:
-            go_c, wo_c = go, wo
+            go_c, wo_c = go2, wo
         da = (p.upstream_of_attention.views(bytes_of(grad_hidden)) if p.da_in_grad_hidden else s).da
         if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest
             def attention():
@@ -366,7 +365,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
                 return o, grads
 
             def rest(o, grads):
-                after = [mm(go.T, o, w.grad_wo)] if n[4] else []
+                after = [mm(go2.T, o, w.grad_wo)] if n[4] else []
                 if through_attention:
                     after += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, *grads, eps, in_place=True)
                 return after

@@ -64,8 +64,17 @@ class Plan(Precision):
         """This plan, or its twin that reads gq (grad_query_states [B, H, Sd, D]) in place: where gq is in
         the products' dtype, unguarded, with token-major memory ([B, Sd, H, D], as the forward's own
         output is laid out), so that its token-major view needs no copy (nor the copy's bytes)."""
-        direct = not self.guarded and gq.dtype == self.compute and gq.transpose(1, 2).is_contiguous()
+        if self.guarded or gq.dtype != self.compute:
+            return self
+        direct = gq.stride() == self.outputs[0][1] or gq.transpose(1, 2).is_contiguous()
         return self._in_place if direct else self
+
+    @functools.cached_property
+    def outputs(self) -> tuple:
+        """(shape, strides) of query_states, key_states, value_states: [B, H, S, D] laid out token-major
+        ([B, S, H, D], as the products write them)."""
+        h, d = self.config.heads, self.config.head_dim
+        return tuple(((self.batch, h, s, d), (s * h * d, d, h * d, 1)) for s in (self.sd, self.se, self.se))
 
     @functools.cached_property
     def _in_place(self) -> "Plan":
@@ -147,9 +156,7 @@ def forward(inputs, plan: Plan):
         g.poll()
     acts, scratch = p.activations, p.forward_scratch
     a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
-    q = buffers.empty((p.batch, p.sd, cfg.heads, cfg.head_dim), p.io, device)
-    k = buffers.empty((p.batch, p.se, cfg.heads, cfg.head_dim), p.io, device)
-    v = buffers.empty(k.shape, k.dtype, device)
+    q, k, v = [buffers.empty(shape, p.io, device, strides=strides) for shape, strides in p.outputs]
 
     def build():
         a, s = acts.views(a_flat), scratch.views(s_flat)
@@ -160,10 +167,10 @@ def forward(inputs, plan: Plan):
         else:
             launches = []
             dec_c, enc_c, wq_c, wk_c, wv_c = dec.view(p.td, cfg.hidden), enc.view(p.te, cfg.cross_hidden), wq, wk, wv
-        launches.append(mm(dec_c, wq_c.T, q.view(p.td, cfg.q_out)))
+        launches.append(mm(dec_c, wq_c.T, q.transpose(1, 2).view(p.td, cfg.q_out)))
         for w_c, out in ((wk_c, k), (wv_c, v)):
-            launches += [mm(enc_c, w_c.T, s.kv), steps.repeat_heads(s.kv, out.view(p.te, cfg.q_out), cfg.group,
-                                                                     cfg.head_dim)]
+            launches += [mm(enc_c, w_c.T, s.kv), steps.repeat_heads(s.kv, out.transpose(1, 2).view(p.te, cfg.q_out),
+                                                                     cfg.group, cfg.head_dim)]
         if g is not None:
             launches.append(steps.check(g))
         return launches
@@ -171,7 +178,7 @@ def forward(inputs, plan: Plan):
     execute(("qkv_gqa forward", p), device, bases(*inputs, q, k, v, a_flat, s_flat, *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()
-    return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), (a_flat if p.save and p.casts else None)
+    return (q, k, v), (a_flat if p.save and p.casts else None)
 
 
 def backward(inputs, grads, plan: Plan, a_flat):
@@ -183,7 +190,7 @@ def backward(inputs, grads, plan: Plan, a_flat):
     if g is not None:
         g.poll()
     fg = _guard(p, "forward", device, inputs[2].data_ptr()) if p.casts and a_flat is None else None
-    gq, gk, gv = (t if t.stride(-1) == 1 else t.contiguous() for t in grads)
+    gq, gk, gv = [t if t.stride(-1) == 1 else t.contiguous() for t in grads]
     acts, scratch, wgrads = p.activations, p.backward_scratch, p.weight_grads
     s_flat, w = scratch.allocate(device), wgrads.allocate(device)
     grad_dec = buffers.empty(dec.shape, p.io, device) if n[0] else None
