@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import math
 
 import torch
 
@@ -381,10 +382,17 @@ def qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight, *, hea
 _GEMMA_LABEL = "backfuse.functional.gemma3_core"
 
 
-def _softcap(softcap) -> float:
-    if softcap is None:
-        return 0.0
-    return abs(check_real(softcap, f"{_GEMMA_LABEL}: input 'attn_logit_softcapping'"))  # tanh(z / c) c is even in c
+def _gemma_scalars(label: str, scaling, softcap, eps) -> tuple:
+    """(scaling, the soft cap: 0.0 for None, |softcap| (tanh(z / c) c is even in c), eps), each checked
+    (`check_real`, `_eps`). Finite floats, the common case, take one test."""
+    if (type(scaling) is float and type(eps) is float and (softcap is None or type(softcap) is float)
+            and math.isfinite(scaling) and 0.0 <= eps < math.inf
+            and (softcap is None or math.isfinite(softcap))):
+        return scaling, 0.0 if softcap is None else abs(softcap), eps
+    scaling = check_real(scaling, f"{label}: input 'scaling'")
+    eps = _eps(eps, f"{label}: input 'rms_norm_eps'")
+    softcap = 0.0 if softcap is None else abs(check_real(softcap, f"{label}: input 'attn_logit_softcapping'"))
+    return scaling, softcap, eps
 
 
 def _gemma_masks(label: str, first: str, attention_mask, cu_seqlens, cu_seqlens_k, hidden) -> tuple:
@@ -542,9 +550,7 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
     each document's last query and last key together, as FlashAttention aligns it, and the window counts
     back from there), a query in no document seeing no key. Masks and documents are read on the device only
     (the host never waits), and the kernels skip the key blocks no query of a block sees."""
-    scaling = check_real(scaling, f"{_GEMMA_LABEL}: input 'scaling'")
-    eps = _eps(eps, f"{_GEMMA_LABEL}: input 'rms_norm_eps'")
-    softcap = _softcap(softcap)
+    scaling, softcap, eps = _gemma_scalars(_GEMMA_LABEL, scaling, softcap, eps)
     tensors, autocast_off = _autocast([hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm_weight,
                                        k_norm_weight])
     mask, documents = _gemma_masks(_GEMMA_LABEL, "hidden_states", attention_mask, cu_seqlens, cu_seqlens_k,
@@ -628,9 +634,7 @@ def gemma3_attention(query_states, key_states, value_states, cos, sin, q_norm_we
     LoRA, quantized or hooked projections), the per-head QK RMSNorm (weight 1 + w; None: none, as Gemma 2),
     RoPE from cos, sin, causal GQA attention at `scaling` with the soft cap, window and masks of
     `gemma3_core` -> the attention output [B, S, H * D] (what o_proj takes). cos and sin get no gradient."""
-    scaling = check_real(scaling, f"{_ATTENTION_LABEL}: input 'scaling'")
-    eps = _eps(eps, f"{_ATTENTION_LABEL}: input 'rms_norm_eps'")
-    softcap = _softcap(softcap)
+    scaling, softcap, eps = _gemma_scalars(_ATTENTION_LABEL, scaling, softcap, eps)
     tensors, autocast_off = _autocast([query_states, key_states, value_states, cos, sin, q_norm_weight,
                                        k_norm_weight])
     mask, documents = _gemma_masks(_ATTENTION_LABEL, "query_states", attention_mask, cu_seqlens, cu_seqlens_k,

@@ -245,6 +245,9 @@ class Gemma3Core(_Block):
                              self.softcap, self.eps, window=c.window, head_dim=c.head_dim)
 
 
+_WAN_PROJECTIONS = tuple(f"{n}_{kind}" for n in ("query", "key", "value", "output") for kind in ("weight", "bias"))
+
+
 class WanXattn(_Block):
     """Wan-style text-to-video cross-attention (021's operator; `WanXattnConfig`, whose default is the
     benchmark's: hidden 1024, 16 heads of 64, no q/k norm; Wan 2.1 / 2.2's have `qk_norm=True`).
@@ -284,7 +287,7 @@ class WanXattn(_Block):
     def forward(self, video, text):
         """video [B, Nv, hidden], text [B, Nt, hidden] -> [B, Nv, hidden]."""
         c = self.config
-        projections = [getattr(self, f"{n}_{kind}") for n in ("query", "key", "value", "output") for kind in ("weight", "bias")]
+        projections = [getattr(self, name) for name in _WAN_PROJECTIONS]
         norms = dict(norm_q_weight=self.norm_q_weight, norm_k_weight=self.norm_k_weight, eps=self.eps) if c.qk_norm else {}
         return F.wan_xattn(video, text, *projections, self.scale, heads=c.heads, **norms)
 

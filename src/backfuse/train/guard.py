@@ -127,7 +127,11 @@ def tensors(*gs) -> tuple:
     """The memory the guards gs (None: no guard) give a call's launches, for `train/program.py: bases`: a
     graph or template of the call names it, so one taken while another guard stood for the layer (before
     `reset`, or before its guard was evicted) is never launched at the memory of a guard that is gone."""
-    return tuple(t for g in gs if g is not None for t in (g.maxima, g.flags, g.state, g.log))
+    out = ()
+    for g in gs:
+        if g is not None:
+            out += (g.maxima, g.flags, g.state, g.log)
+    return out
 
 
 def check_ranges() -> None:

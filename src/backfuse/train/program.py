@@ -178,7 +178,7 @@ def execute(key, device: torch.device, tensors: tuple, build) -> None:
         return
     if not getattr(_thread, "context", False):
         _make_context_current()
-    addresses = tuple(0 if t is None else t.data_ptr() for t in tensors)
+    addresses = tuple([0 if t is None else t.data_ptr() for t in tensors])
     where = (key, device.index)
 
     def direct():

@@ -257,7 +257,7 @@ def backward(inputs, grads, plan: Plan, a_flat):
         if each is not None and device.type != "cuda":
             each.poll()
     if hasattr(w, "grad_wkv"):
-        w.grad_wk, w.grad_wv = w.grad_wkv[:kv_out], w.grad_wkv[kv_out:]
+        w.grad_wk, w.grad_wv = w.grad_wkv.split_with_sizes((kv_out, kv_out))
         if p.own_grads:
             w.grad_wv = w.grad_wv.clone()
     return (grad_dec, grad_enc, getattr(w, "grad_wq", None), getattr(w, "grad_wk", None) if n[3] else None,

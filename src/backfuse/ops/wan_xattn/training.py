@@ -328,11 +328,11 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
     s_flat, w = scratch.allocate(device), wgrads.allocate(device)
     grad_video = buffers.empty(video.shape, p.io, device) if n[0] else None
     grad_text = buffers.empty(text.shape, p.io, device) if n[1] else None
-    go = grad_out.contiguous().view(tv, d)
+    go = grad_out.contiguous()
     key = ("wan_xattn backward", p, scale)
 
     def build():
-        s = scratch.views(s_flat)
+        s, go2 = scratch.views(s_flat), go.view(tv, d)
         a = s if a_flat is None else acts.views(a_flat)
         launches = []
         if a_flat is None:
@@ -340,11 +340,11 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             if fg is not None:
                 launches.append(steps.check(fg))
         if p.casts:
-            launches += steps.upstream_casts(g, [(go, s.go_c, "grad_output", None)])
+            launches += steps.upstream_casts(g, [(go2, s.go_c, "grad_output", None)])
             go_c, wq_c, wo_c, video_c, text_c = s.go_c, a.wq_c, a.wo_c, a.video_c, a.text_c
             k_raw, v, dk, dv = a.kv[:, :d], a.kv[:, d:], s.dkv[:, :d], s.dkv[:, d:]
         else:
-            go_c, wq_c, wo_c, video_c, text_c = go, wq, wo, video.view(tv, d), text.view(tt, d)
+            go_c, wq_c, wo_c, video_c, text_c = go2, wq, wo, video.view(tv, d), text.view(tt, d)
             k_raw, v = (a.k_raw if p.norm else a.k), a.v
             if p.cudnn:
                 dk, dv = None, None  # (cuDNN's: its own tensors)
@@ -444,7 +444,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
         if each is not None and device.type != "cuda":
             each.poll()
     if p.stacked and hasattr(w, "grad_wkv"):
-        w.grad_wk, w.grad_wv = w.grad_wkv[:d], w.grad_wkv[d:]
+        w.grad_wk, w.grad_wv = w.grad_wkv.split_with_sizes((d, d))
         if p.own_grads:
             w.grad_wv = w.grad_wv.clone()
     grads = (grad_video, grad_text, getattr(w, "grad_wq", None), getattr(w, "grad_bq", None),
