@@ -109,13 +109,19 @@ class Guard:
         return int(self._host[0])
 
 
-def guard(label: str, regions: tuple, device: torch.device, scaled: bool, owner: int = 0) -> Guard:
-    """The Guard of (label, regions, device, owner), made on first use; owner: what tells a model's layers
-    apart (the address of the layer's first weight)."""
-    key = (label, regions, device, scaled, owner)
+def of(plan, label: str, direction: str, regions: tuple, device: torch.device, owner: int = 0) -> Guard | None:
+    """The guard of a training call, made on first use (None where the plan's products are bfloat16:
+    `Precision.guarded`): label the op's ('backfuse.functional.wan_xattn'), direction 'forward' or 'backward',
+    regions that direction's (a module constant: one object for every call); owner what tells a model's layers
+    apart (the address of the layer's first weight). The backward of float32 inputs scales its upstream
+    gradients (`Guard.scaled`)."""
+    if not plan.guarded:
+        return None
+    scaled = direction == "backward" and plan.casts
+    key = (label, direction, device, scaled, owner)  # (cheap to hash: the regions follow from label and direction)
     g = _guards.get(key)
-    if g is None:
-        g = _guards[key] = Guard(label, regions, device, scaled)
+    if g is None or g.regions is not regions:  # (Guard keeps a tuple as it is)
+        g = _guards[key] = Guard(f"{label} {direction}", regions, device, scaled)
         while len(_guards) > GUARDS_KEPT:
             _guards.popitem(last=False)
     else:

@@ -185,11 +185,9 @@ class Plan(Precision):
 
 
 def _guard(plan: Plan, direction: str, device, owner: int = 0):
-    if not plan.guarded:
-        return None
-    regions = FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS
-    return guards.guard(f"{LABEL} {direction}", regions, device, scaled=direction == "backward" and plan.casts,
-                        owner=owner)
+    """The fp16 guard of the forward or the backward (`train/guard.py: of`; None on bfloat16 products)."""
+    return guards.of(plan, LABEL, direction, FORWARD_REGIONS if direction == "forward" else BACKWARD_REGIONS, device,
+                     owner)
 
 
 def _norm_rope(p: Plan, x, w, cos, sin, out, heads: int, eps: float):
