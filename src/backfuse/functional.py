@@ -384,9 +384,10 @@ _GEMMA_LABEL = "backfuse.functional.gemma3_core"
 
 def _gemma_scalars(label: str, scaling, softcap, eps) -> tuple:
     """(scaling, the soft cap: 0.0 for None, |softcap| (tanh(z / c) c is even in c), eps), each checked
-    (`check_real`, `_eps`). Finite floats, the common case, take one test."""
-    if (type(scaling) is float and type(eps) is float and (softcap is None or type(softcap) is float)
-            and math.isfinite(scaling) and 0.0 <= eps < math.inf
+    (`check_real`, `_eps`). Finite floats, the common case, take one test (not while torch.compile traces: it would
+    guard on each value, a graph per value)."""
+    if (not torch.compiler.is_compiling() and type(scaling) is float and type(eps) is float
+            and (softcap is None or type(softcap) is float) and math.isfinite(scaling) and 0.0 <= eps < math.inf
             and (softcap is None or math.isfinite(softcap))):
         return scaling, 0.0 if softcap is None else abs(softcap), eps
     scaling = check_real(scaling, f"{label}: input 'scaling'")
