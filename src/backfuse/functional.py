@@ -99,6 +99,12 @@ def _autocast(tensors) -> tuple:
             torch.autocast(device, enabled=False))
 
 
+def _finite_floats(*values) -> bool:
+    """Whether every value is a finite float: the common case of a call's scalars, taken in one test (not while
+    torch.compile traces: there the tests would make it guard on each value, a graph per value)."""
+    return not torch.compiler.is_compiling() and all(type(v) is float and -math.inf < v < math.inf for v in values)
+
+
 def _eps(value, where: str):
     """An RMSNorm's eps: a real number, at least 0 (a negative one makes a small row's norm NaN)."""
     eps = check_real(value, where)
@@ -216,8 +222,8 @@ def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
     rope=(cos, sin) the self-attention (text: the video itself): q and k, after their norms, turned on
     interleaved pairs as diffusers' Wan does (pair i of a head by cos[t, 2i] and sin[t, 2i + 1] at video token t;
     tables [Nv, D] or diffusers' [1, Nv, 1, D], floating, without gradient)."""
-    scale = check_real(scale, f"{_WAN_LABEL}: input 'scale'")
-    eps = _eps(eps, f"{_WAN_LABEL}: eps")
+    if not (_finite_floats(scale, eps) and eps >= 0.0):
+        scale, eps = check_real(scale, f"{_WAN_LABEL}: input 'scale'"), _eps(eps, f"{_WAN_LABEL}: eps")
     if (norm_q_weight is None) != (norm_k_weight is None):
         raise ValueError(f"{_WAN_LABEL}: norm_q_weight and norm_k_weight are both tensors (the q, k norms) or both None")
     if rope is not None and (not isinstance(rope, (tuple, list)) or len(rope) != 2):
@@ -300,8 +306,9 @@ def wan_attention(query, key, value, norm_q_weight, norm_k_weight, scale, *, hea
     ([hidden] each), `heads` heads of hidden / heads, softmax(scale * Q K^T) V, no mask -> [B, Nv, hidden] (what the
     output projection takes). The cross-attention, or with rope=(cos, sin) the self-attention (key and value: the
     video's): Q and K, after their norms, turned on interleaved pairs as `wan_xattn`'s. The tables get no gradient."""
-    scale = check_real(scale, f"{_WAN_ATTENTION_LABEL}: input 'scale'")
-    eps = _eps(eps, f"{_WAN_ATTENTION_LABEL}: eps")
+    if not (_finite_floats(scale, eps) and eps >= 0.0):
+        scale, eps = (check_real(scale, f"{_WAN_ATTENTION_LABEL}: input 'scale'"),
+                      _eps(eps, f"{_WAN_ATTENTION_LABEL}: eps"))
     if rope is not None and (not isinstance(rope, (tuple, list)) or len(rope) != 2):
         raise ValueError(f"{_WAN_ATTENTION_LABEL}: rope must be (cos, sin), two tables, got {type(rope).__name__}")
     tables = [] if rope is None else list(rope)  # (never autocast: the tables stay in their own dtype)
@@ -384,11 +391,8 @@ _GEMMA_LABEL = "backfuse.functional.gemma3_core"
 
 def _gemma_scalars(label: str, scaling, softcap, eps) -> tuple:
     """(scaling, the soft cap: 0.0 for None, |softcap| (tanh(z / c) c is even in c), eps), each checked
-    (`check_real`, `_eps`). Finite floats, the common case, take one test (not while torch.compile traces: it would
-    guard on each value, a graph per value)."""
-    if (not torch.compiler.is_compiling() and type(scaling) is float and type(eps) is float
-            and (softcap is None or type(softcap) is float) and math.isfinite(scaling) and 0.0 <= eps < math.inf
-            and (softcap is None or math.isfinite(softcap))):
+    (`check_real`, `_eps`)."""
+    if _finite_floats(scaling, eps, 0.0 if softcap is None else softcap) and eps >= 0.0:
         return scaling, 0.0 if softcap is None else abs(softcap), eps
     scaling = check_real(scaling, f"{label}: input 'scaling'")
     eps = _eps(eps, f"{label}: input 'rms_norm_eps'")

@@ -137,26 +137,62 @@ class Phases:
         self.groups = tuple(tuple(g) for g in groups)
 
 
+@dataclass(frozen=True)
+class Stack:
+    """One product's result whose row blocks are gradients of their own (`parts`: Buffers of one width and
+    dtype, in row order): the product writes the stack, autograd takes the parts."""
+    name: str
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+
 class Outputs:
     """A call's parameter gradients: one allocation split into them (they live as long as each other, until
     the optimizer has used them; autograd takes each as the parameter's .grad without a copy), all in
-    one dtype. `allocate` costs the host one allocation, one split and a view per tensor of 2 dims or more.
-    separate: an allocation each (torch.library's ops may not return tensors that share memory)."""
+    one dtype; a `Stack`'s parts lie in it row block after row block. `allocate` costs the host one
+    allocation, one split and a view per tensor of 2 dims or more. separate: an allocation each, a stack one
+    (torch.library's ops may not return tensors that share memory: `own` copies a stack's later parts)."""
 
     def __init__(self, specs, separate: bool = False):
-        self.specs = tuple(s for s in specs if s is not None)
+        items = tuple(s for s in specs if s is not None)
+        self.specs = tuple(p for s in items for p in (s.parts if isinstance(s, Stack) else (s,)))
         self.sizes = [math.prod(s.shape) for s in self.specs]
         self.total = max(1, sum(self.sizes))
         self.dtype = self.specs[0].dtype if self.specs else torch.float32
         self.separate = separate
+        self.stacks = {s.name: s for s in items if isinstance(s, Stack)}
+        self._alone = tuple(s for s in items if not isinstance(s, Stack))
 
-    def allocate(self, device) -> SimpleNamespace:
+    def allocate(self, device) -> tuple:
+        """(the gradients by name, the allocations: what `execute` takes of them)."""
         if not self.specs:
-            return SimpleNamespace()
+            return SimpleNamespace(), ()
         if self.separate:
-            return SimpleNamespace(**{s.name: buffers.empty(s.shape, s.dtype, device) for s in self.specs})
-        parts = buffers.empty((self.total,), self.dtype, device).split_with_sizes(self.sizes)
-        return SimpleNamespace(**{s.name: p if len(s.shape) == 1 else p.view(s.shape) for s, p in zip(self.specs, parts)})
+            out = {s.name: buffers.empty(s.shape, s.dtype, device) for s in self._alone}
+            for stack in self.stacks.values():
+                whole = buffers.empty(stack.shape, self.dtype, device)
+                out.update(zip((p.name for p in stack.parts), whole.split_with_sizes([p.shape[0] for p in stack.parts])))
+            return SimpleNamespace(**out), tuple(out.values())
+        flat = buffers.empty((self.total,), self.dtype, device)
+        parts = flat.split_with_sizes(self.sizes)
+        return SimpleNamespace(**{s.name: p if len(s.shape) == 1 else p.view(s.shape)
+                                  for s, p in zip(self.specs, parts)}), (flat,)
+
+    def stack(self, w: SimpleNamespace, name: str) -> torch.Tensor:
+        """The stack `name` over its parts in w (its first part's memory and the rows after it)."""
+        stack = self.stacks[name]
+        rows, width = stack.shape
+        return getattr(w, stack.parts[0].name).as_strided((rows, width), (width, 1))
+
+    def own(self, w: SimpleNamespace) -> None:
+        """Where separate, each stack's later parts copied into memory of their own (after the launches)."""
+        if self.separate:
+            for stack in self.stacks.values():
+                for part in stack.parts[1:]:
+                    setattr(w, part.name, getattr(w, part.name).clone())
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:

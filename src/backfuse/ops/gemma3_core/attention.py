@@ -141,7 +141,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
             each.poll()
     t, att = p.tokens, p.attention
     scratch, wgrads = p.backward_scratch, p.weight_grads
-    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
+    s_flat, (w, w_bases) = scratch.allocate(device), wgrads.allocate(device)
     through = any(n[:2]) or n[3] or n[4]  # (the RoPE and norm backward)
     grads = [buffers.empty(x.shape, p.io, device) if need or (i < 2 and through) else None
              for i, (x, need) in enumerate(zip((q, k, v), n))]
@@ -199,9 +199,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
             launches.append(steps.check(g))
         return launches
 
-    made = [x for x in grads if x is not None]
     execute(key, device,
-            bases(*inputs, *masks, da, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat]),
+            bases(*inputs, *masks, da, *grads, *w_bases, s_flat, a_flat,
                   *guards.tensors(g, fg)), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":

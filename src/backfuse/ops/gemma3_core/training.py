@@ -35,7 +35,7 @@ from ...kernels.schedule import Holds, cdiv
 from ...kernels.triton import rope
 from ...train import cudnn, plans, steps
 from ...train import guard as guards
-from ...train.program import SIZES, Arena, Buffer, Kernel, Outputs, Precision, accumulate, bases, bytes_of, execute, mm
+from ...train.program import SIZES, Arena, Buffer, Kernel, Outputs, Precision, Stack, accumulate, bases, bytes_of, execute, mm
 from .spec import Gemma3CoreConfig
 
 NEEDS = 7  # grad_hidden, grad_Wq, grad_Wk, grad_Wv, grad_Wo, grad_q_norm_w, grad_k_norm_w
@@ -173,12 +173,13 @@ class Plan(Precision):
     @functools.cached_property
     def weight_grads(self):
         cfg, io, n = self.config, self.io, self.needs
-        width = cfg.q_out + 2 * cfg.kv_out
-        stacked = self.stacked
-        return Outputs([Buffer("grad_wqkv", (width, cfg.hidden), io) if stacked and any(n[1:4]) else None,
-                      Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[1] and not stacked else None,
-                      Buffer("grad_wk", (cfg.kv_out, cfg.hidden), io) if n[2] and not stacked else None,
-                      Buffer("grad_wv", (cfg.kv_out, cfg.hidden), io) if n[3] and not stacked else None,
+        rows = [(Buffer(name, (r, cfg.hidden), io), need) for name, r, need in
+                (("grad_wq", cfg.q_out, n[1]), ("grad_wk", cfg.kv_out, n[2]), ("grad_wv", cfg.kv_out, n[3]))]
+        if self.stacked:  # one product G^T X into [grad_wq; grad_wk; grad_wv]
+            qkv = [Stack("grad_wqkv", tuple(b for b, _ in rows))] if any(n[1:4]) else []
+        else:
+            qkv = [b if need else None for b, need in rows]
+        return Outputs([*qkv,
                       Buffer("grad_wo", (cfg.hidden, cfg.q_out), io) if n[4] else None,
                       Buffer("grad_qnw", (cfg.head_dim,), io) if n[5] else None,
                       Buffer("grad_knw", (cfg.head_dim,), io) if n[6] else None], separate=self.own_grads)
@@ -308,7 +309,7 @@ def _gradients_from_attention(p: Plan, g, inputs, a, s, w, grad_hidden, d_rot_q,
                                                              accumulate(gh, gv, wv)]
     if p.stacked:
         if any(n[1:4]):
-            launches.append(mm(s.g.T, x_c, w.grad_wqkv))
+            launches.append(mm(s.g.T, x_c, p.weight_grads.stack(w, "grad_wqkv")))
     else:
         for need, grad, name in ((n[1], gq, "grad_wq"), (n[2], gk, "grad_wk"), (n[3], gv, "grad_wv")):
             if need:
@@ -316,11 +317,12 @@ def _gradients_from_attention(p: Plan, g, inputs, a, s, w, grad_hidden, d_rot_q,
     return launches
 
 
-def _finish(g, w, grad_hidden) -> list:
+def _finish(p: Plan, g, w, grad_hidden) -> list:
     """The scale's undoing on the products that carry it, and the guard's check (none unguarded)."""
     if g is None:
         return []
-    products = [grad_hidden] + [getattr(w, name, None) for name in ("grad_wqkv", "grad_wo")] if g.scaled else []
+    stacked = p.weight_grads.stack(w, "grad_wqkv") if "grad_wqkv" in p.weight_grads.stacks else None
+    products = [grad_hidden, stacked, getattr(w, "grad_wo", None)] if g.scaled else []
     return [steps.unscale(x, g) for x in products if x is not None] + [steps.check(g)]
 
 
@@ -336,11 +338,10 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
             each.poll()
     t, qo, ko = p.tokens, cfg.q_out, cfg.kv_out
     acts, scratch, wgrads = p.activations, p.backward_scratch, p.weight_grads
-    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
+    s_flat, (w, w_bases) = scratch.allocate(device), wgrads.allocate(device)
     grad_hidden = buffers.empty(hidden.shape, p.io, device) if n[0] else None
     go = grad_out.contiguous()
     through_attention = any(n[:4]) or n[5] or n[6]  # (without the QK norm, n[5] and n[6] are False)
-    made = [grad_hidden] if grad_hidden is not None else []
 
     def build():
         s, go2 = scratch.views(s_flat), go.view(t, cfg.hidden)
@@ -370,7 +371,7 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
 
             launches += [mm(go_c, wo_c, da)] if through_attention else []
             launches.append(Allocating(key, attention, rest, "cuDNN's attention backward"))
-            return launches + _finish(g, w, grad_hidden)
+            return launches + _finish(p, g, w, grad_hidden)
         if n[4]:
             launches.append(mm(go_c.T, a.o, w.grad_wo))
         if through_attention:
@@ -391,25 +392,18 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
                                                      s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS,
                                                      p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0])
             launches += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, s.d_rot_q, s.d_rot_k, gv, eps)
-        return launches + _finish(g, w, grad_hidden)
+        return launches + _finish(p, g, w, grad_hidden)
 
     key = ("gemma3_core backward", p, scaling, eps)
-    execute(key, device, bases(*inputs, *masks, go, *made, *vars(w).values(), s_flat,
-                                   *([] if a_flat is None else [a_flat]), *guards.tensors(g, fg)), build)
+    execute(key, device, bases(*inputs, *masks, go, grad_hidden, *w_bases, s_flat, a_flat, *guards.tensors(g, fg)),
+            build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()
-    if hasattr(w, "grad_wqkv"):
-        w.grad_wq, w.grad_wk, w.grad_wv = _rows(w.grad_wqkv, (qo, ko, ko), p.own_grads)
+    wgrads.own(w)
     return (grad_hidden, getattr(w, "grad_wq", None) if n[1] else None, getattr(w, "grad_wk", None) if n[2] else None,
             getattr(w, "grad_wv", None) if n[3] else None, getattr(w, "grad_wo", None), getattr(w, "grad_qnw", None),
             getattr(w, "grad_knw", None))
-
-
-def _rows(stacked, counts, own: bool) -> list:
-    """The row blocks of one product's result; own: each but the first copied (memory of its own)."""
-    parts = list(stacked.split_with_sizes(counts))
-    return parts[:1] + [x.clone() for x in parts[1:]] if own else parts
 
 
 def problem_backward(problem, inputs, needs: tuple) -> tuple:

@@ -25,7 +25,7 @@ from ...kernels import buffers
 from ...kernels.schedule import Holds
 from ...train import guard as guards
 from ...train import plans, steps
-from ...train.program import SIZES, Arena, Buffer, Outputs, Phases, Precision, accumulate, bases, bytes_of, execute, mm
+from ...train.program import SIZES, Arena, Buffer, Outputs, Phases, Precision, Stack, accumulate, bases, bytes_of, execute, mm
 from .spec import QkvGqaConfig
 
 NEEDS = 5  # grad_dec, grad_enc, grad_Wq, grad_Wk, grad_Wv
@@ -124,11 +124,12 @@ class Plan(Precision):
     @functools.cached_property
     def weight_grads(self):
         cfg, io, n = self.config, self.io, self.needs
-        return Outputs([Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[2] else None,
-                      Buffer("grad_wkv", (2 * cfg.kv_out, cfg.cross_hidden), io) if self.casts and (n[3] or n[4]) else None,
-                      Buffer("grad_wk", (cfg.kv_out, cfg.cross_hidden), io) if n[3] and not self.casts else None,
-                      Buffer("grad_wv", (cfg.kv_out, cfg.cross_hidden), io) if n[4] and not self.casts else None],
-                       separate=self.own_grads)
+        wk, wv = (Buffer(name, (cfg.kv_out, cfg.cross_hidden), io) for name in ("grad_wk", "grad_wv"))
+        if self.casts:  # one product into [grad_wk; grad_wv]
+            kv = [Stack("grad_wkv", (wk, wv))] if n[3] or n[4] else []
+        else:
+            kv = [wk if n[3] else None, wv if n[4] else None]
+        return Outputs([Buffer("grad_wq", (cfg.q_out, cfg.hidden), io) if n[2] else None, *kv], separate=self.own_grads)
 
 
 def _guard(plan: Plan, direction: str, device, owner: int = 0):
@@ -190,7 +191,7 @@ def backward(inputs, grads, plan: Plan, a_flat):
     fg = _guard(p, "forward", device, inputs[2].data_ptr()) if p.casts and a_flat is None else None
     gq, gk, gv = [t if t.stride(-1) == 1 else t.contiguous() for t in grads]
     acts, scratch, wgrads = p.activations, p.backward_scratch, p.weight_grads
-    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
+    s_flat, (w, w_bases) = scratch.allocate(device), wgrads.allocate(device)
     grad_dec = buffers.empty(dec.shape, p.io, device) if n[0] else None
     grad_enc = buffers.empty(enc.shape, p.io, device) if n[1] else None
     kv_out = cfg.kv_out
@@ -227,7 +228,7 @@ def backward(inputs, grads, plan: Plan, a_flat):
                 if n[1]:
                     keys.append(mm(k.gkv, a.wkv_c, ge))
                 if n[3] or n[4]:
-                    keys.append(mm(k.gkv.T, enc_c, w.grad_wkv))
+                    keys.append(mm(k.gkv.T, enc_c, wgrads.stack(w, "grad_wkv")))
             else:
                 if n[1]:
                     keys += [mm(k.gk, wk, ge), accumulate(ge, k.gv, wv)]
@@ -241,23 +242,19 @@ def backward(inputs, grads, plan: Plan, a_flat):
             queries, keys = steps.upstream_casts(g, q_casts) + queries, steps.upstream_casts(g, k_casts) + keys
         launches += keys + queries if p.keys_in_grad_dec else queries + keys
         if g is not None and g.scaled:
-            products = [grad_dec, grad_enc] + [getattr(w, name, None) for name in ("grad_wq", "grad_wkv")]
+            products = [grad_dec, grad_enc, getattr(w, "grad_wq", None),
+                        wgrads.stack(w, "grad_wkv") if wgrads.stacks else None]
             launches += [steps.unscale(t, g) for t in products if t is not None]
         if g is not None:
             launches.append(steps.check(g))
         return launches
 
-    made = [t for t in (grad_dec, grad_enc) if t is not None]
     execute(("qkv_gqa backward", p), device,
-            bases(*inputs, gq, gk, gv, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat]),
-                  *guards.tensors(g, fg)), build)
+            bases(*inputs, gq, gk, gv, grad_dec, grad_enc, *w_bases, s_flat, a_flat, *guards.tensors(g, fg)), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()
-    if hasattr(w, "grad_wkv"):
-        w.grad_wk, w.grad_wv = w.grad_wkv.split_with_sizes((kv_out, kv_out))
-        if p.own_grads:
-            w.grad_wv = w.grad_wv.clone()
+    wgrads.own(w)
     return (grad_dec, grad_enc, getattr(w, "grad_wq", None), getattr(w, "grad_wk", None) if n[3] else None,
             getattr(w, "grad_wv", None) if n[4] else None)
 

@@ -154,7 +154,7 @@ def forward(inputs, scale: float, plan: Plan):
             launches.append(steps.check(g))
         return launches
 
-    execute(key, device, bases(*inputs, out, a_flat, *([] if t_flat is None else [t_flat]), *guards.tensors(g)), build)
+    execute(key, device, bases(*inputs, out, a_flat, t_flat, *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -172,7 +172,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             each.poll()
     tv, tt = p.tv, p.tt
     scratch, wgrads = p.backward_scratch, p.weight_grads
-    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
+    s_flat, (w, w_bases) = scratch.allocate(device), wgrads.allocate(device)
     through = n[0] or n[1] or n[3] or n[4]  # (RoPE's and the norms' backward)
     grads = [buffers.empty(x.shape, p.io, device) if need or (i < 2 and through) else None
              for i, (x, need) in enumerate(zip((q, k, v), n))]
@@ -234,8 +234,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             launches.append(steps.check(g))
         return launches
 
-    made = [x for x in grads if x is not None]
-    execute(key, device, bases(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat]),
+    execute(key, device, bases(*inputs, go, *grads, *w_bases, s_flat, a_flat,
                                *guards.tensors(g, fg)), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":

@@ -36,7 +36,7 @@ from ...kernels.graphs import Allocating
 from ...kernels.schedule import Holds
 from ...train import cudnn, plans, steps
 from ...train import guard as guards
-from ...train.program import Arena, Buffer, Outputs, Precision, accumulate, addmm, bases, bytes_of, execute, mm
+from ...train.program import Arena, Buffer, Outputs, Precision, Stack, accumulate, addmm, bases, bytes_of, execute, mm
 from .spec import WanXattnConfig
 
 NEEDS = 10  # grad_video, grad_text, grad_Wq, grad_bq, grad_Wk, grad_bk, grad_Wv, grad_bv, grad_Wo, grad_bo
@@ -183,12 +183,13 @@ class Plan(Precision):
         """The parameters' gradients, in one allocation (they live as long as each other: until the
         optimizer has used them); grad_Wk and grad_Wv as the row blocks of one product where `stacked`."""
         d, io, n = self.config.hidden, self.io, self.needs
+        wk, wv = Buffer("grad_wk", (d, d), io), Buffer("grad_wv", (d, d), io)
         stacked = self.stacked
         return Outputs([Buffer("grad_wq", (d, d), io) if n[2] else None, Buffer("grad_bq", (d,), io) if n[3] else None,
-                      Buffer("grad_wkv", (2 * d, d), io) if stacked and (n[4] or n[6]) else None,
-                      Buffer("grad_wk", (d, d), io) if n[4] and not stacked else None,
+                      Stack("grad_wkv", (wk, wv)) if stacked and (n[4] or n[6]) else None,
+                      wk if n[4] and not stacked else None,
                       Buffer("grad_bk", (d,), io) if n[5] else None,
-                      Buffer("grad_wv", (d, d), io) if n[6] and not stacked else None,
+                      wv if n[6] and not stacked else None,
                       Buffer("grad_bv", (d,), io) if n[7] else None,
                       Buffer("grad_wo", (d, d), io) if n[8] else None, Buffer("grad_bo", (d,), io) if n[9] else None,
                       Buffer("grad_nq", (d,), io) if self.norm and n[10] else None,
@@ -322,7 +323,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             each.poll()
     tv, tt, d = p.tv, p.tt, p.config.hidden
     acts, scratch, wgrads = p.activations, p.backward_scratch, p.weight_grads
-    s_flat, w = scratch.allocate(device), wgrads.allocate(device)
+    s_flat, (w, w_bases) = scratch.allocate(device), wgrads.allocate(device)
     grad_video = buffers.empty(video.shape, p.io, device) if n[0] else None
     grad_text = buffers.empty(text.shape, p.io, device) if n[1] else None
     go = grad_out.contiguous()
@@ -386,7 +387,7 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
                 gt = grad_text.view(tt, d)
                 launches += [mm(s.dkv, a.wkv_c, gt)] if p.casts else [mm(dk, wk, gt), accumulate(gt, dv, wv)]
             if p.stacked and (n[4] or n[6]):
-                launches.append(mm(s.dkv.T, text_c, w.grad_wkv))
+                launches.append(mm(s.dkv.T, text_c, wgrads.stack(w, "grad_wkv")))
             if not p.stacked and n[4]:
                 launches.append(mm(dk.T, text_c, w.grad_wk))
             if not p.stacked and n[6]:
@@ -427,23 +428,19 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
                                                          scale, g, q_norm=q_norm)
                 launches += after(s.dq, dk, dv)
         if g is not None and g.scaled:
-            products = [grad_video, grad_text] + [getattr(w, name, None) for name in ("grad_wq", "grad_wkv", "grad_wo")]
+            products = [grad_video, grad_text, getattr(w, "grad_wq", None),
+                        wgrads.stack(w, "grad_wkv") if wgrads.stacks else None, getattr(w, "grad_wo", None)]
             launches += [steps.unscale(t, g) for t in products if t is not None]
         if g is not None:
             launches.append(steps.check(g))
         return launches
 
-    made = [t for t in (grad_video, grad_text) if t is not None]
-    execute(key, device,
-            bases(*inputs, go, *made, *vars(w).values(), s_flat, *([] if a_flat is None else [a_flat]),
-                  *guards.tensors(g, fg)), build)
+    execute(key, device, bases(*inputs, go, grad_video, grad_text, *w_bases, s_flat, a_flat, *guards.tensors(g, fg)),
+            build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
             each.poll()
-    if p.stacked and hasattr(w, "grad_wkv"):
-        w.grad_wk, w.grad_wv = w.grad_wkv.split_with_sizes((d, d))
-        if p.own_grads:
-            w.grad_wv = w.grad_wv.clone()
+    wgrads.own(w)
     grads = (grad_video, grad_text, getattr(w, "grad_wq", None), getattr(w, "grad_bq", None),
              getattr(w, "grad_wk", None) if n[4] else None, getattr(w, "grad_bk", None),
              getattr(w, "grad_wv", None) if n[6] else None, getattr(w, "grad_bv", None), getattr(w, "grad_wo", None),
