@@ -20,7 +20,7 @@ from backfuse.ops.gemma3_core.spec import Gemma3CoreConfig
 from backfuse.ops.qkv_gqa.spec import QkvGqaConfig
 from backfuse.ops.wan_xattn.spec import WanXattnConfig
 from backfuse.train import guard, steps
-from backfuse.train.program import Arena, Buffer, Outputs, Phases
+from backfuse.train.program import Arena, Buffer, Outputs, Phases, Stack
 
 GPU = torch.cuda.is_available()
 TOL = {torch.float32: 3e-3, torch.float16: 3e-3, torch.bfloat16: 3e-2}
@@ -251,8 +251,31 @@ def test_buffer_layouts():
     assert arena.offsets == [0, 256, 256, 768] and arena.nbytes == 1024
     views = arena.views(arena.allocate("cpu"))
     assert views.a.shape == (3, 5) and views.c.dtype == torch.float32 and views.d.data_ptr() - views.a.data_ptr() == 768
-    outs = Outputs([Buffer("w", (4, 2), torch.float32), None, Buffer("bias", (4,), torch.float32)]).allocate("cpu")
+    outs, bases = Outputs([Buffer("w", (4, 2), torch.float32), None, Buffer("bias", (4,), torch.float32)]).allocate("cpu")
     assert outs.w.shape == (4, 2) and outs.bias.data_ptr() - outs.w.data_ptr() == 32
+    assert len(bases) == 1 and bases[0].data_ptr() == outs.w.data_ptr() and bases[0].numel() == 12
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_stacks_parts_are_its_row_blocks(separate):
+    """A Stack's parts are the gradients autograd takes and the row blocks of the one tensor its product
+    writes; separate (the custom ops): after `own`, each later part is memory of its own with its values."""
+    f = torch.float32
+    wk, wv = Buffer("wk", (3, 4), f), Buffer("wv", (3, 4), f)
+    spec = Outputs([Buffer("wq", (2, 4), f), Stack("wkv", (wk, wv)), Buffer("bias", (5,), f)], separate=separate)
+    w, bases = spec.allocate("cpu")
+    assert (w.wq.shape, w.wk.shape, w.wv.shape, w.bias.shape) == ((2, 4), (3, 4), (3, 4), (5,))
+    stack = spec.stack(w, "wkv")
+    assert stack.shape == (6, 4) and stack.data_ptr() == w.wk.data_ptr()
+    stack.copy_(torch.arange(24, dtype=f).view(6, 4))  # what the product writes
+    assert torch.equal(w.wk, torch.arange(12, dtype=f).view(3, 4)) and torch.equal(w.wv, stack[3:])
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * 4) for b in bases)
+    for t in (w.wq, stack, w.bias):  # every tensor the launches write lies in one allocation `execute` is given
+        assert any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * 4 <= hi for lo, hi in spans)
+    assert len(bases) == (3 if separate else 1)
+    spec.own(w)
+    assert torch.equal(w.wv, torch.arange(12, 24, dtype=f).view(3, 4))
+    assert (w.wv.data_ptr() != stack.data_ptr() + 48) == separate  # a copy of its own only where separate
 
 
 def test_gemma_upstream_of_attention_in_grad_hidden_where_it_fits():

@@ -172,10 +172,12 @@ class Outputs:
             return SimpleNamespace(), ()
         if self.separate:
             out = {s.name: buffers.empty(s.shape, s.dtype, device) for s in self._alone}
+            allocations = list(out.values())
             for stack in self.stacks.values():
                 whole = buffers.empty(stack.shape, self.dtype, device)
                 out.update(zip((p.name for p in stack.parts), whole.split_with_sizes([p.shape[0] for p in stack.parts])))
-            return SimpleNamespace(**out), tuple(out.values())
+                allocations.append(whole)
+            return SimpleNamespace(**out), tuple(allocations)
         flat = buffers.empty((self.total,), self.dtype, device)
         parts = flat.split_with_sizes(self.sizes)
         return SimpleNamespace(**{s.name: p if len(s.shape) == 1 else p.view(s.shape)
