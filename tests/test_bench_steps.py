@@ -1,5 +1,5 @@
 """The training benches' own pieces on the CPU (the timing needs a GPU): `bench --dynamic`'s shapes and
-steps, `bench --e2e`'s models, `bench --train`'s host floor."""
+steps, `bench --e2e`'s models, `bench --train`'s host floor and alternating groups."""
 
 import functools
 
@@ -70,6 +70,34 @@ def test_the_host_floor_takes_the_layers_tensors_and_gives_their_gradients():
     floor = train.floor_of(layer)
     floor.step()
     assert all(leaf.grad is not None and leaf.grad.shape == leaf.shape for leaf in layer.leaves)
+
+
+def test_alternating_groups_warm_each_layer_rotate_the_order_and_take_medians(monkeypatch):
+    """`time_alternating`: every layer's warm-up steps first, then each round times one group of every layer,
+    the order rotated by one each round; each figure the median of the layer's groups."""
+
+    class Counted(train.Steps):
+        def __init__(self, name):
+            self.name, self.stepped = name, 0
+
+        def step(self):
+            self.stepped += 1
+
+    layers = {name: Counted(name) for name in ("a", "b", "c")}
+    made = {"a": iter([5.0, 1.0, 3.0, 100.0, 2.0]), "b": iter([7.0] * 5), "c": iter([1.0, 2.0, 9.0, 9.0, 9.0])}
+    order = []
+
+    def timed(layer, *, warmup, steps):
+        assert warmup == 0 and layer.stepped >= 4  # warmed before any group
+        order.append(layer.name)
+        value = next(made[layer.name])
+        return value, 10 * value
+
+    monkeypatch.setattr(train, "time_steps", timed)
+    got = train.time_alternating(layers, warmup=4, steps=20, groups=5)
+    assert order == list("abc" "bca" "cab" "abc" "bca")
+    assert got == {"a": (3.0, 30.0), "b": (7.0, 70.0), "c": (9.0, 90.0)}
+    assert all(layer.stepped == 4 for layer in layers.values())  # (the groups' steps: the stand-in's)
 
 
 def test_e2e_leaves_liger_out_where_it_has_no_patch_or_is_not_installed(monkeypatch):

@@ -342,11 +342,14 @@ def test_a_training_bench_saves_its_entries_with_the_run_that_measured_them(tmp_
     assert run["earlier"] == {"commit": earlier["dynamic_run"]["commit"], "date": earlier["dynamic_run"]["date"]}
     assert {k: v for k, v in doc.items() if k not in ("dynamic", "dynamic_run")} == {
         k: v for k, v in earlier.items() if k not in ("dynamic", "dynamic_run")}
-    train = cli._Section(argparse.Namespace(json=str(into), merge=True), "train", warmup=6, steps=15)
+    train = cli._Section(argparse.Namespace(json=str(into), merge=True), "train", warmup=6, steps=15, groups=5)
     train.entries["021"] = {"0": {"backfuse_bf16_ms": 0.5}}
     train.save()
     doc = json.loads(into.read_text())
     assert doc["train"]["021"]["0"] == {"backfuse_bf16_ms": 0.5} and doc["train_run"]["earlier"]["commit"] == "824dc59"
+    assert doc["train_run"]["groups"] == 5 and "groups" not in run
+    table = report.train_readme_table({**earlier, "train_run": doc["train_run"]})
+    assert "5 groups of 15 steps an implementation after 6 warm-up steps" in table
     assert doc["train"]["021"]["1"] == earlier["train"]["021"]["1"] and doc["train"]["072"] == earlier["train"]["072"]
     fresh = tmp_path / "fresh.json"
     alone = cli._Section(argparse.Namespace(json=str(fresh), merge=False), "e2e", warmup=3, steps=10)
@@ -363,6 +366,8 @@ def test_a_training_bench_saves_its_entries_with_the_run_that_measured_them(tmp_
     (["--train", "--e2e", "gemma3-1b"], "--train and --e2e are separate runs: pass one"),
     (["021", "--dynamic"], "--dynamic runs its own selection"),
     (["--memory", "--impl", "backfuse"], "--memory runs its own selection"),
+    (["--e2e", "gemma3-1b", "--groups", "3"], "--groups is --train's and --models'"),
+    (["072", "--groups", "3"], "--groups is --train's and --models'"),
 ])
 def test_bench_runs_one_training_bench_at_a_time(capsys, argv, said):
     with pytest.raises(SystemExit) as e:

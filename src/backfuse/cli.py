@@ -20,7 +20,7 @@ from . import PROBLEM_IDS, __version__, problem
 from .bench import report, schema
 from .bench.e2e import VARIANTS as E2E_VARIANTS
 from .bench.impls import IMPLS
-from .bench.runner import ITERS, ROUNDS, WARMUP, commit, environment, log, run_info, run_problem, smallest_case, to_json
+from .bench.runner import GROUPS, ITERS, ROUNDS, WARMUP, commit, environment, log, run_info, run_problem, smallest_case, to_json
 from .bench.sol import GPUS, sol_ms
 from .export import solution
 from .problem import fused_unusable
@@ -135,10 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png",
                        help="write a PNG of per-case latencies against SOL (needs timings: a CUDA GPU)")
     bench.add_argument("--train", action="store_true",
-                       help="instead: one layer's training step (forward + backward, steps queued back to back, one "
-                       "synchronization at the end) of backfuse on float32 and on bfloat16 against the layer written "
-                       "plainly in bfloat16, eager and torch.compile'd; host time per step and peak memory; fp32 "
-                       "outputs and gradients checked by the official rule (needs a CUDA GPU; JSON under \"train\")")
+                       help="instead: one layer's training step (forward + backward, groups of steps queued back to "
+                       "back, one synchronization a group, the implementations' groups alternating) of backfuse on "
+                       "float32 and on bfloat16 against the layer written plainly in bfloat16, eager and "
+                       "torch.compile'd; host time per step and peak memory; fp32 outputs and gradients checked by "
+                       "the official rule (needs a CUDA GPU; JSON under \"train\")")
     bench.add_argument("--models", nargs="*", metavar="PRESET",
                        help="instead: one layer's training step at released models' sizes and token counts "
                        "(backfuse.presets; default all), bfloat16, against the model's own attention code, eager and "
@@ -168,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --e2e: also each variant's GPU time a step by kind of kernel (products, attention, the "
                        "rest; the profiler over 3 more steps), under \"<variant>_split\"")
     bench.add_argument("--steps", type=_at_least(1), default=20,
-                       help="--train, --models: timed steps per case (default 20); --e2e, --memory: per variant, at most 10")
+                       help="--train, --models: timed steps per group (default 20); --e2e, --memory: per variant, at most 10")
+    bench.add_argument("--groups", type=_at_least(1),
+                       help=f"--train, --models: timed groups per implementation, the implementations' groups "
+                       f"alternating; each figure the median over its groups (default {GROUPS})")
 
     check = sub.add_parser(
         "check",
@@ -291,6 +295,8 @@ def _one_training_run(parser, args) -> None:
                                   ("--memory", args.memory)) if on]
     if len(runs) > 1:
         parser.error(f"{' and '.join(runs)} are separate runs: pass one")
+    if args.groups is not None and runs[:1] not in (["--train"], ["--models"]):
+        parser.error("--groups is --train's and --models': the groups of timed steps they alternate")
     if runs and runs[0] != "--train" and (args.problems or args.cases or args.impl or args.plot or args.baseline):
         parser.error(f"{runs[0]} runs its own selection (what it times against the model's own code): drop problems, "
                      "--cases, --impl, --plot and --baseline")
@@ -311,7 +317,7 @@ class _Section:
     versions, date, commit, steps; where merged entries of an earlier run stay, that run's commit and date
     under "earlier")."""
 
-    def __init__(self, args, section: str, *, warmup: int, steps: int):
+    def __init__(self, args, section: str, *, warmup: int, steps: int, groups: int | None = None):
         self.path, self.section = args.json, section
         if self.path:
             _check_writable(self.path)
@@ -322,7 +328,8 @@ class _Section:
                            "different devices don't mix")
         self.doc = {**environment(), **run_info("cuda", timing=True, rounds=1, warmup=warmup, iters=steps),
                     "problems": {}, section: {}}
-        self.run = {**environment(), "commit": commit(), "steps": steps, "warmup": warmup}
+        self.run = {**environment(), "commit": commit(), "steps": steps, "warmup": warmup,
+                    **({} if groups is None else {"groups": groups})}
 
     @property
     def entries(self) -> dict:
@@ -359,7 +366,8 @@ def _bench_train(problems, args) -> int:
         raise CLIError("--train compares its own set of implementations (backfuse fp32 and bf16, eager and compiled bf16); "
                        "drop --impl, --plot and --baseline")
     warmup = train_warmup(args.warmup)
-    out = _Section(args, "train", warmup=warmup, steps=args.steps)
+    groups = args.groups or GROUPS
+    out = _Section(args, "train", warmup=warmup, steps=args.steps, groups=groups)
     selection = {prob.id: args.cases or list(range(len(prob.workloads))) for prob in problems}
     total, done = sum(map(len, selection.values())), 0
     failed = False
@@ -367,7 +375,8 @@ def _bench_train(problems, args) -> int:
         entries = out.entries[prob.id] = {}
         for index in selection[prob.id]:
             start = time.perf_counter()
-            entry = entries[str(index)] = train.run_case(prob, index, "cuda", warmup=warmup, steps=args.steps)
+            entry = entries[str(index)] = train.run_case(prob, index, "cuda", warmup=warmup, steps=args.steps,
+                                                                groups=groups)
             done += 1
             failed |= not (entry["fp32_forward_passed"] and entry["fp32_backward_passed"] and entry["sync_free"])
             log(f"[{done}/{total}] {prob.id} case {index} ({report.axes_text(prob.workloads[index].axes)}): "
@@ -394,11 +403,13 @@ def _bench_models(args) -> int:
         raise CLIError("--models times training steps on a CUDA GPU, and none is visible; without one the tests check "
                        "every preset's layer against float64 at a few tokens (tests/test_presets.py)")
     warmup = train_warmup(args.warmup)
-    out = _Section(args, "models", warmup=warmup, steps=args.steps)
+    groups = args.groups or GROUPS
+    out = _Section(args, "models", warmup=warmup, steps=args.steps, groups=groups)
     todo = models.entries(args.models)
     for done, (key, preset, local, tokens) in enumerate(todo, 1):
         start = time.perf_counter()
-        entry = out.entries[key] = models.run_entry(preset, local, tokens, "cuda", warmup=warmup, steps=args.steps)
+        entry = out.entries[key] = models.run_entry(preset, local, tokens, "cuda", warmup=warmup, steps=args.steps,
+                                                             groups=groups)
         log(f"[{done}/{len(todo)}] {key}: " + ", ".join(f"{name} {entry[name + '_ms']:.3f} ms"
                                                      for name in models.IMPLEMENTATIONS)
             + f" ({time.perf_counter() - start:.1f} s)")

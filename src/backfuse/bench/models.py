@@ -2,7 +2,8 @@
 and token counts, bfloat16 as they train, against the layer as the model's own code runs it.
 
 Per preset, layer kind (Gemma: its global and its sliding-window layers) and token count, each
-implementation runs steps queued back to back with one synchronization at the end (as `bench --train`):
+implementation runs groups of steps queued back to back with one synchronization at the end, the
+implementations' groups alternating (as `bench --train`; medians over the groups):
     backfuse        the preset's backfuse.nn module
     hf_bf16         the model's attention as transformers / diffusers run it, written here: Gemma 3 and
                     Llama 3.2 Vision with `scaled_dot_product_attention` (grouped heads, causal or the
@@ -21,8 +22,8 @@ import torch.nn.functional as tf
 
 from .. import presets
 from ..kernels import graphs
-from .runner import log
-from .train import Steps, _gemma_norm, _rotate_half, peak_mib, plain_072, time_steps
+from .runner import GROUPS, log
+from .train import Steps, _gemma_norm, _rotate_half, peak_mib, plain_072, time_alternating
 
 # Tokens of one call: Gemma (batch, sequence); Wan (batch, video latents, text); Llama 3.2 Vision's
 # cross-attention (batch, text, one 560-pixel tile's 1601 vision tokens).
@@ -164,19 +165,17 @@ class ModelLayer(Steps):
         super().__init__(leaves, call, grads)
 
 
-def run_entry(preset, local: bool, tokens, device, *, warmup: int, steps: int) -> dict:
-    """The "models" entry of one preset layer and token count (benchmarks/results schema)."""
-    entry = {}
-    for impl in IMPLEMENTATIONS:
-        graphs.release()  # no pool memory of an earlier layer's graphs counted in this one's peak
-        layer = ModelLayer(preset, local, tokens, impl, device)
-        ms, host = time_steps(layer, warmup=warmup, steps=steps)
-        entry[f"{impl}_ms"] = round(ms, 4)
-        if impl != "compile_bf16":
-            entry[f"{impl}_peak_mib"] = round(peak_mib(layer), 1)
-        if impl == "backfuse":
-            entry["host_us"] = round(host, 1)
-        del layer
-        torch.cuda.empty_cache()
+def run_entry(preset, local: bool, tokens, device, *, warmup: int, steps: int, groups: int = GROUPS) -> dict:
+    """The "models" entry of one preset layer and token count (benchmarks/results schema): the implementations
+    timed in alternating groups (`time_alternating`), then backfuse's and the model code's peaks."""
+    graphs.release()  # no pool memory of an earlier layer's graphs counted in this one's peak
+    layers = {impl: ModelLayer(preset, local, tokens, impl, device) for impl in IMPLEMENTATIONS}
+    timed = time_alternating(layers, warmup=warmup, steps=steps, groups=groups)
+    entry = {f"{impl}_ms": round(timed[impl][0], 4) for impl in IMPLEMENTATIONS}
+    entry["backfuse_peak_mib"] = round(peak_mib(layers["backfuse"], pools=True), 1)
+    entry["hf_bf16_peak_mib"] = round(peak_mib(layers["hf_bf16"]), 1)
+    entry["host_us"] = round(timed["backfuse"][1], 1)
+    del layers
+    torch.cuda.empty_cache()
     log(f"    backfuse / compile bf16 {entry['backfuse_ms'] / entry['compile_bf16_ms']:.2f}")
     return entry

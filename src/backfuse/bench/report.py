@@ -357,8 +357,7 @@ def train_readme_table(results: dict) -> str:
     lines = [f"Measured on {run.get('device', results['device'])} (torch {run.get('torch', results['torch'])}, "
              f"triton {run.get('triton', results['triton'])}, {run.get('date', results['date'])}"
              + (f", commit {run['commit']}" if "commit" in run else "") + "): one layer's forward + backward, "
-             f"{run.get('steps', 15)} steps queued back to back after {run.get('warmup', 5)}, one synchronization "
-             "at the end; ms per step over the official cases.", "",
+             f"{steps_text(run, 15, 5)}; ms per step over the official cases.", "",
              "| problem | backfuse fp32 / compile bf16 (geomean, largest) | backfuse bf16 / compile bf16 (geomean, "
              "largest) | cases at most 0.75x (fp32, bf16) | host us per step (median, fp32) | peak memory above eager "
              "bf16's (bf16) | fp32 checks |",
@@ -377,6 +376,16 @@ def train_readme_table(results: dict) -> str:
                      f"{worse}/{len(above)} cases, at most {max(above):.1f} MiB | "
                      f"{'16/16 pass' if checks and len(entries) == 16 else 'see report'} |")
     return "\n".join(lines)
+
+
+def steps_text(run: dict, steps=None, warmup=None) -> str:
+    """How a training run timed its steps (its `<section>_run`'s steps, warm-up and groups; the defaults for a run
+    that did not record them)."""
+    steps, warmup = run.get("steps", steps), run.get("warmup", warmup)
+    if "groups" not in run:  # (runs before session 49: one group an implementation)
+        return f"{steps} steps queued back to back after {warmup}, one synchronization at the end"
+    return (f"{run['groups']} groups of {steps} steps an implementation after {warmup} warm-up steps, the "
+            "implementations' groups alternating, one synchronization a group; the median group")
 
 
 def run_line(run: dict | None, what: str) -> list:
@@ -398,8 +407,7 @@ def models_table(entries: dict, run: dict | None = None) -> str:
     mean of the ratios. run (a results file's "models_run"): the run's device, versions, date, commit."""
     if not entries:
         return "(no `bench --models` results yet)"
-    head = run_line(run, f"one bfloat16 training step, {run.get('steps')} steps queued back to back after "
-                         f"{run.get('warmup')}, one synchronization at the end; ms per step.") if run else []
+    head = run_line(run, f"one bfloat16 training step, {steps_text(run)}; ms per step.") if run else []
     lines = head + ["| layer / tokens | backfuse | model's code (bf16) | compiled | backfuse / compiled | peak MiB (backfuse, "
              "model's code) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     ratios = []

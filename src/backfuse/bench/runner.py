@@ -20,6 +20,7 @@ from .timing import time_calls
 ROUNDS = 10
 WARMUP = 10
 ITERS = 50
+GROUPS = 5  # `bench --train` / `--models`: timed groups per implementation, alternating (`train.time_alternating`)
 
 
 @dataclass

@@ -13,8 +13,9 @@ least one of its device activities ran: latency less the idle gaps, e.g. waits o
 null untimed and absent in older files. Optional top-level objects: "train" (`bench --train`, per
 problem and case index), "models" (`bench --models`, per "<preset>/<tokens>[/local]"), "dynamic"
 (`bench --dynamic`, per entry), "memory" and "e2e" (`bench --memory`, `--e2e`, per "<model>/<tokens>"),
-each with "<section>_run": the run that measured it (device, versions, date, commit, steps, warm-up; where
-a merge kept entries of an earlier run, "earlier": that run's commit and date).
+each with "<section>_run": the run that measured it (device, versions, date, commit, steps, warm-up; "train"
+and "models" also the timed groups; where a merge kept entries of an earlier run, "earlier": that run's commit
+and date).
 """
 
 from __future__ import annotations

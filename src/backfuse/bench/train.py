@@ -1,9 +1,10 @@
 """`backfuse bench --train`: one layer's training step (forward + backward) as a training loop runs it.
 
-Per operator and official case, each implementation runs `steps` steps queued back to back with one
-synchronization at the end (wall-clock ms per step, the GPU and the host overlapping as in training),
-after `warmup` steps; the host's own time per step is the wall time of issuing the steps before the
-final synchronization; peak memory is the most allocated during one step above what the step's inputs
+Per operator and official case, each implementation runs `warmup` steps, then `groups` groups of `steps`
+steps queued back to back with one synchronization at the end (wall-clock ms per step, the GPU and the host
+overlapping as in training), the implementations' groups alternating (`time_alternating`); the host's own
+time per step is the wall time of issuing a group's steps before its synchronization; each figure is the
+median over the groups; peak memory is the most allocated during one step above what the step's inputs
 hold; `host_floor_us` is the host time of a step of an autograd op that takes the same tensors, allocates
 the same outputs and gradients and computes nothing (`_Floor`: what no implementation can go below). A step:
 the parameters' gradients cleared (set to None, as `zero_grad` does), the forward, the
@@ -22,6 +23,7 @@ backfuse implementation under torch.cuda.set_sync_debug_mode("error").
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -29,7 +31,7 @@ import torch.nn.functional as tf
 
 from .. import nn as bnn
 from .check import check_outputs
-from .runner import log
+from .runner import GROUPS, log
 
 IMPLEMENTATIONS = ("backfuse_fp32", "backfuse_bf16", "eager_bf16", "compile_bf16")
 MODULES = {"072": bnn.QkvGqa, "037": bnn.Gemma3Core, "021": bnn.WanXattn}
@@ -179,10 +181,29 @@ def time_steps(layer: Steps, *, warmup: int, steps: int) -> tuple:
     return (t1 - t0) / steps * 1e3, (issued - t0) / steps * 1e6
 
 
-def peak_mib(layer: Steps) -> float:
-    """The most memory allocated during one step above what was allocated before it (MiB), with the
-    memory that backfuse's recorded graphs keep in their pools (`kernels/graphs.py: Allocating`; a run
-    measuring one layer releases the graphs before: `graphs.release()`)."""
+def time_alternating(layers: dict, *, warmup: int, steps: int, groups: int = GROUPS) -> dict:
+    """{name: (ms per step, host us per step)} of each layer: `warmup` steps each, then `groups` rounds in which
+    every layer times a group of `steps` steps (`time_steps`), the round's order rotated by one each round. Each
+    figure is the median of the layer's groups. None runs always first on a rested GPU, or always after the same
+    neighbour (a GPU's clock falls under a long load: notes/training.md, session 48), and one slow group of the
+    host does not decide a figure."""
+    names = list(layers)
+    for name in names:
+        for _ in range(warmup):
+            layers[name].step()
+    samples = {name: [] for name in names}
+    for g in range(groups):
+        k = g % len(names)
+        for name in names[k:] + names[:k]:
+            samples[name].append(time_steps(layers[name], warmup=0, steps=steps))
+    return {name: (statistics.median(ms for ms, _ in got), statistics.median(us for _, us in got))
+            for name, got in samples.items()}
+
+
+def peak_mib(layer: Steps, pools: bool = False) -> float:
+    """The most memory allocated during one step above what was allocated before it (MiB); pools (a backfuse
+    layer): with the memory that backfuse's recorded graphs keep in their pools (`kernels/graphs.py:
+    Allocating`; a run measuring one layer releases the graphs before: `graphs.release()`)."""
     from ..kernels import graphs
 
     torch.cuda.synchronize()
@@ -190,7 +211,7 @@ def peak_mib(layer: Steps) -> float:
     torch.cuda.reset_peak_memory_stats()
     layer.step()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base + graphs.pool_bytes()) / 2**20
+    return (torch.cuda.max_memory_allocated() - base + (graphs.pool_bytes() if pools else 0)) / 2**20
 
 
 def check_fp32(prob, axes, tolerance, device, seed: int = 1) -> tuple:
@@ -231,26 +252,23 @@ def sync_free(layer: Steps) -> bool:
     return ok
 
 
-def run_case(prob, index: int, device, *, warmup: int, steps: int) -> dict:
-    """The "train" entry of one case (benchmarks/results schema)."""
+def run_case(prob, index: int, device, *, warmup: int, steps: int, groups: int = GROUPS) -> dict:
+    """The "train" entry of one case (benchmarks/results schema): the implementations and the host floor (with
+    the bf16 layer's tensors) timed in alternating groups, then each backfuse layer's and eager's peak and
+    backfuse's synchronization check."""
     case = prob.workloads[index]
-    entry = {}
-    for impl in IMPLEMENTATIONS:
-        layer = Layer(prob, case.axes, impl, device)
-        ms, host = time_steps(layer, warmup=warmup, steps=steps)
-        entry[f"{impl}_ms"] = round(ms, 4)
-        if impl == "backfuse_fp32":
-            entry["host_us"] = round(host, 1)
-            entry["peak_fp32_mib"] = round(peak_mib(layer), 1)
-            entry["sync_free"] = sync_free(layer)
-        elif impl == "backfuse_bf16":
-            entry["host_bf16_us"] = round(host, 1)
-            entry["host_floor_us"] = round(time_steps(floor_of(layer), warmup=warmup, steps=steps)[1], 1)
-            entry["peak_mib"] = round(peak_mib(layer), 1)
-            entry["sync_free"] = entry["sync_free"] and sync_free(layer)
-        elif impl == "eager_bf16":
-            entry["eager_bf16_peak_mib"] = round(peak_mib(layer), 1)
-        del layer
+    layers = {impl: Layer(prob, case.axes, impl, device) for impl in IMPLEMENTATIONS}
+    layers["floor"] = floor_of(layers["backfuse_bf16"])
+    timed = time_alternating(layers, warmup=warmup, steps=steps, groups=groups)
+    entry = {f"{impl}_ms": round(timed[impl][0], 4) for impl in IMPLEMENTATIONS}
+    entry["host_us"] = round(timed["backfuse_fp32"][1], 1)
+    entry["host_bf16_us"] = round(timed["backfuse_bf16"][1], 1)
+    entry["host_floor_us"] = round(timed["floor"][1], 1)
+    entry["peak_fp32_mib"] = round(peak_mib(layers["backfuse_fp32"], pools=True), 1)
+    entry["peak_mib"] = round(peak_mib(layers["backfuse_bf16"], pools=True), 1)
+    entry["eager_bf16_peak_mib"] = round(peak_mib(layers["eager_bf16"]), 1)
+    entry["sync_free"] = sync_free(layers["backfuse_fp32"]) and sync_free(layers["backfuse_bf16"])
+    del layers
     forward, backward = check_fp32(prob, case.axes, case.tolerance, device)
     entry["fp32_forward_passed"], entry["fp32_backward_passed"] = forward.passed, backward.passed
     if not (forward.passed and backward.passed):
