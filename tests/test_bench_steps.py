@@ -100,6 +100,49 @@ def test_alternating_groups_warm_each_layer_rotate_the_order_and_take_medians(mo
     assert all(layer.stepped == 4 for layer in layers.values())  # (the groups' steps: the stand-in's)
 
 
+def test_a_train_case_and_a_models_entry_record_each_implementations_figures(monkeypatch):
+    """`run_case` and `models.run_entry` around the GPU-only steps (stand-ins here): every implementation's ms, the
+    host figures (backfuse's and the floor's, by the layer each belongs to), the peaks with backfuse's graph pools
+    counted for backfuse's layers only, and the checks."""
+    from types import SimpleNamespace
+
+    from backfuse.bench import models
+
+    class Stand(train.Steps):
+        def __init__(self, impl):
+            self.impl, self.by_name, self.leaves, self.grads = impl, {}, [], []
+
+        def step(self):
+            pass
+
+    figures = {"backfuse_fp32": 4.0, "backfuse_bf16": 3.0, "eager_bf16": 6.0, "compile_bf16": 5.0, "floor": 0.5,
+               "backfuse": 2.0, "hf_bf16": 8.0}
+    peaks = []
+    monkeypatch.setattr(train, "Layer", lambda prob, axes, impl, device: Stand(impl))
+    monkeypatch.setattr(train, "floor_of", lambda layer: Stand("floor"))
+    monkeypatch.setattr(train, "time_steps", lambda layer, *, warmup, steps: (figures[layer.impl], 100 * figures[layer.impl]))
+    monkeypatch.setattr(train, "peak_mib", lambda layer, pools=False: peaks.append((layer.impl, pools)) or 10.0)
+    monkeypatch.setattr(train, "sync_free", lambda layer: layer.impl.startswith("backfuse"))
+    passed = SimpleNamespace(passed=True, reason="")
+    monkeypatch.setattr(train, "check_fp32", lambda *a, **k: (passed, passed))
+    prob = backfuse.problem("021")
+    entry = train.run_case(prob, 0, "cpu", warmup=2, steps=3, groups=3)
+    assert {k: entry[k] for k in ("backfuse_fp32_ms", "backfuse_bf16_ms", "eager_bf16_ms", "compile_bf16_ms")} == {
+        "backfuse_fp32_ms": 4.0, "backfuse_bf16_ms": 3.0, "eager_bf16_ms": 6.0, "compile_bf16_ms": 5.0}
+    assert (entry["host_us"], entry["host_bf16_us"], entry["host_floor_us"]) == (400.0, 300.0, 50.0)
+    assert entry["sync_free"] and entry["fp32_forward_passed"] and entry["fp32_backward_passed"]
+    assert sorted(peaks) == [("backfuse_bf16", True), ("backfuse_fp32", True), ("eager_bf16", False)]
+    peaks.clear()
+    monkeypatch.setattr(models, "ModelLayer", lambda preset, local, tokens, impl, device: Stand(impl))
+    monkeypatch.setattr(models, "peak_mib", train.peak_mib)  # (the stand-in above)
+    monkeypatch.setattr(models.graphs, "release", lambda: None)
+    monkeypatch.setattr(models.torch.cuda, "empty_cache", lambda: None)
+    entry = models.run_entry(None, False, (1, 64), "cpu", warmup=1, steps=2, groups=3)
+    assert entry == {"backfuse_ms": 2.0, "hf_bf16_ms": 8.0, "compile_bf16_ms": 5.0, "backfuse_peak_mib": 10.0,
+                     "hf_bf16_peak_mib": 10.0, "host_us": 200.0}
+    assert sorted(peaks) == [("backfuse", True), ("hf_bf16", False)]
+
+
 def test_e2e_leaves_liger_out_where_it_has_no_patch_or_is_not_installed(monkeypatch):
     import importlib.util
 
