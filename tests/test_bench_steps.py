@@ -143,6 +143,17 @@ def test_a_train_case_and_a_models_entry_record_each_implementations_figures(mon
     assert sorted(peaks) == [("backfuse", True), ("hf_bf16", False)]
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="`bench --train` times steps on a GPU")
+def test_a_train_case_runs_on_the_gpu():
+    """`run_case` itself at 021's smallest official case, two groups of two steps: every figure recorded, the
+    checks passed, no step synchronizing."""
+    prob = backfuse.problem("021")
+    entry = train.run_case(prob, 8, "cuda", warmup=2, steps=2, groups=2)
+    assert all(entry[f"{impl}_ms"] > 0 for impl in train.IMPLEMENTATIONS)
+    assert all(entry[k] > 0 for k in ("host_us", "host_bf16_us", "host_floor_us", "peak_mib", "eager_bf16_peak_mib"))
+    assert entry["sync_free"] and entry["fp32_forward_passed"] and entry["fp32_backward_passed"]
+
+
 def test_e2e_leaves_liger_out_where_it_has_no_patch_or_is_not_installed(monkeypatch):
     import importlib.util
 
