@@ -73,8 +73,9 @@ def test_the_host_floor_takes_the_layers_tensors_and_gives_their_gradients():
 
 
 def test_alternating_groups_warm_each_layer_rotate_the_order_and_take_medians(monkeypatch):
-    """`time_alternating`: every layer's warm-up steps first, then each round times one group of every layer,
-    the order rotated by one each round; each figure the median of the layer's groups."""
+    """`time_alternating`: every layer's warm-up steps first, then each round times one group of every layer
+    (after its settling steps), the order rotated by one each round; each figure the median of the layer's
+    groups."""
 
     class Counted(train.Steps):
         def __init__(self, name):
@@ -88,13 +89,13 @@ def test_alternating_groups_warm_each_layer_rotate_the_order_and_take_medians(mo
     order = []
 
     def timed(layer, *, warmup, steps):
-        assert warmup == 0 and layer.stepped >= 4  # warmed before any group
+        assert warmup == 2 and layer.stepped >= 4  # warmed before any group; settled in each
         order.append(layer.name)
         value = next(made[layer.name])
         return value, 10 * value
 
     monkeypatch.setattr(train, "time_steps", timed)
-    got = train.time_alternating(layers, warmup=4, steps=20, groups=5)
+    got = train.time_alternating(layers, warmup=4, steps=20, groups=5, settle=2)
     assert order == list("abc" "bca" "cab" "abc" "bca")
     assert got == {"a": (3.0, 30.0), "b": (7.0, 70.0), "c": (9.0, 90.0)}
     assert all(layer.stepped == 4 for layer in layers.values())  # (the groups' steps: the stand-in's)

@@ -181,12 +181,18 @@ def time_steps(layer: Steps, *, warmup: int, steps: int) -> tuple:
     return (t1 - t0) / steps * 1e3, (issued - t0) / steps * 1e6
 
 
-def time_alternating(layers: dict, *, warmup: int, steps: int, groups: int = GROUPS) -> dict:
+def time_alternating(layers: dict, *, warmup: int, steps: int, groups: int = GROUPS, settle: int | None = None) -> dict:
     """{name: (ms per step, host us per step)} of each layer: `warmup` steps each, then `groups` rounds in which
-    every layer times a group of `steps` steps (`time_steps`), the round's order rotated by one each round. Each
-    figure is the median of the layer's groups. None runs always first on a rested GPU, or always after the same
-    neighbour (a GPU's clock falls under a long load: notes/training.md, session 48), and one slow group of the
-    host does not decide a figure."""
+    every layer times a group of `steps` steps after `settle` untimed ones (`time_steps`), the round's order
+    rotated by one each round. Each figure is the median of the layer's groups. None runs always first on a
+    rested GPU, or always after the same neighbour (a GPU's clock falls under a long load: notes/training.md,
+    session 48), and one slow group of the host does not decide a figure. The settling steps (default: a graph's
+    recording call, `graphs.RECORD_AT`, and one more) take a backfuse layer back to its steady state: after
+    another layer's steps the caching allocator may hand its first step other addresses, which its graphs are
+    not kept for, until its own gradients and activations have cycled."""
+    from ..kernels import graphs
+
+    settle = graphs.RECORD_AT + 1 if settle is None else settle
     names = list(layers)
     for name in names:
         for _ in range(warmup):
@@ -195,7 +201,7 @@ def time_alternating(layers: dict, *, warmup: int, steps: int, groups: int = GRO
     for g in range(groups):
         k = g % len(names)
         for name in names[k:] + names[:k]:
-            samples[name].append(time_steps(layers[name], warmup=0, steps=steps))
+            samples[name].append(time_steps(layers[name], warmup=settle, steps=steps))
     return {name: (statistics.median(ms for ms, _ in got), statistics.median(us for _, us in got))
             for name, got in samples.items()}
 
