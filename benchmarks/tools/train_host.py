@@ -9,11 +9,16 @@ wrapping those functions with timers).
 `execute` a no-op; glibc's heap without mmap, whose large buffers cost as little as a caching allocator's),
 against `bench --train`'s `host_floor_us` step with the same tensors: what our Python costs beyond an autograd op
 that computes nothing, without the launches, the CUDA allocator or the graphs.
+
+Both print, beside the floor, the floor of our design (`_Ideal`): an op that does only what a replayed call of
+ours must, so that a bound on host / floor can be checked against what the design itself costs (session 50:
+1.29-1.60x the floor on an H100 lease's host).
 """
 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -112,6 +117,83 @@ def _wrap_static(cls, method):
     setattr(cls, method, staticmethod(wrapped))
 
 
+class _Ideal(torch.autograd.Function):
+    """The least host work of a replayed training call of ours, beyond `_Floor`'s: the outputs, an activations and
+    a scratch arena of the plan's sizes, the weight gradients as one allocation split into them, the call's
+    addresses gathered and looked up, and one graph launch a direction (`spec.launch`)."""
+
+    @staticmethod
+    def forward(ctx, spec, *tensors):
+        ctx.save_for_backward(*tensors)
+        ctx.spec = spec
+        outs = [tensors[0].new_empty(s) for s in spec.outputs]
+        ctx.acts = torch.empty(spec.acts, dtype=torch.uint8, device=tensors[0].device)
+        spec.table.get(tuple([t.data_ptr() for t in (*tensors, *outs, ctx.acts)]))
+        spec.launch()
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        spec, saved = ctx.spec, ctx.saved_tensors
+        scratch = torch.empty(spec.scratch, dtype=torch.uint8, device=saved[0].device)
+        flat = torch.empty(spec.weights, dtype=spec.dtype, device=saved[0].device)
+        parts = iter(flat.split_with_sizes(spec.weight_sizes))
+        out = [None]
+        for t, need, weight in zip(saved, ctx.needs_input_grad[1:], spec.is_weight):
+            out.append(None if not need else next(parts).view(t.shape) if weight else torch.empty_like(t))
+        spec.table.get(tuple([t.data_ptr() for t in (*saved, *grads, scratch, flat, ctx.acts)]))
+        spec.launch()
+        return tuple(out)
+
+
+def _graph_launch():
+    """A callable launching a recorded one-kernel graph on the current stream (a no-op off the GPU)."""
+    if DEV == "cpu":
+        return lambda: None
+    drv, side, x = graphs.driver(), torch.cuda.Stream(), torch.zeros(16, device=DEV)
+    torch.cuda.synchronize()
+    before = torch.cuda.current_stream()
+    torch.cuda.set_stream(side)
+    try:
+        graph = drv.capture(side.cuda_stream, lambda: x.add_(1))
+    finally:
+        torch.cuda.set_stream(before)
+    exec_ = drv.instantiate(graph)
+    drv.destroy_graph(graph)
+    return lambda: drv.launch(exec_, graphs.raw_stream(torch.cuda.current_device()))
+
+
+def ideal_of(lay):
+    """`_Ideal`'s step with a layer's tensors, at the arena sizes of the plan its last step looked up."""
+    from backfuse.bench.train import Steps
+
+    lay.step()
+    plan = next(reversed(functional._plans.values()))
+    tensors = list(lay.by_name.values())
+    weight = [isinstance(t, torch.nn.Parameter) for t in tensors]
+    spec = SimpleNamespace(outputs=[g.shape for g in lay.grads], acts=max(256, int(plan.activations.nbytes)),
+                           scratch=max(256, int(plan.backward_scratch.nbytes)), is_weight=weight,
+                           weight_sizes=[t.numel() for t, w in zip(tensors, weight) if w], dtype=tensors[0].dtype,
+                           table={}, launch=_graph_launch())
+    spec.weights = sum(spec.weight_sizes)
+    return Steps(lay.leaves, lambda: _Ideal.apply(spec, *tensors), lay.grads)
+
+
+def against_floors(calls: int) -> None:
+    """Each op's step beside the floor and our design's floor (`_Ideal`), host us, the least of three alternating
+    rounds."""
+    from backfuse.bench.train import floor_of
+
+    for pid in ("021", "072", "037"):
+        for dtype in (torch.float32, torch.bfloat16):
+            lay = layer(pid, dtype)
+            steps = {"ours": lay, "floor": floor_of(lay), "ideal": ideal_of(lay)}
+            best = {name: min(per_call_us(s.step, calls) for _ in range(3)) for name, s in steps.items()}
+            ours, floor, ideal = best["ours"], best["floor"], best["ideal"]
+            print(f"{pid} {str(dtype)[6:]:8s} step {ours:6.1f} us, floor {floor:5.1f} us: {ours / floor:.2f}x, "
+                  f"{ours - floor:5.1f} us over; our design's floor {ideal:6.1f} us: {ideal / floor:.2f}x")
+
+
 def layer(pid, dtype):
     import backfuse
     from backfuse.bench.train import Layer
@@ -124,10 +206,7 @@ def layer(pid, dtype):
 def main():
     print(torch.cuda.get_device_name(), torch.__version__)
     floors()
-    for pid in ("021", "072", "037"):
-        for dtype in (torch.float32, torch.bfloat16):
-            lay = layer(pid, dtype)
-            print(f"{pid} {str(dtype)[6:]} step: {per_call_us(lay.step, 100):.0f} us host")
+    against_floors(100)
     instrument()
     for pid in ("021", "072", "037"):
         lay = layer(pid, torch.float32)
@@ -146,16 +225,9 @@ def main():
 
 
 def cpu_host(calls: int = 2000):
-    from backfuse.bench.train import floor_of
-
     for module in (wan, qkv, gemma):
         module.execute = lambda *a, **k: None
-    for pid in ("021", "072", "037"):
-        for dtype in (torch.float32, torch.bfloat16):
-            lay = layer(pid, dtype)
-            ours, floor = (min(per_call_us(s.step, calls) for _ in range(3)) for s in (lay, floor_of(lay)))
-            print(f"{pid} {str(dtype)[6:]:8s} step {ours:6.1f} us, floor {floor:5.1f} us: {ours / floor:.2f}x, "
-                  f"{ours - floor:5.1f} us over")
+    against_floors(calls)
 
 
 if __name__ == "__main__":
