@@ -444,6 +444,12 @@ def test_a_template_reaims_a_calls_launches_at_another_calls_tensors(monkeypatch
     assert seen == [("head", x.data_ptr(), arena.data_ptr() + 256, 7, 32)]
     assert torch.allclose(y, x @ w) and torch.allclose(out, x @ w + (x @ w) @ m.T, atol=1e-5)
     assert not arena[:64].any() and arena[64:256].all()
+    views = {}  # a call's views: y, written by one product and read by another, made once; the arena typed once
+    for step in template.steps:
+        step(tensors, tuple(t.data_ptr() for t in tensors), views)
+    typed = [k for k in views if len(k) == 2]
+    assert typed == [(3, torch.float32)] and sum(v.data_ptr() == y.data_ptr() and v.shape == y.shape
+                                                 for k, v in views.items() if len(k) == 5) == 1
 
     x2 = torch.randn(4, 6)
     product = program.Product(torch.mm, (x2, w), out, None, "torch.mm")

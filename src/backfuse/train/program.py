@@ -293,8 +293,9 @@ class Template:
         self.steps = steps
 
     def run(self, tensors, addresses) -> None:
+        views = {}  # this call's views, made once and shared by its products (`_reproduct`)
         for step in self.steps:
-            step(tensors, addresses)
+            step(tensors, addresses, views)
 
     @classmethod
     def of(cls, launches, tensors):
@@ -348,7 +349,7 @@ def _relaunch(launch, slots):
     for pos, _, _ in slots:
         full[pos] = 0  # no address of the call the template was taken from
 
-    def step(tensors, addresses):
+    def step(tensors, addresses, views):
         args = full.copy()
         for pos, i, offset in slots:
             args[pos] = addresses[i] + offset
@@ -357,20 +358,30 @@ def _relaunch(launch, slots):
 
 
 def _reproduct(product, refs):
+    """A product's template step: its operands and output as views at the refs' offsets in this call's tensors.
+    A call's views are shared by its products (`views`: by ref, and each base seen in another dtype by (base,
+    dtype)), so an operand that several products read, or an arena read in another dtype, is made once a call."""
     fn, out_dtype, has_out = product.fn, product.out_dtype, product.out is not None
+    operand_refs, out_ref = (refs[:-1], refs[-1]) if has_out else (refs, None)
 
-    def step(tensors, addresses):
-        made = {}
-        for ref in refs:
-            if ref not in made:
-                i, offset, dtype, shape, stride = ref
-                base = tensors[i]
-                if base.dtype != dtype:
-                    base = base.view(-1).view(dtype)
-                made[ref] = base.as_strided(shape, stride, base.storage_offset() + offset)
+    def view(tensors, views, ref):
+        made = views.get(ref)
+        if made is None:
+            i, offset, dtype, shape, stride = ref
+            base = tensors[i]
+            if base.dtype != dtype:
+                typed = views.get((i, dtype))
+                if typed is None:
+                    typed = views[(i, dtype)] = base.view(-1).view(dtype)
+                base = typed
+            made = views[ref] = base.as_strided(shape, stride, base.storage_offset() + offset)
+        return made
+
+    def step(tensors, addresses, views):
+        operands = [view(tensors, views, ref) for ref in operand_refs]
         if not has_out:
-            return fn(*(made[ref] for ref in refs))
-        *operands, out = (made[ref] for ref in refs)
+            return fn(*operands)
+        out = view(tensors, views, out_ref)
         if out_dtype is None:
             fn(*operands, out=out)
         else:
