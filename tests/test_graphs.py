@@ -211,6 +211,27 @@ def test_an_allocating_step_recorded_into_a_graph_replays_its_op():
     assert (new["direct"], new["instantiated"], new["replayed"]) == (2, 1, 2)  # direct twice, recorded, replays
 
 
+def test_switched_off_a_kept_training_graph_is_not_launched(monkeypatch):
+    """`cuda_graphs(False)` launches kernel by kernel also where a call's graph was kept before the switch
+    (s50-3 found the kept graph launched inside the block); switched on again, the kept graph serves."""
+    import collections
+    import types
+
+    launched = []
+    monkeypatch.setattr(graphs, "raw_stream", lambda index: 7)
+    monkeypatch.setattr(graphs, "_driver", types.SimpleNamespace(launch=lambda exec_, stream: launched.append(exec_)))
+    monkeypatch.setattr(graphs, "_replays", collections.OrderedDict())
+    monkeypatch.setattr(graphs, "_seen", collections.OrderedDict())
+    device, key, addresses = torch.device("cuda", 0), ("test kept", object()), (4096,)
+    graphs._replays[(key, addresses, 0, 7)] = 99
+    direct = []
+    with backfuse.cuda_graphs(False):
+        graphs.replay(key, addresses, device, lambda: [], lambda: direct.append(1))
+    assert launched == [] and direct == [1]
+    graphs.replay(key, addresses, device, lambda: [], lambda: direct.append(1))
+    assert launched == [99] and direct == [1]
+
+
 @GPU
 def test_a_training_call_is_recorded_only_when_its_addresses_recur():
     """replay: a (key, addresses) launches directly at its first RECORD_AT - 1 calls (a batch of a new length,

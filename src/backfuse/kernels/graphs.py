@@ -230,13 +230,14 @@ def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequ
     back only once launches directly. (Where the step is GPU-bound a graph still saves the gaps between
     kernels: 4 % at Gemma 3 4B's 2 x 4096 tokens.) Both caches are bounded, the least recently used out
     first. Direct launches also where `enabled` says no graph can run (the
-    first call of a kernel compiles it), and for a key whose recording failed. `direct`, where given,
+    first call of a kernel compiles it), for a key whose recording failed, and inside `cuda_graphs(False)`
+    (a graph kept from before the switch included). `direct`, where given,
     launches a call that is not recorded in place of build()'s launches (the key's template of them:
     `train/program.py: execute`).
     """
     stream = raw_stream(device.index)
     slot = (key, addresses, device.index, stream)
-    exec_ = _replays.get(slot)
+    exec_ = _replays.get(slot) if _enabled else None  # (switched off: kept graphs wait, calls launch directly)
     if exec_ is not None:
         _replays.move_to_end(slot)
         counts["replayed"] += 1
