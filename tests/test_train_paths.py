@@ -346,6 +346,47 @@ def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype, pid):
     assert (hits, misses, direct) == (6, 0, 0), per_step  # a forward and a backward per step
 
 
+@pytest.mark.skipif(not GPU, reason="templates serve a GPU's direct launches")
+@pytest.mark.parametrize("pid, config, shapes", [
+    ("072", QkvGqaConfig(256, 128, 4, 2, 64), [(2, 37, 77), (1, 61, 13)]),
+    ("037", Gemma3CoreConfig(256, 4, 2, 64), [(2, 61), (1, 200)]),
+    ("037", Gemma3CoreConfig(256, 4, 2, 64, qk_norm=True, window=32), [(2, 97), (2, 33)]),
+    ("021", WanXattnConfig(256, 4, qk_norm=True), [(1, 300, 77), (2, 97, 5)]),
+])
+def test_a_loop_of_changing_lengths_runs_templates(pid, config, shapes, monkeypatch):
+    """In bf16 with graphs off (every call direct, as a length met for the first or second time is): once a shape's
+    call has compiled nothing, its next calls' forward and backward each run their key's template, not a build of
+    their launches (the host cost `bench --dynamic`'s second pass depends on), with the results of the call that
+    built them (within bf16's rounding: the attention's atomic sums may add in another order)."""
+    from backfuse.train import program
+
+    runs = []
+    real = program.Template.run
+    monkeypatch.setattr(program.Template, "run", lambda self, tensors, addresses: (runs.append(1), real(self, tensors, addresses)))
+    dtype = torch.bfloat16
+    m = training_module(pid, config, dtype, None) if pid == "037" else training_module(pid, config, dtype)
+    with graphs.cuda_graphs(False):
+        for sizes in shapes:
+            acts = training_inputs(pid, config, sizes, dtype)
+            counts, results = [], []
+            for _ in range(3):  # the first may compile; the second builds (and keeps the template) where it did
+                m.zero_grad(set_to_none=True)
+                for a in acts:
+                    a.grad = None
+                start = len(runs)
+                out = m(*acts)
+                outs = out if isinstance(out, tuple) else (out,)
+                grads = [torch.randn(o.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(7)).to(dtype)
+                         for o in outs]
+                torch.autograd.backward(outs, grads)
+                counts.append(len(runs) - start)
+                results.append([o.detach().float() for o in outs] + [a.grad.float() for a in acts if a.grad is not None]
+                               + [p.grad.float() for p in m.parameters()])
+            assert counts[2] == 2, (sizes, counts)  # its forward and its backward
+            for first, last in zip(results[0], results[2]):
+                assert rel_err(last, first) < 2e-2, sizes
+
+
 @pytest.mark.filterwarnings(r"ignore::RuntimeWarning:(triton|numpy)\.")  # the interpreter's overflow in casts
 def test_a_graph_taken_under_another_guard_is_not_launched_at_its_memory():
     """A layer's fp16 range guard replaced under its recorded graphs (`guard.reset`, or a guard evicted past
