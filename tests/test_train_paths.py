@@ -346,6 +346,35 @@ def test_a_training_loop_replays_graphs_and_never_synchronizes(dtype, pid):
     assert (hits, misses, direct) == (6, 0, 0), per_step  # a forward and a backward per step
 
 
+def test_qkv_gqas_backward_key_names_its_upstream_gradients_layout(monkeypatch):
+    """072's head-group sums read grad_key_states and grad_value_states at their own strides (runtime arguments, any
+    layout with a contiguous last axis): two calls at one shape whose gradients are laid out differently must not
+    share a key, or the second would run the first's graph or template at the first's strides and sum the wrong
+    elements (found in session 50: the key held the plan alone)."""
+    import backfuse.ops.qkv_gqa.training as qkv
+
+    keys = []
+    real = qkv.execute
+    monkeypatch.setattr(qkv, "execute", lambda key, *a: (keys.append(key), real(key, *a))[1])
+    config, dtype = QkvGqaConfig(64, 32, 4, 2, 16), torch.bfloat16
+    m = training_module("072", config, dtype)
+    dec, enc = training_inputs("072", config, (2, 5, 7), dtype)
+    results = []
+    for token_major in (False, True):
+        m.zero_grad(set_to_none=True)
+        dec.grad = enc.grad = None
+        outs = m(dec, enc)
+        torch.manual_seed(3)
+        grads = [torch.randn(o.shape, device=DEVICE).to(dtype) for o in outs]
+        if token_major:  # k's and v's gradients [B, H, S, D] in [B, S, H, D] memory; q's as before
+            grads[1:] = [g.transpose(1, 2).contiguous().transpose(1, 2) for g in grads[1:]]
+        torch.autograd.backward(outs, grads)
+        results.append((enc.grad.clone(), m.k_weight.grad.clone(), m.v_weight.grad.clone()))
+    backward = [k for k in keys if k[0] == "qkv_gqa backward"]
+    assert len(backward) == 2 and backward[0] != backward[1]
+    assert all(rel_err(a.float(), b.float()) < 1e-2 for a, b in zip(*results))  # the same sums, read in either layout
+
+
 @pytest.mark.skipif(not GPU, reason="templates serve a GPU's direct launches")
 @pytest.mark.parametrize("pid, config, shapes", [
     ("072", QkvGqaConfig(256, 128, 4, 2, 64), [(2, 37, 77), (1, 61, 13)]),

@@ -249,7 +249,9 @@ def backward(inputs, grads, plan: Plan, a_flat):
             launches.append(steps.check(g))
         return launches
 
-    execute(("qkv_gqa backward", p), device,
+    # The upstream gradients' strides are the head-group sums' runtime arguments: in the key, so that a graph or
+    # template taken at one layout never reads another (the plan names only whether gq is read in place).
+    execute(("qkv_gqa backward", p, gq.stride(), gk.stride(), gv.stride()), device,
             bases(*inputs, gq, gk, gv, grad_dec, grad_enc, *w_bases, s_flat, a_flat, *guards.tensors(g, fg)), build)
     for each in (g, fg):
         if each is not None and device.type != "cuda":
