@@ -187,6 +187,46 @@ def test_changing_shapes_never_synchronize(pid, config, shapes):
     torch.cuda.synchronize()
 
 
+@pytest.mark.skipif(not GPU, reason="synchronization exists on a GPU")
+def test_packed_documents_of_changing_lengths_never_synchronize():
+    """Packed rows whose documents change every step (`cu_seqlens` of other counts and lengths, other totals),
+    after each was met once: no step makes the host wait for the GPU, and each step's output and input gradient
+    are its first call's (the template at new addresses gives the kernels' own result; the backward's atomic
+    sums may round in another order, so within 1e-2 where a stale template is off by ~1)."""
+    from backfuse import functional as F
+
+    config = Gemma3CoreConfig(256, 2, 1, 128)
+    m = training_module("037", config, torch.bfloat16)
+    params = [m.q_weight, m.k_weight, m.v_weight, m.o_weight, m.q_norm_weight, m.k_norm_weight]
+    rows = [(5, 40), (13, 1, 29, 7), (61,), (3, 3, 30), (17, 20)]
+    calls = {}
+    for docs in rows:
+        x, cos, sin = training_inputs("037", config, (1, sum(docs)), torch.bfloat16)
+        cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=x.device, dtype=torch.int32)
+        calls[docs] = (x, cos, sin, cu, torch.randn(1, sum(docs), config.hidden, device=x.device, dtype=x.dtype))
+    first = {}
+
+    def step(docs):
+        x, cos, sin, cu, grad = calls[docs]
+        for t in (*params, x):
+            t.grad = None
+        out = F.gemma3_core(x, cos, sin, *params, m.scaling, m.softcap, m.eps, head_dim=config.head_dim,
+                            cu_seqlens=cu)
+        out.backward(grad)
+        return out.detach().clone(), x.grad.clone()
+
+    for docs in rows:
+        first[docs] = step(docs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        later = [(docs, step(docs)) for docs in [*rows[1:], *rows]]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for docs, (out, grad) in later:
+        assert rel_err(out, first[docs][0]) < 1e-2 and rel_err(grad, first[docs][1]) < 1e-2, docs
+
+
 @pytest.mark.parametrize("pid, dtype", [("021", torch.bfloat16), ("021", torch.float16), ("021", torch.float32),
                                         ("037", torch.bfloat16)])
 def test_split_key_blocks_in_the_training_ops(monkeypatch, pid, dtype):

@@ -2,20 +2,26 @@
 
     PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py loop [ENTRY ...]   # default gemma3-4b wan2.1-1.3b
     PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py fixed
+    PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py split [ENTRY ...]  # default packed, gemma3-4b, wan
 
 loop: `bench --dynamic`'s loop for backfuse, each step timed alone (synchronized) in the first pass (a compile or
 a library's plan build shows as a spike), then both passes queued; with CUDA graphs on and off, and with cuDNN's
 attention from a shape's first call (`plans.CUDNN_AFTER = 1`) against the default.
 fixed: one shape, steps queued after enough warm-up for every plan to settle; graphs on / off, cuDNN's attention
 (promoted) / ours.
+split: `bench --dynamic`'s three implementations, the second pass queued as the bench queues it (ms and host us a
+step), then a third under the profiler: the GPU's kernel time a step, kernels a step and the heaviest kernels. A
+step whose kernel time is near its wall time is GPU-bound; one whose host time is, host-bound.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections import defaultdict
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from backfuse import cudnn_attention, presets
 from backfuse import nn as bnn
@@ -78,8 +84,40 @@ def fixed() -> None:
         print(f"{key} {shape}: " + "; ".join(row))
 
 
+def split(keys, top: int = 6) -> None:
+    for key in keys:
+        preset = presets.get(key.split("/")[0])
+        cls = bnn.WanXattn if preset.problem == "021" else bnn.Gemma3Core
+        module = cls(preset.config, device="cuda", dtype=torch.bfloat16, **preset.kwargs)
+        warm, shapes = dynamic.shapes(key)
+        warm_call, *calls = dynamic._make_calls(preset, preset.config, key, [warm, *shapes], "cuda", 0)
+        for impl in dynamic.IMPLEMENTATIONS:
+            graphs.release()
+            step = dynamic._stepper(preset, preset.config, key, impl, module)
+            step(warm_call)
+            dynamic._loop(step, calls)
+            ms, host = dynamic._loop(step, calls)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                dynamic._loop(step, calls)
+            by = defaultdict(lambda: [0, 0.0])
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    by[e.name][0] += 1
+                    by[e.name][1] += e.device_time / 1e3
+            n = len(calls)
+            gpu = sum(t for _, t in by.values()) / n
+            print(f"{key} {impl}: {ms:.3f} ms a step, host {host:.0f} us, kernels {gpu:.3f} ms "
+                  f"({sum(c for c, _ in by.values()) / n:.0f} a step)")
+            for name, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+                print(f"    {t / n:7.3f} ms {c / n:5.1f}x  {name[:90]}")
+            del step
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["fixed"]:
         fixed()
+    elif sys.argv[1:2] == ["split"]:
+        split(sys.argv[2:] or ["gemma3-4b/packed", "gemma3-4b", "wan2.1-1.3b"])
     else:
         loop(sys.argv[2:] or ["gemma3-4b", "wan2.1-1.3b"])
