@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py loop [ENTRY ...]   # default gemma3-4b wan2.1-1.3b
     PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py fixed
     PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py split [ENTRY ...]  # default packed, gemma3-4b, wan
+    PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py host [ENTRY ...]   # default packed, wan
 
 loop: `bench --dynamic`'s loop for backfuse, each step timed alone (synchronized) in the first pass (a compile or
 a library's plan build shows as a spike), then both passes queued; with CUDA graphs on and off, and with cuDNN's
@@ -12,13 +13,21 @@ fixed: one shape, steps queued after enough warm-up for every plan to settle; gr
 split: `bench --dynamic`'s three implementations, the second pass queued as the bench queues it (ms and host us a
 step), then a third under the profiler: the GPU's kernel time a step, kernels a step and the heaviest kernels. A
 step whose kernel time is near its wall time is GPU-bound; one whose host time is, host-bound.
+host: where backfuse's host time goes in the second pass: the loop as the bench queues it beside one of its shapes
+replayed (the design's own cost, this process's host); a pass with timers around the packed documents, `execute`,
+`Template.run`, each kind of template step and `torch.empty` (us a step each, nested where the calls are; the rest
+is autograd, the functional layer and the bench's step); the caching allocator's cudaMalloc / cudaFree counts over a
+pass; synchronizations (`set_sync_debug_mode("warn")`); a pass under cProfile by own time.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import sys
 import time
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -27,7 +36,7 @@ from backfuse import cudnn_attention, presets
 from backfuse import nn as bnn
 from backfuse.bench import dynamic
 from backfuse.kernels import graphs
-from backfuse.train import plans
+from backfuse.train import masks, plans, program
 
 
 def _setup(key, shape_list):
@@ -114,9 +123,105 @@ def split(keys, top: int = 6) -> None:
             torch.cuda.empty_cache()
 
 
+class _Timers:
+    """Wall time and calls of wrapped callables by label, the wrappers undone by `undo`."""
+
+    def __init__(self):
+        self.time, self.calls, self._undo = defaultdict(float), Counter(), []
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        f = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.time[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, f))
+
+    def undo(self) -> None:
+        for owner, name, f in reversed(self._undo):
+            setattr(owner, name, f)
+        self._undo.clear()
+
+
+def _allocator() -> dict:
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
+def host(keys) -> None:
+    for key in keys:
+        preset = presets.get(key.split("/")[0])
+        warm, shapes = dynamic.shapes(key)
+        step, (warm_call, *calls) = _setup(key, [warm, *shapes])
+        graphs.release()
+        step(warm_call)
+        for _ in range(3):
+            ms, host_us = dynamic._loop(step, calls)
+        one = [calls[len(calls) // 2]] * len(calls)
+        for _ in range(6):
+            one_ms, one_host = dynamic._loop(step, one)
+        print(f"{key}: loop {ms:.3f} ms, host {host_us:.0f} us a step; one of its shapes replayed {one_ms:.3f} ms, "
+              f"host {one_host:.0f} us", flush=True)
+        timers = _Timers()
+        timers.wrap(program.Template, "run", "Template.run")
+        timers.wrap(masks, "documents", "masks.documents")
+        timers.wrap(torch, "empty", "torch.empty")
+        training = sys.modules[f"backfuse.ops.{'wan_xattn' if preset.problem == '021' else 'gemma3_core'}.training"]
+        timers.wrap(training, "execute", "execute")
+        kept = [(t, t.steps) for t in program._templates.values() if isinstance(t, program.Template)]
+        for template, steps in kept:
+            template.steps = [_timed_step(timers, s, "template step " + getattr(s, "__qualname__", "?").split(".<")[0])
+                              for s in steps]
+        before = _allocator()
+        t_ms, t_host = dynamic._loop(step, calls)
+        after = _allocator()
+        timers.undo()
+        for template, steps in kept:
+            template.steps = steps
+        n = len(calls)
+        print(f"  timed pass {t_ms:.3f} ms, host {t_host:.0f} us a step; allocator over the pass: "
+              + ", ".join(f"{k} +{after[k] - before[k]}" for k in before))
+        for label, t in sorted(timers.time.items(), key=lambda kv: -kv[1]):
+            print(f"    {label:34s} {t / n * 1e6:8.1f} us a step ({timers.calls[label] / n:.1f} calls, "
+                  f"{t / timers.calls[label] * 1e6:.1f} us each)")
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                dynamic._loop(step, calls)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message)[:100] for w in caught if "synchroniz" in str(w.message).lower()]
+        print(f"  synchronizations in a pass: {len(syncs)} {syncs[:2]}")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        dynamic._loop(step, calls)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+        del step
+        torch.cuda.empty_cache()
+
+
+def _timed_step(timers: _Timers, step, label: str):
+    def timed(*args):
+        t0 = time.perf_counter()
+        step(*args)
+        timers.time[label] += time.perf_counter() - t0
+        timers.calls[label] += 1
+    return timed
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["fixed"]:
         fixed()
+    elif sys.argv[1:2] == ["host"]:
+        host(sys.argv[2:] or ["gemma3-4b/packed", "wan2.1-1.3b"])
     elif sys.argv[1:2] == ["split"]:
         split(sys.argv[2:] or ["gemma3-4b/packed", "gemma3-4b", "wan2.1-1.3b"])
     else:
