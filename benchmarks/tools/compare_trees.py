@@ -1,4 +1,5 @@
-"""`bench --train`'s steps of two source trees timed under one harness: a regression check's figures.
+"""`bench --train`'s steps, or `bench --dynamic`'s loops, of two source trees timed under one harness: a
+regression check's figures.
 
 Each tree runs in a worker process of its own (its `src` first on the path), which builds and warms the layers
 (`bench/train.py: Layer`, as the tree has it) and times a group of steps when asked (`time_steps`). The parent
@@ -9,6 +10,10 @@ notes/training.md, sessions 48 and 49.)
 
     python benchmarks/tools/compare_trees.py . bis/main --cases 072:0,5 037:5 021:9
     python benchmarks/tools/compare_trees.py . bis/main --cases 037:5 --impls backfuse_bf16 --groups 7
+    python benchmarks/tools/compare_trees.py . bis/main --dynamic gemma3-4b/packed wan2.1-1.3b
+
+--dynamic: backfuse's loop of each entry (its warm-up step and first pass untimed), a group being one pass over
+its 12 shapes (the bench's second pass), the trees alternating group by group.
 
 A tree is a checkout's root (its `src`) or a `src`-like folder holding `backfuse`. --device cpu is a smoke run
 (the interpreter; no timing worth reading).
@@ -45,6 +50,24 @@ for line in sys.stdin:
         reply = {"path": backfuse.__file__}
     elif cmd["op"] == "time":
         ms, us = train.time_steps(layers[cmd["key"]], warmup=cmd["settle"], steps=cmd["steps"])
+        reply = {"ms": ms, "us": us}
+    elif cmd["op"] == "build_loop":  # (what both trees' bench/dynamic.py have)
+        from backfuse import nn as bnn, presets
+        from backfuse.bench import dynamic
+        key = cmd["key"]
+        preset = presets.get(key.split("/")[0])
+        cls = bnn.WanXattn if preset.problem == "021" else bnn.Gemma3Core
+        module = cls(preset.config, device=device, dtype=torch.bfloat16, **preset.kwargs)
+        warm, shapes = dynamic.shapes(key)
+        warm_call, *calls = dynamic._make_calls(preset, preset.config, key, [warm, *shapes], device, 0)
+        step = dynamic._stepper(preset, preset.config, key, "backfuse", module)
+        step(warm_call)
+        dynamic._loop(step, calls)
+        layers[key] = (step, calls)
+        reply = {"path": backfuse.__file__}
+    elif cmd["op"] == "time_loop":
+        from backfuse.bench import dynamic
+        ms, us = dynamic._loop(*layers[cmd["key"]])
         reply = {"ms": ms, "us": us}
     else:  # "drop"
         layers.clear()
@@ -103,6 +126,24 @@ def compare_case(workers, pid: str, case: int, impls, *, warmup: int, steps: int
             for impl in impls}
 
 
+def compare_loop(workers, key: str, *, groups: int) -> dict:
+    """{tree: (median ms, median host us) a step} of an entry's dynamic loop, every tree's loop built first."""
+    for w in workers:
+        path = w.ask(op="build_loop", key=key)["path"]
+        if not w.shown:
+            print(f"{w.tree}: backfuse from {os.path.dirname(path)}", file=sys.stderr)
+            w.shown = True
+    samples = {w.tree: [] for w in workers}
+    for g in range(groups):
+        for w in (workers if g % 2 == 0 else workers[::-1]):
+            got = w.ask(op="time_loop", key=key)
+            samples[w.tree].append((got["ms"], got["us"]))
+    for w in workers:
+        w.ask(op="drop")
+    return {tree: (statistics.median(ms for ms, _ in got), statistics.median(us for _, us in got))
+            for tree, got in samples.items()}
+
+
 def cases_of(specs) -> list:
     """[(pid, case)] from "072:0,5" items."""
     out = []
@@ -117,11 +158,13 @@ def cases_of(specs) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trees", nargs=2, help="the baseline tree, then the tree to compare with it")
-    parser.add_argument("--cases", nargs="+", required=True, metavar="PID:CASES", help="e.g. 072:0,5 037:5")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--cases", nargs="+", metavar="PID:CASES", help="e.g. 072:0,5 037:5")
+    what.add_argument("--dynamic", nargs="+", metavar="ENTRY", help="bench --dynamic's entries, e.g. wan2.1-1.3b")
     parser.add_argument("--impls", default=",".join(IMPLS[:2]), help=f"comma-separated, of {', '.join(IMPLS)}")
     parser.add_argument("--warmup", type=int, default=70, help="untimed steps per layer before the groups (70)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per group (10)")
-    parser.add_argument("--groups", type=int, default=5, help="groups per layer and tree (5)")
+    parser.add_argument("--groups", type=int, default=5, help="groups per layer (or loop) and tree (5)")
     parser.add_argument("--settle", type=int, default=4, help="untimed steps opening each group (4)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", help="write the figures there")
@@ -132,6 +175,8 @@ def main(argv=None) -> int:
     base, other = args.trees
     workers = [Worker(base, args.device), Worker(other, args.device)]
     rows, out = [], {}
+    if args.dynamic:
+        return _dynamic(workers, args)
     try:
         for pid, case in cases_of(args.cases):
             got = compare_case(workers, pid, case, impls, warmup=args.warmup, steps=args.steps, groups=args.groups,
@@ -154,6 +199,30 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"trees": [base, other], "groups": args.groups, "steps": args.steps, "cases": out}, f, indent=1)
+    return 0
+
+
+def _dynamic(workers, args) -> int:
+    base, other = args.trees
+    rows, out = [], {}
+    try:
+        for key in args.dynamic:
+            got = compare_loop(workers, key, groups=args.groups)
+            out[key] = {tree: {"ms": ms, "host_us": us} for tree, (ms, us) in got.items()}
+            (a_ms, a_us), (b_ms, b_us) = got[base], got[other]
+            rows.append(f"| {key} | {a_ms:.3f} | {b_ms:.3f} | {b_ms / a_ms:.3f} | {a_us:.0f} | {b_us:.0f} |")
+            print(rows[-1], flush=True)
+    finally:
+        for w in workers:
+            w.close()
+    print(f"\nbackfuse's dynamic loop, median ms and host us a step over {args.groups} alternating passes; "
+          f"ratio {other} / {base}")
+    print(f"| entry | {base} ms | {other} ms | ratio | {base} host us | {other} host us |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trees": [base, other], "groups": args.groups, "dynamic": out}, f, indent=1)
     return 0
 
 
