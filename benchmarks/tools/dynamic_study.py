@@ -14,16 +14,19 @@ split: `bench --dynamic`'s three implementations, the second pass queued as the 
 step), then a third under the profiler: the GPU's kernel time a step, kernels a step and the heaviest kernels. A
 step whose kernel time is near its wall time is GPU-bound; one whose host time is, host-bound.
 host: where backfuse's host time goes in the second pass: the loop as the bench queues it beside one of its shapes
-replayed (the design's own cost, this process's host); a pass with timers around the packed documents, `execute`,
-`Template.run`, each kind of template step and `torch.empty` (us a step each, nested where the calls are; the rest
-is autograd, the functional layer and the bench's step); the caching allocator's cudaMalloc / cudaFree counts over a
-pass; synchronizations (`set_sync_debug_mode("warn")`); a pass under cProfile by own time.
+replayed (the design's own cost, this process's host); passes with Python's garbage collector on and off; a pass
+with timers around the packed documents, `execute`, `Template.run`, each kind of template step and `torch.empty`
+(us a step each, nested where the calls are; the rest is autograd, the functional layer and the bench's step); the
+caching allocator's cudaMalloc / cudaFree counts over a pass; synchronizations (`set_sync_debug_mode("warn")`); a
+pass under cProfile by own time.
 """
 
 from __future__ import annotations
 
 import cProfile
+import gc
 import pstats
+import statistics
 import sys
 import time
 import warnings
@@ -167,6 +170,14 @@ def host(keys) -> None:
             one_ms, one_host = dynamic._loop(step, one)
         print(f"{key}: loop {ms:.3f} ms, host {host_us:.0f} us a step; one of its shapes replayed {one_ms:.3f} ms, "
               f"host {one_host:.0f} us", flush=True)
+        collected = {True: [], False: []}
+        for i in range(6):  # Python's garbage collector on and off, alternating passes
+            on = i % 2 == 0
+            (gc.enable if on else gc.disable)()
+            collected[on].append(dynamic._loop(step, calls)[1])
+        gc.enable()
+        print(f"  host us a step, the collector on / off: {statistics.median(collected[True]):.0f} / "
+              f"{statistics.median(collected[False]):.0f}", flush=True)
         timers = _Timers()
         timers.wrap(program.Template, "run", "Template.run")
         timers.wrap(masks, "documents", "masks.documents")
