@@ -141,6 +141,45 @@ def test_a_shape_takes_cudnn_attention_once_it_recurs(monkeypatch):
     assert used == [[False], [False], [True], [True]], used
 
 
+@pytest.mark.parametrize("form", ["causal", "packed", "padding", "window"])
+def test_lengths_a_few_tokens_apart_compile_nothing_new(form, monkeypatch):
+    """Gemma's forward and backward at lengths 64, 65, 66, 67 (batch 2; packed: one row of three documents):
+    every launch's specialization (`kernels/launch.py`: constexprs, dtypes, pointers' 16-byte alignment) is
+    one the first length's launches had, so a loop of changing lengths compiles no kernel after its first
+    call (s51: the bounds' rows B * S entries apart compiled the bounds and attention kernels again at the
+    first odd length of a packed or masked loop)."""
+    from backfuse import functional as F
+    from backfuse.kernels.launch import FastKernel, specialization
+
+    seen = []
+    prepare = FastKernel.prepare
+
+    def recording(self, grid, *args, **meta):
+        seen[-1].add((self.fn.__name__, specialization(args, meta)))
+        return prepare(self, grid, *args, **meta)
+
+    monkeypatch.setattr(FastKernel, "prepare", recording)
+    config = Gemma3CoreConfig(256, 2, 1, 128, window=16 if form == "window" else 0)
+    m = training_module("037", config, torch.bfloat16)
+    params = [m.q_weight, m.k_weight, m.v_weight, m.o_weight, m.q_norm_weight, m.k_norm_weight]
+    for s in (64, 65, 66, 67):
+        seen.append(set())
+        b = 1 if form == "packed" else 2
+        x, cos, sin = training_inputs("037", config, (b, s), torch.bfloat16)
+        kw = {}
+        if form == "packed":
+            kw["cu_seqlens"] = torch.tensor([0, 20, 31, s], device=x.device, dtype=torch.int32)
+        elif form == "padding":
+            mask = torch.ones(b, s, dtype=torch.bool, device=x.device)
+            mask[0, s - 5:] = False
+            kw["attention_mask"] = mask
+        out = F.gemma3_core(x, cos, sin, *params, m.scaling, m.softcap, m.eps, window=config.window,
+                            head_dim=config.head_dim, **kw)
+        out.backward(torch.randn_like(out))
+        assert seen[-1] <= seen[0], (s, sorted(seen[-1] - seen[0], key=repr))
+    assert len(seen[0]) >= 5  # the products aside, the norms', the bounds' and the attention's kernels
+
+
 @pytest.mark.parametrize("pid, config, shapes", [
     ("037", Gemma3CoreConfig(256, 2, 1, 128), [(2, 45), (1, 70), (2, 33)]),
     ("021", WanXattnConfig(64, 4, qk_norm=True), [(1, 40, 7), (2, 33, 13), (1, 19, 3)])])

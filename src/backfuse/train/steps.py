@@ -284,13 +284,16 @@ class Attention:
 
 
 def bounds_buffer(a: Attention) -> Buffer | None:
-    """The masked attention's bounds (`attention_bounds`), int32 [5, max(B * S, 2 B)] (a masked attention is a
-    self-attention: S_q = S_k = S): rows 0-3 each query's lo and hi, then each key's k_lo and k_hi (B * S
-    entries each); row 4 each batch entry's first and last query that weighs every key alike (2 B entries). None
+    """The masked attention's bounds (`attention_bounds`), int32 [5, max(B * S, 2 B) rounded up to 4] (a masked
+    attention is a self-attention: S_q = S_k = S): rows 0-3 each query's lo and hi, then each key's k_lo and k_hi
+    (B * S entries each); row 4 each batch entry's first and last query that weighs every key alike (2 B
+    entries). The rows are 16 bytes apart at every length, so each starts as aligned as the buffer: a kernel's
+    binary is specific to its pointers' 16-byte alignment (`kernels/launch.py: specialization`), and rows B * S
+    entries apart compiled every bounds and attention kernel again at the first B * S not divisible by 4. None
     without a mask."""
     if a.masking is None:
         return None
-    return Buffer("bounds", (5, max(a.batch * a.s_q, 2 * a.batch)), torch.int32)
+    return Buffer("bounds", (5, -(-max(a.batch * a.s_q, 2 * a.batch) // 4) * 4), torch.int32)
 
 
 def _mask_args(a: Attention, bounds, mask, q, keys: bool = False) -> dict:
