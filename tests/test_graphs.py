@@ -188,6 +188,55 @@ def test_an_allocating_step_runs_its_op_then_what_reads_its_outputs():
     assert made().graphable
 
 
+def test_recordings_on_two_threads_keep_their_own_pools(monkeypatch):
+    """Two threads record at once, interleaved (A begins, B begins, A ends, B ends): each thread's allocating
+    steps take their memory from its own recording's pool, and afterwards no pool is left behind, so a direct
+    allocating step allocates as any op and becomes graphable (s51-3: a process-wide slot kept A's pool after
+    both ended, and every later direct allocating step took memory from a graph's pool)."""
+    import contextlib
+    import threading
+
+    used = []
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool):
+        used.append((threading.current_thread().name, pool))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", use_mem_pool)
+    monkeypatch.setattr(graphs, "_pools", {"a": "pool a", "b": "pool b"})
+    x = torch.arange(3.0)
+
+    def allocating(key):
+        return graphs.Allocating(key, lambda: (x + 1,), lambda y: [], "x + 1")
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with graphs._pooled("a"):
+            a_in.set()
+            b_in.wait(10)
+            allocating(("a", object()))()
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with graphs._pooled("b"):
+            b_in.set()
+            a_out.wait(10)
+            allocating(("b", object()))()
+
+    threads = [threading.Thread(target=f, name=f.__name__) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(used) == [("a", "pool a"), ("b", "pool b")]
+    key = ("after", object())
+    allocating(key)()
+    assert len(used) == 2 and allocating(key).graphable
+
+
 @GPU
 def test_an_allocating_step_recorded_into_a_graph_replays_its_op():
     """An op that allocates (here torch's own arithmetic) recorded with the launches that read its output:

@@ -378,23 +378,25 @@ def _keep(slot, exec_) -> None:
 
 
 _pools: dict = {}  # (device index, thread, caller's stream) -> torch.cuda.MemPool of the allocating launches
-_pool = None  # the pool of the recording under way (None: no recording)
+_recording = threading.local()  # .pool: the pool of the recording under way on this thread (none: absent or None)
 _ran: set = set()  # keys of allocating launches run once outside a recording
 
 
 @contextlib.contextmanager
 def _pooled(where):
-    """While recording for (device, thread, caller's stream): the allocating launches take their memory
-    from that recording's pool."""
-    global _pool
+    """While recording for (device, thread, caller's stream): the allocating launches of this thread take
+    their memory from that recording's pool. Per thread: two threads record at once (a stream each), and a
+    process-wide slot was left holding one's pool when their recordings interleaved (s51-3), so every later
+    direct allocating launch took its memory from that pool while graphs using it could run."""
     pool = _pools.get(where)
     if pool is None:
         pool = _pools[where] = torch.cuda.MemPool()
-    saved, _pool = _pool, pool
+    saved = getattr(_recording, "pool", None)
+    _recording.pool = pool
     try:
         yield
     finally:
-        _pool = saved
+        _recording.pool = saved
 
 
 def pool_bytes() -> int:
@@ -435,9 +437,10 @@ class Allocating:
         self.graphable = key in _ran
 
     def __call__(self) -> None:
-        recording = _pool is not None
+        pool = getattr(_recording, "pool", None)
+        recording = pool is not None
         if recording:
-            with torch.cuda.use_mem_pool(_pool):
+            with torch.cuda.use_mem_pool(pool):
                 outputs = self.op()
         else:
             outputs = self.op()
