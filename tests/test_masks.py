@@ -395,3 +395,43 @@ def test_the_layers_of_a_forward_share_its_documents():
     with torch.inference_mode():
         made_there = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
         assert masks.documents(made_there, None, 5) is not masks.documents(made_there, None, 5)
+
+
+@pytest.mark.parametrize("cu, cu_k, tokens", [
+    ([0, 37], None, 37),  # one document
+    ([0, 1, 2, 3], None, 3),  # one-token documents
+    ([0, 5, 5, 18, 40], None, 613),  # an empty document; tokens after the last document in none
+    ([0, 20, 31, 77], [0, 25, 31, 90], 77),  # the keys' documents other than the queries' (FlashAttention's pair)
+    ([0, 7, 300, 301, 1000, 1024], [0, 3, 296, 300, 990, 1024], 1024),
+    (list(range(0, 258, 2)), None, 256)])  # 128 documents: seven halvings
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_documents_kernel_computes_the_documents(cu, cu_k, tokens, dtype):
+    """`steps.packed_documents` (one kernel) against `masks.documents_from_cu_seqlens` (torch's ops), into
+    poisoned memory: every query's first and last visible key, also outside every document."""
+    from backfuse.train import masks, steps
+
+    cu = torch.tensor(cu, dtype=dtype, device=DEVICE)
+    cu_k = None if cu_k is None else torch.tensor(cu_k, dtype=dtype, device=DEVICE)
+    got = steps.packed_documents(cu, cu_k, tokens)
+    assert got.dtype == torch.int32 and got.shape == (2, 1, tokens)
+    assert torch.equal(got, masks.documents_from_cu_seqlens(cu, cu_k, tokens))
+
+
+def test_a_packed_forward_makes_its_documents_by_the_kernel(monkeypatch):
+    """gemma3_core's documents come from `steps.packed_documents` (one launch), torch's ops left to torch.compile
+    and CUDA graph captures."""
+    from backfuse.train import masks, steps
+
+    made = []
+    kernel = steps.packed_documents
+    monkeypatch.setattr(steps, "packed_documents", lambda *a: made.append(a) or kernel(*a))
+    monkeypatch.setattr(masks, "_last", [(), None])
+    config = Gemma3CoreConfig(256, 2, 1, 128)
+    m = training_module("037", config, torch.float32)
+    x = torch.randn(1, 45, 256, device=DEVICE)
+    cos, sin = rope_tables(45, 128, torch.float32, DEVICE)
+    cu = torch.tensor([0, 12, 45], dtype=torch.int32, device=DEVICE)
+    F.gemma3_core(x, cos, sin, m.q_weight, m.k_weight, m.v_weight, m.o_weight, m.q_norm_weight, m.k_norm_weight,
+                  m.scaling, m.softcap, m.eps, head_dim=128, cu_seqlens=cu)
+    assert len(made) == 1 and made[0][0] is cu
+

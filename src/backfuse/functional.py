@@ -58,6 +58,7 @@ class _Lazy:
 _wan = _Lazy("backfuse.ops.wan_xattn.training", "_wan")
 _qkv = _Lazy("backfuse.ops.qkv_gqa.training", "_qkv")
 _gemma = _Lazy("backfuse.ops.gemma3_core.training", "_gemma")
+_steps = _Lazy("backfuse.train.steps", "_steps")
 
 _plans = _plan_cache._plans  # (op, signature, options) -> plan (`train/plans.py`)
 _sm_count = _plan_cache.sm_count
@@ -437,7 +438,7 @@ def _gemma_masks(label: str, first: str, attention_mask, cu_seqlens, cu_seqlens_
     if cu_seqlens_k is not None and cu_seqlens_k.numel() != cu_seqlens.numel():
         raise ValueError(f"{label}: inputs 'cu_seqlens' and 'cu_seqlens_k' must count the same documents, got "
                          f"{cu_seqlens.numel() - 1} and {cu_seqlens_k.numel() - 1}")
-    return attention_mask, _masks.documents(cu_seqlens, cu_seqlens_k, hidden.shape[1])
+    return attention_mask, _masks.documents(cu_seqlens, cu_seqlens_k, hidden.shape[1], _steps.packed_documents)
 
 
 def _check_mask(label: str, mask, documents, batch: int, seq: int, device):

@@ -74,17 +74,22 @@ def documents_from_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Te
 _last = [(), None]  # ((weakref, version) of the last call's cu_seqlens and cu_seqlens_k, and tokens; its documents)
 
 
-def documents(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None, tokens: int) -> torch.Tensor:
+def documents(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None, tokens: int, make=None) -> torch.Tensor:
     """`documents_from_cu_seqlens`, made once for the calls that pass the same tensors, unchanged (a forward's
     layers): kept for the last call's while they are alive and their version counters unmoved. Made afresh under
-    torch.compile and for inference tensors (which count no versions)."""
+    torch.compile and for inference tensors (which count no versions). make: what makes it (same arguments and
+    result; the kernels' one launch, `steps.packed_documents`), except under torch.compile or while a CUDA graph
+    is captured, where torch's ops do."""
     tensors = (cu_seqlens_q,) if cu_seqlens_k is None else (cu_seqlens_q, cu_seqlens_k)
-    if torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
-        return documents_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tokens)
+    compiling = torch.compiler.is_compiling()
+    if make is None or compiling or (cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        make = documents_from_cu_seqlens
+    if compiling or any(t.is_inference() for t in tensors):
+        return make(cu_seqlens_q, cu_seqlens_k, tokens)
     key, found = _last
     if len(key) == len(tensors) + 1 and key[-1] == tokens and all(
             ref() is t and version == t._version for (ref, version), t in zip(key, tensors)):
         return found
-    found = documents_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, tokens)
+    found = make(cu_seqlens_q, cu_seqlens_k, tokens)
     _last[:] = [(*((weakref.ref(t), t._version) for t in tensors), tokens), found]
     return found

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..kernels import buffers
 from ..kernels.schedule import cdiv
 from ..kernels.triton import attention, passes
 from .masks import Masking
@@ -37,6 +38,7 @@ DELTA = Kernel(attention.attention_delta_kernel)
 BACKWARD = Kernel(attention.attention_backward_kernel)
 BOUNDS = Kernel(attention.attention_bounds_kernel)
 KEY_BOUNDS = Kernel(attention.attention_key_bounds_kernel)
+DOCUMENTS = Kernel(attention.documents_kernel)
 
 _dummies: dict = {}
 
@@ -319,6 +321,24 @@ def _mask_args(a: Attention, bounds, mask, q, keys: bool = False) -> dict:
 # over 64-key steps were 64 programs at 1 x 4096 taking ~0.3 ms a call, one dependent load after another (s45-3:
 # 1.67 ms a step at gemma3-27b); the keys' programs read 256 rows' bounds a step (a fourth of the steps).
 BOUNDS_TILES = ((32, 64), (32, 32)) if INTERPRETED else ((16, 256), (256, 64))
+
+
+DOCUMENTS_BLOCK = 256 if INTERPRETED else 1024
+
+
+def packed_documents(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """`masks.documents_from_cu_seqlens`'s [2, 1, tokens] int32 made by one kernel (`documents_kernel`), where
+    torch's ops take ~15 launches, each with its Python on the host, once a forward of a packed batch."""
+    out = buffers.empty((2, 1, tokens), torch.int32, cu_seqlens_q.device)
+    if tokens == 0:
+        return out
+    cu_q = cu_seqlens_q.contiguous()
+    cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.contiguous()
+    documents = cu_q.numel() - 1
+    DOCUMENTS((cdiv(tokens, DOCUMENTS_BLOCK),), dict(out=out, cu_q=cu_q, cu_k=cu_k, tokens=tokens, documents=documents,
+                                                     steps=(documents + 1).bit_length()),
+              BLOCK=DOCUMENTS_BLOCK, num_warps=4)()
+    return out
 
 
 def attention_bounds(a: Attention, bounds, mask=None, documents=None) -> list:

@@ -601,6 +601,30 @@ def attention_backward_kernel(
                      False)
 
 
+@triton.jit(do_not_specialize=["tokens", "documents", "steps"])
+def documents_kernel(out, cu_q, cu_k, tokens, documents, steps, BLOCK: tl.constexpr):
+    """Packed documents as `attention_bounds_kernel` takes them (`train/masks.py: documents_from_cu_seqlens`,
+    whose math this is), from FlashAttention's cumulative lengths cu_q, cu_k [documents + 1]: grid (token
+    blocks of BLOCK). Query t's document is c - 1, c the count of cu_q's entries at or below t (a binary
+    search over c in [0, documents + 1], `steps` halvings); inside a document its first visible key is
+    cu_k[c - 1] and its last t + cu_k[c] - cu_q[c] (causality aligned to the document's last query and key),
+    outside every one (tokens, -1). out [2, tokens] int32: the first keys, then the last."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < tokens
+    lo = tl.zeros((BLOCK,), dtype=tl.int32)
+    hi = lo + documents + 1
+    for _ in range(steps):
+        mid = (lo + hi + 1) // 2
+        below = tl.load(cu_q + mid - 1, mask=ok & (mid > 0), other=-1) <= t
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    inside = ok & (lo > 0) & (lo <= documents)
+    first = tl.load(cu_k + lo - 1, mask=inside, other=0)
+    last = t + tl.load(cu_k + lo, mask=inside, other=0) - tl.load(cu_q + lo, mask=inside, other=0)
+    tl.store(out + t, tl.where(inside, first, tokens).to(tl.int32), mask=ok)
+    tl.store(out + tokens + t, tl.where(inside, last, -1).to(tl.int32), mask=ok)
+
+
 @triton.jit(do_not_specialize=["S_q", "S_k", "window", "m_sb", "m_sq", "m_sk"])
 def attention_bounds_kernel(
     lo, hi, mask, documents,
