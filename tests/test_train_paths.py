@@ -141,6 +141,33 @@ def test_a_shape_takes_cudnn_attention_once_it_recurs(monkeypatch):
     assert used == [[False], [False], [True], [True]], used
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gemmas_normed_turned_queries_and_keys_are_made_again_not_saved(dtype):
+    """qr and kr (q and k normed and turned) are not saved, by gemma3_core nor by gemma3_attention: the forward
+    leaves them in its scratch and the backward norms and turns them again from the raw q and k (`Plan.turned_anew`),
+    two tensors of q's and k's size fewer saved a call, and right against float64 all the same (the scratches start
+    poisoned)."""
+    from backfuse import functional
+
+    config = Gemma3CoreConfig(256, 2, 1, 128)
+    m = training_module("037", config, dtype)
+    check_training_step("037", m, training_inputs("037", config, (2, 37), dtype), TOL[dtype])
+    plans = [p for k, p in functional._plans.items() if k[0] == "037" and (p.batch, p.seq, p.io, p.save) == (2, 37, dtype, True)]
+    assert plans and all(p.turned_anew for p in plans)
+    x, cos, sin = training_inputs("037", config, (2, 37), dtype)
+    q, k, v = (torch.nn.functional.linear(x, w) for w in (m.q_weight, m.k_weight, m.v_weight))
+    a = functional.gemma3_attention(q, k, v, cos, sin, m.q_norm_weight, m.k_norm_weight, m.scaling, m.softcap, m.eps,
+                                    head_dim=config.head_dim)
+    a.backward(torch.randn_like(a))  # (right against gemma3_core: test_functional's attention between projections)
+    plans += [p for k, p in functional._plans.items()
+              if k[0] == "037 attention" and (p.batch, p.seq, p.io, p.save) == (2, 37, dtype, True)]
+    assert len({type(p) for p in plans}) == 2
+    for p in plans:
+        assert not {"rot_q", "rot_k"} & {b.name for b in p.activations.specs}
+        assert {"rot_q", "rot_k"} <= {b.name for b in p.backward_scratch.specs}
+        assert {"rot_q", "rot_k"} <= {b.name for b in p.forward_scratch.specs}
+
+
 @pytest.mark.parametrize("form", ["causal", "packed", "padding", "window"])
 def test_lengths_a_few_tokens_apart_compile_nothing_new(form, monkeypatch):
     """Gemma's forward and backward at lengths 64, 65, 66, 67 (batch 2; packed: one row of three documents):

@@ -11,7 +11,8 @@ Forward from q [B, S, H * D], k, v [B, S, KV * D] (the raw projections):
 Backward from dA:
     delta = rowsum(dA * A);  dqr, dkr, dv = attention backward;  dq, dk, grad_w = RoPE and RMSNorm backward
 Products and sums as `training.py`'s (fp16 copies of float32 inputs under the device-side range guard);
-it saves qr, kr, A, lse (and v's fp16 copy of float32 inputs) beside the inputs autograd keeps.
+it saves A, lse (and v's fp16 copy of float32 inputs) beside the inputs autograd keeps: qr and kr lie in the
+forward's scratch, and the backward norms and turns them again from q and k (`training.Plan.turned_anew`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Plan(training.Plan):
     @functools.cached_property
     def activations(self):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
-        return Arena([Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c),
+        return Arena([*(() if self.turned_anew else self.turned.specs),
                       Buffer("o", (t, cfg.q_out), c), Buffer("lse", (self.batch * cfg.heads, self.seq), fp32),
                       steps.bounds_buffer(self.attention),
                       Buffer("v_c", (t, cfg.kv_out), c) if self.casts else None])
@@ -64,7 +65,8 @@ class Plan(training.Plan):
                       Buffer("parts_k", (cfg.kv_heads * blocks, cfg.head_dim), fp32),
                       Buffer("sums_q", (steps.column_sum_parts(cfg.heads * blocks), cfg.head_dim), fp32),
                       Buffer("sums_k", (steps.column_sum_parts(cfg.kv_heads * blocks), cfg.head_dim), fp32),
-                      *(() if self.save else self.activations.specs)])
+                      *(() if self.save else self.activations.specs),
+                      *(self.turned.specs if self.turned_anew else ())])
 
     @functools.cached_property
     def weight_grads(self):
@@ -79,18 +81,25 @@ def _guard(plan: Plan, direction: str, device, owner: int = 0):
                      owner)
 
 
-def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> list:
-    """The launches from the inputs x (q, k, v, cos, sin, q_norm_w, k_norm_w) to A and lse in the activations a."""
+def _norm_and_turn(p: Plan, x, r, eps: float) -> list:
+    """The norm and RoPE launches of the inputs x's q and k into r.rot_q, r.rot_k."""
     q, k, v, cos, sin, qnw, knw = x
     cfg, t = p.config, p.tokens
     cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
+    return [training._norm_rope(p, q.view(t, cfg.q_out), qnw, cos2, sin2, r.rot_q, cfg.heads, eps),
+            training._norm_rope(p, k.view(t, cfg.kv_out), knw, cos2, sin2, r.rot_k, cfg.kv_heads, eps)]
+
+
+def _forward_launches(p: Plan, g, x, a, r, scaling: float, eps: float, masks) -> list:
+    """The launches from the inputs x (q, k, v, cos, sin, q_norm_w, k_norm_w) to A and lse in the activations a,
+    qr and kr in r (`training._turned`)."""
+    v, t = x[2], p.tokens
     launches = [steps.cast(v, a.v_c, g, "v projection")] if p.casts else []
-    launches += [training._norm_rope(p, q.view(t, cfg.q_out), qnw, cos2, sin2, a.rot_q, cfg.heads, eps),
-                 training._norm_rope(p, k.view(t, cfg.kv_out), knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps)]
+    launches += _norm_and_turn(p, x, r, eps)
     if p.masking is not None:
         launches += steps.attention_bounds(p.attention, a.bounds, *masks)
     if not p.cudnn:  # (cuDNN's attention allocates its outputs: the callers' `Allocating` steps)
-        launches += steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v_c if p.casts else v.view(t, -1),
+        launches += steps.attention_forward(p.attention, p.tiles, r.rot_q, r.rot_k, a.v_c if p.casts else v.view(t, -1),
                                             a.o, a.lse, scaling, g, training.ATTENTION_FORWARD_REGIONS,
                                             bounds=getattr(a, "bounds", None), mask=masks[0])
     return launches
@@ -103,8 +112,8 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
     g = _guard(p, "forward", device, inputs[0].data_ptr())
     if g is not None:
         g.poll()
-    acts = p.activations
-    a_flat = acts.allocate(device)
+    acts, scratch = p.activations, p.forward_scratch
+    a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
     out = buffers.empty(q.shape, p.io, device)
 
     key = ("gemma3_attention forward", p, scaling, eps)
@@ -112,9 +121,10 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
 
     def build():
         a = acts.views(a_flat)
-        launches = _forward_launches(p, g, inputs, a, scaling, eps, masks)
+        r = training._turned(p, a, scratch.views(s_flat))
+        launches = _forward_launches(p, g, inputs, a, r, scaling, eps, masks)
         if p.cudnn:  # A and lse into the saved activations (cuDNN allocates its own), A into the output
-            launches.append(Allocating(key, lambda: cudnn.forward(p.attention, a.rot_q, a.rot_k, inputs[2].view(p.tokens, -1),
+            launches.append(Allocating(key, lambda: cudnn.forward(p.attention, r.rot_q, r.rot_k, inputs[2].view(p.tokens, -1),
                                                                   scaling),
                                        lambda o, lse: [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), lambda: out2.copy_(o)],
                                        "cuDNN's attention forward"))
@@ -124,7 +134,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
             launches.append(steps.check(g))
         return launches
 
-    execute(key, device, bases(*inputs, *masks, out, a_flat, *guards.tensors(g)), build)
+    execute(key, device, bases(*inputs, *masks, out, a_flat, s_flat, *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -154,10 +164,13 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
     def build():
         s = scratch.views(s_flat)
         a = s if a_flat is None else p.activations.views(a_flat)
+        r = training._turned(p, a, s)
         launches = []
         if a_flat is None:
-            launches += _forward_launches(p, fg, inputs, a, scaling, eps, masks) + (
+            launches += _forward_launches(p, fg, inputs, a, r, scaling, eps, masks) + (
                 [steps.check(fg)] if fg is not None else [])
+        elif p.turned_anew:  # qr and kr normed and turned again
+            launches += _norm_and_turn(p, inputs, r, eps)
         d = da
         if p.casts:
             launches += steps.upstream_casts(g, [(da, s.da, "gradient of attention output", None)])
@@ -166,8 +179,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
             vee = v.view(t, -1)
 
             def attention():
-                o, lse = cudnn.forward(att, a.rot_q, a.rot_k, vee, scaling) if a_flat is None else (a.o, a.lse)
-                return o, cudnn.backward(att, a.rot_q, a.rot_k, vee, o, lse, d, scaling)
+                o, lse = cudnn.forward(att, r.rot_q, r.rot_k, vee, scaling) if a_flat is None else (a.o, a.lse)
+                return o, cudnn.backward(att, r.rot_q, r.rot_k, vee, o, lse, d, scaling)
 
             def rest(o, grads):
                 dq, dk, dv = grads
@@ -184,12 +197,12 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
         extra = dict(bounds=getattr(a, "bounds", None), mask=masks[0])
         if p.split > 1:
             launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
-                         *steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, vee, d, a.lse, s.delta,
+                         *steps.attention_backward(att, p.tiles, p.split, r.rot_q, r.rot_k, vee, d, a.lse, s.delta,
                                                    s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, regions, p.dq_atomic, **extra),
                          steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv, 1,
                                                g, "gradient of v projection")]
         else:
-            launches += steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, vee, d, a.lse, s.delta, s.d_rot_q,
+            launches += steps.attention_backward(att, p.tiles, 1, r.rot_q, r.rot_k, vee, d, a.lse, s.delta, s.d_rot_q,
                                                  s.d_rot_k, gv, scaling, g, regions, p.dq_atomic, **extra)
         if through:
             launches += _norm_rope_backward(p, g, inputs, s, w, s.d_rot_q, s.d_rot_k, gq, gk, eps)

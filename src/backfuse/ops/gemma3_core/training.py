@@ -9,14 +9,16 @@ Forward (cuBLAS products in the inputs' dtype, or on fp16 copies of float32 inpu
     A, lse = attention(qr, kr, v)          (kernels/triton/attention.py: causal, window, soft cap, scaling;
                                             a mask, packed documents: `steps.Masking`)
     out = A Wo^T
-It saves raw q, k, qr, kr, v, A, lse (and its fp16 copies of float32 inputs); save=False: nothing but
-the inputs (the backward runs the forward's launches again first). Where cuDNN's attention serves the
+It saves raw q, k, v, A, lse (and its fp16 copies of float32 inputs): qr and kr lie in its scratch, and the
+backward norms and turns them again from raw q and k (`Plan.turned_anew`), as compile's partitioner recomputes
+them; save=False: nothing but the inputs (the backward runs the forward's launches again first). Where cuDNN's attention serves the
 call (`train/cudnn.py`: bfloat16, no soft cap, no window shorter than the sequence), the attention
 forward and backward are cuDNN's, recorded in the call's graph, and A, lse are copied into the saved
 activations (A: 2 bytes per element of q, a few µs against the 0.4 ms its backward saves); the RoPE and
 norm backward then runs in place in cuDNN's dQ and dK.
 
 Backward from dOut:
+    qr, kr = RoPE(RMSNorm(q, k) (1 + w))   (again, from the saved raw q, k)
     dA = dOut Wo, grad_Wo = dOut^T A, delta = rowsum(dA * A)
     dqr, dkr, dv = attention backward;  dq, dk, grad_w = RoPE and RMSNorm backward (G = [dq | dk | dv])
     grad_hidden = G [Wq; Wk; Wv],  grad_[Wq; Wk; Wv] = G^T X
@@ -120,10 +122,27 @@ class Plan(Precision):
             return 32, 4
         return max(32, 4096 // self.config.head_dim), 8 if self.config.head_dim >= 256 else 4
 
+    @property
+    def turned_anew(self) -> bool:
+        """qr and kr (q and k normed and turned) are not saved: the forward leaves them in its scratch, and the
+        backward makes them again from the raw q and k it keeps, one norm and RoPE pass each (two launches; at
+        Gemma 3 4B's 2 x 4096 tokens 48 MiB a layer fewer saved: notes/training.md, session 51)."""
+        return self.save
+
+    @functools.cached_property
+    def turned(self):
+        """qr and kr: in the scratches where they are made anew (`turned_anew`), else in the activations."""
+        t, cfg, c = self.tokens, self.config, self.compute
+        return Arena([Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c)])
+
+    @functools.cached_property
+    def forward_scratch(self):
+        return Arena(self.turned.specs if self.turned_anew else [])
+
     @functools.cached_property
     def activations(self):
         t, cfg, c, fp32 = self.tokens, self.config, self.compute, torch.float32
-        specs = [Buffer("rot_q", (t, cfg.q_out), c), Buffer("rot_k", (t, cfg.kv_out), c), Buffer("o", (t, cfg.q_out), c),
+        specs = [*(() if self.turned_anew else self.turned.specs), Buffer("o", (t, cfg.q_out), c),
                  Buffer("lse", (self.batch * cfg.heads, self.seq), fp32),
                  steps.bounds_buffer(self.attention)]
         if self.casts:  # raw [q | k | v] in fp32 (v's fp16 copy beside), and the fp16 copies of the inputs
@@ -168,7 +187,7 @@ class Plan(Precision):
             specs += [Buffer("gq", (t, cfg.q_out), c), Buffer("gk", (t, cfg.kv_out), c), Buffer("gv", (t, cfg.kv_out), c)]
         if not self.save:
             specs += self.activations.specs
-        return Arena(specs)
+        return Arena([*specs, *(self.turned.specs if self.turned_anew else ())])
 
     @functools.cached_property
     def weight_grads(self):
@@ -200,10 +219,32 @@ def _norm_rope(p: Plan, x, w, cos, sin, out, heads: int, eps: float):
                      NORM=p.config.qk_norm, num_warps=4)
 
 
-def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> list:
+def _turned(p: Plan, a, s):
+    """Where qr and kr lie: the scratch s where they are made anew (`Plan.turned_anew`), else the activations a
+    (the backward recomputing its own forward: a is s)."""
+    return s if p.turned_anew else a
+
+
+def _norm_and_turn(p: Plan, x, q_raw, k_raw, r, eps: float) -> list:
+    """The norm and RoPE launches of raw q and k into r.rot_q, r.rot_k (x: the op's inputs)."""
+    cfg = p.config
+    cos2, sin2 = x[1].view(-1, cfg.head_dim), x[2].view(-1, cfg.head_dim)
+    return [_norm_rope(p, q_raw, x[7], cos2, sin2, r.rot_q, cfg.heads, eps),
+            _norm_rope(p, k_raw, x[8], cos2, sin2, r.rot_k, cfg.kv_heads, eps)]
+
+
+def _raw(p: Plan, a) -> tuple:
+    """The raw q and k projections in the activations a (float32 inputs: columns of the fp32 [q | k | v])."""
+    if p.casts:
+        qo, ko = p.config.q_out, p.config.kv_out
+        return a.qkv[:, :qo], a.qkv[:, qo:qo + ko]
+    return a.q_raw, a.k_raw
+
+
+def _forward_launches(p: Plan, g, x, a, r, scaling: float, eps: float, masks) -> list:
     """The forward up to A and lse from the inputs x (hidden, cos, sin, wq, wk, wv, wo, q_norm_w,
     k_norm_w) and masks (mask, documents: `steps.Masking`'s tensors, None where the plan has none) into the
-    activations a (with cuDNN's attention: up to qr, kr, v)."""
+    activations a and qr, kr into r (`_turned`; with cuDNN's attention: up to qr, kr, v)."""
     hidden, cos, sin, wq, wk, wv, wo, qnw, knw = x
     cfg, t = p.config, p.tokens
     qo, ko = cfg.q_out, cfg.kv_out
@@ -211,20 +252,16 @@ def _forward_launches(p: Plan, g, x, a, scaling: float, eps: float, masks) -> li
         launches = [steps.cast(hidden, a.x_c, g, "hidden_states"), steps.cast(wq, a.wqkv_c[:qo], g, "q_weight"),
                     steps.cast(wk, a.wqkv_c[qo:qo + ko], g, "k_weight"), steps.cast(wv, a.wqkv_c[qo + ko:], g, "v_weight"),
                     steps.cast(wo, a.wo_c, g, "o_weight"), mm(a.x_c, a.wqkv_c.T, a.qkv)]
-        q_raw, k_raw = a.qkv[:, :qo], a.qkv[:, qo:qo + ko]
         v_raw = a.qkv[:, qo + ko:]
         launches.append(lambda: a.v.copy_(v_raw))
     else:
         x2 = hidden.view(t, cfg.hidden)
         launches = [mm(x2, wq.T, a.q_raw), mm(x2, wk.T, a.k_raw), mm(x2, wv.T, a.v)]
-        q_raw, k_raw = a.q_raw, a.k_raw
-    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
-    launches += [_norm_rope(p, q_raw, qnw, cos2, sin2, a.rot_q, cfg.heads, eps),
-                 _norm_rope(p, k_raw, knw, cos2, sin2, a.rot_k, cfg.kv_heads, eps)]
+    launches += _norm_and_turn(p, x, *_raw(p, a), r, eps)
     if p.masking is not None:
         launches += steps.attention_bounds(p.attention, a.bounds, *masks)
     if not p.cudnn:
-        launches += steps.attention_forward(p.attention, p.tiles, a.rot_q, a.rot_k, a.v, a.o, a.lse, scaling, g,
+        launches += steps.attention_forward(p.attention, p.tiles, r.rot_q, r.rot_k, a.v, a.o, a.lse, scaling, g,
                                             ATTENTION_FORWARD_REGIONS, bounds=getattr(a, "bounds", None), mask=masks[0])
     return launches
 
@@ -237,17 +274,18 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
     g = _guard(p, "forward", device, inputs[3].data_ptr())
     if g is not None:
         g.poll()
-    acts = p.activations
-    a_flat = acts.allocate(device)
+    acts, scratch = p.activations, p.forward_scratch
+    a_flat, s_flat = acts.allocate(device), scratch.allocate(device)
     out = buffers.empty(hidden.shape, p.io, device)
     key = ("gemma3_core forward", p, scaling, eps)
 
     def build():
         a, out2 = acts.views(a_flat), out.view(p.tokens, cfg.hidden)
-        launches = _forward_launches(p, g, inputs, a, scaling, eps, masks)
+        r = _turned(p, a, scratch.views(s_flat))
+        launches = _forward_launches(p, g, inputs, a, r, scaling, eps, masks)
         if p.cudnn:  # A and lse into the saved activations (cuDNN allocates its own), the output projection
             launches.append(Allocating(
-                key, lambda: cudnn.forward(p.attention, a.rot_q, a.rot_k, a.v, scaling),
+                key, lambda: cudnn.forward(p.attention, r.rot_q, r.rot_k, a.v, scaling),
                 lambda o, lse: [lambda: a.o.copy_(o), lambda: a.lse.copy_(lse), mm(o, wo.T, out2)],
                 "cuDNN's attention forward"))
         else:
@@ -256,7 +294,7 @@ def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
             launches.append(steps.check(g))
         return launches
 
-    execute(key, device, bases(*inputs, *masks, out, a_flat, *guards.tensors(g)), build)
+    execute(key, device, bases(*inputs, *masks, out, a_flat, s_flat, *guards.tensors(g)), build)
     if g is not None and device.type != "cuda":
         g.poll()
     return out, (a_flat if p.save else None)
@@ -288,10 +326,8 @@ def _gradients_from_attention(p: Plan, g, inputs, a, s, w, grad_hidden, d_rot_q,
     hidden, cos, sin, wq, wk, wv, wo, qnw, knw = inputs
     cfg, t, n = p.config, p.tokens, p.needs
     qo, ko = cfg.q_out, cfg.kv_out
-    if p.casts:
-        q_raw, k_raw, x_c = a.qkv[:, :qo], a.qkv[:, qo:qo + ko], a.x_c
-    else:
-        q_raw, k_raw, x_c = a.q_raw, a.k_raw, hidden.view(t, cfg.hidden)
+    q_raw, k_raw = _raw(p, a)
+    x_c = a.x_c if p.casts else hidden.view(t, cfg.hidden)
     if in_place:
         gq, gk = d_rot_q, d_rot_k
     else:
@@ -346,10 +382,13 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
     def build():
         s, go2 = scratch.views(s_flat), go.view(t, cfg.hidden)
         a = s if a_flat is None else acts.views(a_flat)
+        r = _turned(p, a, s)
         launches = []
         if a_flat is None:
-            launches += _forward_launches(p, fg, inputs, a, scaling, eps, masks) + (
+            launches += _forward_launches(p, fg, inputs, a, r, scaling, eps, masks) + (
                 [steps.check(fg)] if fg is not None else [])
+        elif p.turned_anew and through_attention:  # qr and kr normed and turned again
+            launches += _norm_and_turn(p, inputs, *_raw(p, a), r, eps)
         if p.casts:
             launches += steps.upstream_casts(g, [(go2, s.go_c, "grad_output", None)])
             go_c, wo_c = s.go_c, a.wo_c
@@ -358,8 +397,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
         da = (p.upstream_of_attention.views(bytes_of(grad_hidden)) if p.da_in_grad_hidden else s).da
         if p.cudnn:  # cuDNN's attention (its forward first without saved activations), then the rest
             def attention():
-                o, lse = cudnn.forward(p.attention, a.rot_q, a.rot_k, a.v, scaling) if a_flat is None else (a.o, a.lse)
-                grads = cudnn.backward(p.attention, a.rot_q, a.rot_k, a.v, o, lse, da, scaling) \
+                o, lse = cudnn.forward(p.attention, r.rot_q, r.rot_k, a.v, scaling) if a_flat is None else (a.o, a.lse)
+                grads = cudnn.backward(p.attention, r.rot_q, r.rot_k, a.v, o, lse, da, scaling) \
                     if through_attention else ()
                 return o, grads
 
@@ -382,13 +421,13 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
                 launches.append(steps.zero(s.d_rot_q))
             if p.split > 1:
                 launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
-                             *steps.attention_backward(att, p.tiles, p.split, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
+                             *steps.attention_backward(att, p.tiles, p.split, r.rot_q, r.rot_k, a.v, da, a.lse, s.delta,
                                                        s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, ATTENTION_BACKWARD_REGIONS,
                                                        p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0]),
                              steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv,
                                                    1, g, "gradient of v projection")]
             else:
-                launches += steps.attention_backward(att, p.tiles, 1, a.rot_q, a.rot_k, a.v, da, a.lse, s.delta,
+                launches += steps.attention_backward(att, p.tiles, 1, r.rot_q, r.rot_k, a.v, da, a.lse, s.delta,
                                                      s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS,
                                                      p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0])
             launches += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, s.d_rot_q, s.d_rot_k, gv, eps)
