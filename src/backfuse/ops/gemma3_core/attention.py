@@ -84,10 +84,7 @@ def _guard(plan: Plan, direction: str, device, owner: int = 0):
 def _norm_and_turn(p: Plan, x, r, eps: float) -> list:
     """The norm and RoPE launches of the inputs x's q and k into r.rot_q, r.rot_k."""
     q, k, v, cos, sin, qnw, knw = x
-    cfg, t = p.config, p.tokens
-    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
-    return [training._norm_rope(p, q.view(t, cfg.q_out), qnw, cos2, sin2, r.rot_q, cfg.heads, eps),
-            training._norm_rope(p, k.view(t, cfg.kv_out), knw, cos2, sin2, r.rot_k, cfg.kv_heads, eps)]
+    return training.norm_and_turn(p, cos, sin, qnw, knw, q.view(p.tokens, -1), k.view(p.tokens, -1), r, eps)
 
 
 def _forward_launches(p: Plan, g, x, a, r, scaling: float, eps: float, masks) -> list:

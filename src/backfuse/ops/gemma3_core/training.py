@@ -225,12 +225,12 @@ def _turned(p: Plan, a, s):
     return s if p.turned_anew else a
 
 
-def _norm_and_turn(p: Plan, x, q_raw, k_raw, r, eps: float) -> list:
-    """The norm and RoPE launches of raw q and k into r.rot_q, r.rot_k (x: the op's inputs)."""
+def norm_and_turn(p: Plan, cos, sin, q_norm_w, k_norm_w, q_raw, k_raw, r, eps: float) -> list:
+    """The norm and RoPE launches of raw q and k [tokens, heads * head_dim] into r.rot_q, r.rot_k."""
     cfg = p.config
-    cos2, sin2 = x[1].view(-1, cfg.head_dim), x[2].view(-1, cfg.head_dim)
-    return [_norm_rope(p, q_raw, x[7], cos2, sin2, r.rot_q, cfg.heads, eps),
-            _norm_rope(p, k_raw, x[8], cos2, sin2, r.rot_k, cfg.kv_heads, eps)]
+    cos2, sin2 = cos.view(-1, cfg.head_dim), sin.view(-1, cfg.head_dim)
+    return [_norm_rope(p, q_raw, q_norm_w, cos2, sin2, r.rot_q, cfg.heads, eps),
+            _norm_rope(p, k_raw, k_norm_w, cos2, sin2, r.rot_k, cfg.kv_heads, eps)]
 
 
 def _raw(p: Plan, a) -> tuple:
@@ -257,7 +257,7 @@ def _forward_launches(p: Plan, g, x, a, r, scaling: float, eps: float, masks) ->
     else:
         x2 = hidden.view(t, cfg.hidden)
         launches = [mm(x2, wq.T, a.q_raw), mm(x2, wk.T, a.k_raw), mm(x2, wv.T, a.v)]
-    launches += _norm_and_turn(p, x, *_raw(p, a), r, eps)
+    launches += norm_and_turn(p, cos, sin, qnw, knw, *_raw(p, a), r, eps)
     if p.masking is not None:
         launches += steps.attention_bounds(p.attention, a.bounds, *masks)
     if not p.cudnn:
@@ -388,7 +388,8 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
             launches += _forward_launches(p, fg, inputs, a, r, scaling, eps, masks) + (
                 [steps.check(fg)] if fg is not None else [])
         elif p.turned_anew and through_attention:  # qr and kr normed and turned again
-            launches += _norm_and_turn(p, inputs, *_raw(p, a), r, eps)
+            cos, sin, qnw, knw = inputs[1], inputs[2], inputs[7], inputs[8]
+            launches += norm_and_turn(p, cos, sin, qnw, knw, *_raw(p, a), r, eps)
         if p.casts:
             launches += steps.upstream_casts(g, [(go2, s.go_c, "grad_output", None)])
             go_c, wo_c = s.go_c, a.wo_c
