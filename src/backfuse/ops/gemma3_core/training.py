@@ -11,8 +11,8 @@ Forward (cuBLAS products in the inputs' dtype, or on fp16 copies of float32 inpu
     out = A Wo^T
 It saves raw q, k, v, A, lse (and its fp16 copies of float32 inputs): qr and kr lie in its scratch, and the
 backward norms and turns them again from raw q and k (`Plan.turned_anew`), as compile's partitioner recomputes
-them; save=False: nothing but the inputs (the backward runs the forward's launches again first). Where cuDNN's attention serves the
-call (`train/cudnn.py`: bfloat16, no soft cap, no window shorter than the sequence), the attention
+them; save=False: nothing but the inputs (the backward runs the forward's launches again first). Where cuDNN's
+attention serves the call (`train/cudnn.py`: bfloat16, no soft cap, no window shorter than the sequence), the attention
 forward and backward are cuDNN's, recorded in the call's graph, and A, lse are copied into the saved
 activations (A: 2 bytes per element of q, a few µs against the 0.4 ms its backward saves); the RoPE and
 norm backward then runs in place in cuDNN's dQ and dK.
