@@ -13,12 +13,13 @@ fixed: one shape, steps queued after enough warm-up for every plan to settle; gr
 split: `bench --dynamic`'s three implementations, the second pass queued as the bench queues it (ms and host us a
 step), then a third under the profiler: the GPU's kernel time a step, kernels a step and the heaviest kernels. A
 step whose kernel time is near its wall time is GPU-bound; one whose host time is, host-bound.
-host: where backfuse's host time goes in the second pass: the loop as the bench queues it beside one of its shapes
-replayed (the design's own cost, this process's host); passes with Python's garbage collector on and off; a pass
-with timers around the packed documents, `execute`, `Template.run`, each kind of template step and `torch.empty`
-(us a step each, nested where the calls are; the rest is autograd, the functional layer and the bench's step); the
-caching allocator's cudaMalloc / cudaFree counts over a pass; synchronizations (`set_sync_debug_mode("warn")`); a
-pass under cProfile by own time.
+host: where backfuse's host time goes in the second pass: the loop as the bench queues it; passes with Python's
+garbage collector on and off; a pass with timers around the packed documents, `execute`, `Template.run`, each kind
+of template step and `torch.empty` (us a step each, nested where the calls are; the rest is autograd, the
+functional layer and the bench's step), with the graph counts over it (replayed, missed, direct, ...), the templates
+kept by state, and the caching allocator's cudaMalloc / cudaFree counts; synchronizations
+(`set_sync_debug_mode("warn")`); a pass under cProfile by own time; last, one of the loop's shapes replayed (the
+design's own cost, this process's host).
 """
 
 from __future__ import annotations
@@ -165,11 +166,7 @@ def host(keys) -> None:
         step(warm_call)
         for _ in range(3):
             ms, host_us = dynamic._loop(step, calls)
-        one = [calls[len(calls) // 2]] * len(calls)
-        for _ in range(6):
-            one_ms, one_host = dynamic._loop(step, one)
-        print(f"{key}: loop {ms:.3f} ms, host {host_us:.0f} us a step; one of its shapes replayed {one_ms:.3f} ms, "
-              f"host {one_host:.0f} us", flush=True)
+        print(f"{key}: loop {ms:.3f} ms, host {host_us:.0f} us a step", flush=True)
         collected = {True: [], False: []}
         for i in range(6):  # Python's garbage collector on and off, alternating passes
             on = i % 2 == 0
@@ -188,15 +185,18 @@ def host(keys) -> None:
         for template, steps in kept:
             template.steps = [_timed_step(timers, s, "template step " + getattr(s, "__qualname__", "?").split(".<")[0])
                               for s in steps]
-        before = _allocator()
+        before, counted = _allocator(), dict(graphs.counts)
         t_ms, t_host = dynamic._loop(step, calls)
         after = _allocator()
+        moved = {k: v - counted.get(k, 0) for k, v in graphs.counts.items() if v != counted.get(k, 0)}
         timers.undo()
         for template, steps in kept:
             template.steps = steps
         n = len(calls)
         print(f"  timed pass {t_ms:.3f} ms, host {t_host:.0f} us a step; allocator over the pass: "
               + ", ".join(f"{k} +{after[k] - before[k]}" for k in before))
+        kinds = Counter("template" if isinstance(t, program.Template) else str(t) for t in program._templates.values())
+        print(f"  graphs over the pass: {moved}; templates kept: {dict(kinds)}")
         for label, t in sorted(timers.time.items(), key=lambda kv: -kv[1]):
             print(f"    {label:34s} {t / n * 1e6:8.1f} us a step ({timers.calls[label] / n:.1f} calls, "
                   f"{t / timers.calls[label] * 1e6:.1f} us each)")
@@ -215,6 +215,12 @@ def host(keys) -> None:
         dynamic._loop(step, calls)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+        # last: 72 calls at one shape pass plans.CUDNN_AFTER, which the loop's shapes (at most 3 calls each in
+        # bench --dynamic) never reach, and would move that shape's attention to cuDNN for the passes above
+        one = [calls[len(calls) // 2]] * len(calls)
+        for _ in range(6):
+            one_ms, one_host = dynamic._loop(step, one)
+        print(f"  one of its shapes replayed: {one_ms:.3f} ms, host {one_host:.0f} us a step", flush=True)
         del step
         torch.cuda.empty_cache()
 
