@@ -105,6 +105,35 @@ def test_torch_compile_keeps_one_graph_and_checkpointing_works():
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_compiled_graphs_name_the_ops_at_the_overload_of_these_sources(tmp_path):
+    """Compile caches key a graph by its code: the op's overload, named by a hash of the sources, keeps a graph
+    compiled against another backfuse from being served to this one. The hash follows every source's bytes and
+    path."""
+    assert F.OVERLOAD == "v" + F.code_fingerprint() and len(F.OVERLOAD) == 17
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "ops" / "b.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not a source")
+    first = F.code_fingerprint(tmp_path)
+    (tmp_path / "notes.txt").write_text("still not a source")
+    assert F.code_fingerprint(tmp_path) == first
+    (tmp_path / "ops" / "b.py").write_text("y = 3\n")
+    second = F.code_fingerprint(tmp_path)
+    (tmp_path / "ops" / "b.py").rename(tmp_path / "ops" / "c.py")
+    assert len({first, second, F.code_fingerprint(tmp_path)}) == 3
+
+    _, _, fwd = _forward_inputs("021")
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch.compile(F.wan_xattn, fullgraph=True, backend=backend)(*fwd)
+    assert F.custom_op("wan_xattn_forward") in targets
+    assert str(F.custom_op("wan_xattn_forward")) == f"backfuse.wan_xattn_forward.{F.OVERLOAD}"
+
+
 @pytest.mark.parametrize("pid, config, softcap", [("021", WanXattnConfig(64, 4, qk_norm=True), None),
                                                   ("037", Gemma3CoreConfig(64, 4, 2, 16, window=6, qk_norm=False), 30.0)],
                          ids=["wan-qk-norm", "gemma2-no-qk-norm"])
@@ -130,17 +159,17 @@ def _op_args(case):
         video, hidden = fwd[0], fwd[0].shape[-1]
         norms = [(1 + 0.1 * torch.randn(hidden, device=DEVICE)).requires_grad_() for _ in range(2)]
         angles = torch.rand(video.shape[1], hidden // 16, device=DEVICE)
-        return torch.ops.backfuse.wan_xattn_forward.default, (video, video, *fwd[2:10], *norms, angles.cos(),
+        return F.custom_op("wan_xattn_forward"), (video, video, *fwd[2:10], *norms, angles.cos(),
                                                               angles.sin(), fwd[10], 16, 1e-6)
     if pid == "021":
-        return torch.ops.backfuse.wan_xattn_forward.default, (*fwd[:10], None, None, None, None, fwd[10], 16, 1e-6)
+        return F.custom_op("wan_xattn_forward"), (*fwd[:10], None, None, None, None, fwd[10], 16, 1e-6)
     if pid == "072":
-        return torch.ops.backfuse.qkv_gqa_forward.default, (*fwd, 256)
+        return F.custom_op("qkv_gqa_forward"), (*fwd, 256)
     b, s = fwd[0].shape[:2]
     if mask == "attention":  # the core between the projections: q, k, v as the projections give them
         x, cos, sin, wq, wk, wv, wo, qnw, knw = fwd[:9]
         q, k, v = (torch.nn.functional.linear(x, w).detach().requires_grad_() for w in (wq, wk, wv))
-        return torch.ops.backfuse.gemma3_attention_forward.default, (q, k, v, cos, sin, qnw, knw, None, None, *fwd[9:],
+        return F.custom_op("gemma3_attention_forward"), (q, k, v, cos, sin, qnw, knw, None, None, *fwd[9:],
                                                                     0, 0)
     masks = {"": (None, None),
              "padding": (torch.tensor([[0] * 2 + [1] * (s - 2)], device=DEVICE).expand(b, s).contiguous(), None),
@@ -148,7 +177,7 @@ def _op_args(case):
              "documents": (None, torch.tensor([[[0, 0, 2, 2, 2]], [[0, 1, 2, 3, 4]]], dtype=torch.int32, device=DEVICE)),
              "additive": (torch.zeros(1, 1, s, s, device=DEVICE).masked_fill(
                  torch.ones(s, s, dtype=torch.bool, device=DEVICE).triu(1), torch.finfo(torch.float32).min), None)}
-    return torch.ops.backfuse.gemma3_core_forward.default, (*fwd[:9], *masks[mask], *fwd[9:], 0, 0)
+    return F.custom_op("gemma3_core_forward"), (*fwd[:9], *masks[mask], *fwd[9:], 0, 0)
 
 
 @pytest.mark.parametrize("case", ["021", "021-self", "072", "037", "037-padding", "037-documents", "037-additive",

@@ -119,7 +119,7 @@ def test_custom_op_passes_torch_library_checks():
     for rope in (False, True):
         q, k, v, nq, nk = _inputs(1, 11, 11 if rope else 5, 32, torch.float32)
         cos, sin = (t.view(11, 16) for t in tables(11, 16, DEVICE)) if rope else (None, None)
-        torch.library.opcheck(torch.ops.backfuse.wan_attention_forward, (q, k, v, nq, nk, cos, sin, 0.25, 2, 1e-6),
+        torch.library.opcheck(F.custom_op("wan_attention_forward"), (q, k, v, nq, nk, cos, sin, 0.25, 2, 1e-6),
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -14,7 +14,8 @@ guard checks on the device and warns at the op's next call (`backfuse/train/guar
 
 Under `torch.autocast` an op casts its floating inputs to the autocast dtype (as `F.linear` does;
 autograd records the casts, so float32 weights get float32 gradients) and runs in it. Under
-`torch.compile` an op is one opaque custom op (`torch.ops.backfuse.<stem>_forward` and `_backward`)
+`torch.compile` an op is one opaque custom op (`torch.ops.backfuse.<stem>_forward` and `_backward`, at the
+overload `OVERLOAD` that names these sources, so compile caches never serve another version's graph)
 with the same kernels, saving its activations; eager calls go through `torch.autograd.Function`,
 which costs the host less.
 
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import math
+import pathlib
 
 import torch
 
@@ -234,7 +237,7 @@ def wan_xattn(video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias,
     tensors, autocast_off = _autocast([video, text, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight,
                                        o_bias, *norms])
     if torch.compiler.is_compiling():
-        return torch.ops.backfuse.wan_xattn_forward(*tensors, *([None, None] if not norms else []),
+        return _FORWARD["wan_xattn"](*tensors, *([None, None] if not norms else []),
                                                     *(tables or [None, None]), scale, heads, eps)[0]
     with autocast_off:
         return _WanXattn.apply(scale, heads, save_activations, eps, bool(tables), *tensors, *tables)
@@ -315,7 +318,7 @@ def wan_attention(query, key, value, norm_q_weight, norm_k_weight, scale, *, hea
     tables = [] if rope is None else list(rope)  # (never autocast: the tables stay in their own dtype)
     tensors, autocast_off = _autocast([query, key, value, norm_q_weight, norm_k_weight])
     if torch.compiler.is_compiling():
-        return torch.ops.backfuse.wan_attention_forward(*tensors, *(tables or [None, None]), scale, heads, eps)[0]
+        return _FORWARD["wan_attention"](*tensors, *(tables or [None, None]), scale, heads, eps)[0]
     with autocast_off:
         return _WanAttention.apply(scale, heads, save_activations, eps, bool(tables), *tensors, *tables)
 
@@ -381,7 +384,7 @@ def qkv_gqa(decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight, *, hea
     its H / KV query heads), H = q_weight rows / head_dim, KV = k_weight rows / head_dim."""
     tensors, autocast_off = _autocast([decoder_hidden, encoder_hidden, q_weight, k_weight, v_weight])
     if torch.compiler.is_compiling():
-        return tuple(torch.ops.backfuse.qkv_gqa_forward(*tensors, head_dim)[:3])
+        return tuple(_FORWARD["qkv_gqa"](*tensors, head_dim)[:3])
     with autocast_off:
         return _QkvGqa.apply(head_dim, save_activations, *tensors)
 
@@ -562,7 +565,7 @@ def gemma3_core(hidden, cos, sin, q_weight, k_weight, v_weight, o_weight, q_norm
     mask, documents = _gemma_masks(_GEMMA_LABEL, "hidden_states", attention_mask, cu_seqlens, cu_seqlens_k,
                                     tensors[0])
     if torch.compiler.is_compiling():
-        return torch.ops.backfuse.gemma3_core_forward(*tensors, mask, documents, scaling, softcap, eps, window,
+        return _FORWARD["gemma3_core"](*tensors, mask, documents, scaling, softcap, eps, window,
                                                       head_dim or 0)[0]
     with autocast_off:
         return _Gemma3Core.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, documents, *tensors)
@@ -646,14 +649,36 @@ def gemma3_attention(query_states, key_states, value_states, cos, sin, q_norm_we
     mask, documents = _gemma_masks(_ATTENTION_LABEL, "query_states", attention_mask, cu_seqlens, cu_seqlens_k,
                                     tensors[0])
     if torch.compiler.is_compiling():
-        return torch.ops.backfuse.gemma3_attention_forward(*tensors, mask, documents, scaling, softcap, eps, window,
+        return _FORWARD["gemma3_attention"](*tensors, mask, documents, scaling, softcap, eps, window,
                                                            head_dim or 0)[0]
     with autocast_off:
         return _Gemma3Attention.apply(scaling, softcap, eps, window, save_activations, head_dim, mask, documents, *tensors)
 
 
 # ----------------------------------------------------- the ops under torch.compile --------------------------------
+def code_fingerprint(root: str | pathlib.Path | None = None) -> str:
+    """16 hex digits of SHA-256 over a package's Python sources: each file's path under `root` (default: this
+    package), then its bytes, in path order. Any change to a source, a file renamed or added, changes it."""
+    root = pathlib.Path(root) if root is not None else pathlib.Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+# Each op is defined at this overload, not "default". torch.compile's caches (inductor's FX graph cache and
+# AOTAutograd's, on disk) key a graph by its code, which names the op's overload but holds nothing of its fake
+# implementation: the shapes another backfuse's fake kernels gave would be served to this one. Naming the
+# overload by the sources makes a graph compiled against other sources another key.
+OVERLOAD = "v" + code_fingerprint()
 _LIB = torch.library.Library("backfuse", "DEF")  # noqa: TOR901 (the ops are defined below)
+_FORWARD = {}  # stem -> its forward op at OVERLOAD, what the functions above call under torch.compile
+
+
+def custom_op(name: str) -> torch._ops.OpOverload:
+    """The op `backfuse::<name>` at this code's overload (`OVERLOAD`), as compiled graphs name it."""
+    return getattr(getattr(torch.ops.backfuse, name), OVERLOAD)
 
 
 def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, backward, fake_forward, grads_of):
@@ -662,8 +687,10 @@ def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, 
     there), with an autograd formula, for torch.compile: the same training path as the eager ops. A tensor
     name ending in "?" is an optional input (None: the feature it serves is off)."""
     tensors = ", ".join(f"Tensor? {n[:-1]}" if n.endswith("?") else f"Tensor {n}" for n in tensor_names)
-    _LIB.define(f"{name}_forward({tensors}, {scalar_schema}) -> ({', '.join(['Tensor'] * (n_out + 1))})")
-    _LIB.define(f"{name}_backward(Tensor[] grads, {tensors}, Tensor acts, {scalar_schema}, bool[] needs) -> Tensor[]")
+    _LIB.define(f"{name}_forward.{OVERLOAD}({tensors}, {scalar_schema}) -> "
+                f"({', '.join(['Tensor'] * (n_out + 1))})")
+    _LIB.define(f"{name}_backward.{OVERLOAD}(Tensor[] grads, {tensors}, Tensor acts, {scalar_schema}, bool[] needs) "
+                "-> Tensor[]")
     count = len(tensor_names)
 
     def backward_impl(grads, *args):
@@ -673,11 +700,13 @@ def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, 
         return [torch.empty_like(args[i]) if args[i] is not None and need else args[0].new_empty(0)
                 for i, need in zip(grads_of, args[-1])]
 
-    _LIB.impl(f"{name}_forward", forward, "CompositeExplicitAutograd")
-    _LIB.impl(f"{name}_backward", backward_impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"backfuse::{name}_forward", fake_forward, lib=_LIB)
-    torch.library.register_fake(f"backfuse::{name}_backward", fake_backward, lib=_LIB)
-    backward_op = getattr(torch.ops.backfuse, f"{name}_backward")
+    forward_name, backward_name = f"{name}_forward.{OVERLOAD}", f"{name}_backward.{OVERLOAD}"
+    _LIB.impl(forward_name, forward, "CompositeExplicitAutograd")
+    _LIB.impl(backward_name, backward_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"backfuse::{forward_name}", fake_forward, lib=_LIB)
+    torch.library.register_fake(f"backfuse::{backward_name}", fake_backward, lib=_LIB)
+    backward_op = custom_op(f"{name}_backward")
+    _FORWARD[name] = custom_op(f"{name}_forward")
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:count], output[-1])
@@ -695,7 +724,7 @@ def _register(name: str, tensor_names, scalar_schema: str, n_out: int, forward, 
             result[i] = g if need else None
         return tuple(result)
 
-    torch.library.register_autograd(f"backfuse::{name}_forward", formula, setup_context=setup_context, lib=_LIB)
+    torch.library.register_autograd(f"backfuse::{forward_name}", formula, setup_context=setup_context, lib=_LIB)
 
 
 def _wan_tensors(tensors) -> tuple:
