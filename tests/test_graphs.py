@@ -281,6 +281,39 @@ def test_switched_off_a_kept_training_graph_is_not_launched(monkeypatch):
     assert launched == [99] and direct == [1]
 
 
+def test_a_recurring_call_of_one_launch_runs_its_template(monkeypatch):
+    """A (key, addresses) of one launch reaches its RECORD_AT-th call, where no graph is worth recording: from
+    then on the key's calls go to `direct` (its template), not build() and the launch prepared again at every
+    call (s52-4: the packed documents' kernel prepared at each call of a recurring batch, 105 us)."""
+    import collections
+    import types
+
+    monkeypatch.setattr(graphs, "raw_stream", lambda index: 7)
+    monkeypatch.setattr(graphs, "driver", lambda: types.SimpleNamespace())
+    monkeypatch.setattr(graphs, "_replays", collections.OrderedDict())
+    monkeypatch.setattr(graphs, "_seen", collections.OrderedDict())
+    monkeypatch.setattr(graphs, "_unrecordable", collections.OrderedDict())
+    monkeypatch.setattr(graphs, "UNRECORDABLE_KEPT", 2)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    device, addresses = torch.device("cuda", 0), (4096,)
+    built, ran = [], []
+
+    def build():
+        built.append(1)
+        return [lambda: ran.append("launch")]
+
+    key = ("one launch", object())
+    for _ in range(graphs.RECORD_AT + 3):
+        graphs.replay(key, addresses, device, build, lambda: ran.append("template"))
+    assert len(built) == 1 and ran == ["template"] * (graphs.RECORD_AT - 1) + ["launch"] + ["template"] * 3
+    assert key in graphs._unrecordable
+    others = [("one launch", object()) for _ in range(2)]
+    for other in others:
+        for _ in range(graphs.RECORD_AT):
+            graphs.replay(other, addresses, device, build, lambda: None)
+    assert list(graphs._unrecordable) == others  # bounded: the oldest key forgotten first
+
+
 @GPU
 def test_a_training_call_is_recorded_only_when_its_addresses_recur():
     """replay: a (key, addresses) launches directly at its first RECORD_AT - 1 calls (a batch of a new length,

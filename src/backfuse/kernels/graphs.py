@@ -230,7 +230,8 @@ def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequ
     back only once launches directly. (Where the step is GPU-bound a graph still saves the gaps between
     kernels: 4 % at Gemma 3 4B's 2 x 4096 tokens.) Both caches are bounded, the least recently used out
     first. Direct launches also where `enabled` says no graph can run (the
-    first call of a kernel compiles it), for a key whose recording failed, and inside `cuda_graphs(False)`
+    first call of a kernel compiles it), for a key whose recording failed or whose call is one launch (never
+recorded, so its later calls take `direct`), and inside `cuda_graphs(False)`
     (a graph kept from before the switch included). `direct`, where given,
     launches a call that is not recorded in place of build()'s launches (the key's template of them:
     `train/program.py: execute`).
@@ -248,6 +249,12 @@ def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequ
     recording = (calls >= RECORD_AT and key not in _unrecordable and _enabled and not torch.cuda.is_current_stream_capturing()
                  and driver() is not None)
     launches = list(build()) if recording else None
+    if launches is not None and len(launches) < 2:
+        # A graph of one launch saves nothing (`enabled`), at any later call too: the key joins those never
+        # recorded, so its later calls run `direct` (its template), not build() and prepare its launch again.
+        _never_record(key)
+        counts["direct"] += 1
+        return _direct(launches)
     if launches is None or not enabled(device, launches):
         _seen[slot] = calls
         while len(_seen) > SEEN_KEPT:
@@ -259,7 +266,7 @@ def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequ
     drv = driver()
     graph = _record(drv, device.index, torch.cuda.current_stream(device.index), launches)
     if graph is None:
-        _unrecordable.add(key)
+        _never_record(key)
         return
     try:
         exec_ = drv.instantiate(graph)
@@ -273,7 +280,16 @@ def replay(key, addresses: tuple, device: torch.device, build: Callable[[], Sequ
     counts["launched"] += 1
 
 
-_unrecordable: set = set()  # keys whose launches could not be recorded: they launch directly
+UNRECORDABLE_KEPT = 4096  # keys never recorded, kept (packed batches make one a token and document count)
+_unrecordable: OrderedDict = OrderedDict()  # keys whose launches could not be, or need not be, recorded -> None
+
+
+def _never_record(key) -> None:
+    """Later calls of key launch directly (by their template where given), the oldest such key forgotten first."""
+    _unrecordable[key] = None
+    _unrecordable.move_to_end(key)
+    while len(_unrecordable) > UNRECORDABLE_KEPT:
+        _unrecordable.popitem(last=False)
 
 
 def raw_stream(index: int) -> int:
