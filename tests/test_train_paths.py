@@ -522,6 +522,52 @@ def test_a_loop_of_changing_lengths_runs_templates(pid, config, shapes, monkeypa
                 assert rel_err(last, first) < 2e-2, sizes
 
 
+def _at_odd_offset(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in memory one element past a 16-byte boundary (a contiguous view at an odd offset)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return flat[1:].view(t.shape).copy_(t.detach()).requires_grad_(t.requires_grad)
+
+
+def test_calls_off_16_bytes_keep_templates_of_their_own():
+    from backfuse.train.program import template_slot
+
+    key = ("plan", 1)
+    assert template_slot(key, 0, (4096, 0, 8192)) == template_slot(key, 0, (512, 0, 1024)) == (key, 0)
+    odd = template_slot(key, 0, (4098, 0, 8192))
+    assert odd != (key, 0) and odd == template_slot(key, 0, (514, 0, 256)) != template_slot(key, 0, (4096, 0, 8200))
+
+
+@pytest.mark.skipif(not GPU, reason="templates serve a GPU's direct launches")
+@pytest.mark.parametrize("pid, config, sizes", [
+    ("072", QkvGqaConfig(256, 128, 4, 2, 64), (2, 37, 77)),
+    ("037", Gemma3CoreConfig(256, 4, 2, 64, qk_norm=True, window=32), (2, 97)),
+    ("021", WanXattnConfig(256, 4, qk_norm=True), (1, 300, 77)),
+])
+def test_a_template_from_aligned_tensors_does_not_run_at_unaligned_ones(pid, config, sizes, monkeypatch):
+    """A template re-aims Triton binaries compiled for its call's pointer alignment: after a key's calls at
+    16-byte-aligned inputs have made and run its template, the same shapes at inputs off 16 bytes (views at an
+    odd offset) run binaries of their own alignment. Every call is checked against float64 (within bf16's
+    rounding), the templates' runs counted so that the test cannot pass without them."""
+    from backfuse.train import program
+
+    runs = []
+    real = program.Template.run
+    monkeypatch.setattr(program.Template, "run", lambda self, tensors, addresses: (runs.append(1), real(self, tensors, addresses)))
+    dtype = torch.bfloat16
+    m = training_module(pid, config, dtype, None) if pid == "037" else training_module(pid, config, dtype)
+    acts = training_inputs(pid, config, sizes, dtype)
+    with graphs.cuda_graphs(False):
+        for _ in range(3):  # the first may compile; the second builds the template; the third runs it
+            m.zero_grad(set_to_none=True)
+            check_training_step(pid, m, [a.detach().requires_grad_(a.requires_grad) for a in acts], TOL[dtype])
+        assert len(runs) >= 2, runs
+        shifted = [_at_odd_offset(a) if a.is_floating_point() else a for a in acts]
+        assert all(a.data_ptr() % 16 for a in shifted if a.is_floating_point())
+        for _ in range(3):
+            m.zero_grad(set_to_none=True)
+            check_training_step(pid, m, [a.detach().requires_grad_(a.requires_grad) for a in shifted], TOL[dtype])
+
+
 @pytest.mark.filterwarnings(r"ignore::RuntimeWarning:(triton|numpy)\.")  # the interpreter's overflow in casts
 def test_a_graph_taken_under_another_guard_is_not_launched_at_its_memory():
     """A layer's fp16 range guard replaced under its recorded graphs (`guard.reset`, or a guard evicted past

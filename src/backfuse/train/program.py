@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -217,7 +218,7 @@ def execute(key, device: torch.device, tensors: tuple, build) -> None:
     if not getattr(_thread, "context", False):
         _make_context_current()
     addresses = tuple([0 if t is None else t.data_ptr() for t in tensors])
-    where = (key, device.index)
+    where = template_slot(key, device.index, addresses)
 
     def direct():
         template = _templates.get(where)
@@ -240,6 +241,16 @@ def execute(key, device: torch.device, tensors: tuple, build) -> None:
         with torch.cuda.device(device):
             return graphs.replay(key, addresses, device, build, direct)
     graphs.replay(key, addresses, device, build, direct)
+
+
+def template_slot(key, index: int, addresses: tuple):
+    """Where `execute` keeps a key's template: (key, device index), or, for a call with any tensor off 16 bytes,
+    a slot of its own for each address modulo 16. A template re-aims Triton binaries without preparing them
+    again, and each binary is compiled for its pointers' 16-byte alignment (aligned vector loads), so one
+    taken from aligned tensors must not run at a view at an odd offset."""
+    if functools.reduce(operator.or_, addresses, 0) & 15:
+        return key, index, tuple([a & 15 for a in addresses])
+    return key, index
 
 
 _thread = threading.local()  # .context: execute has made a CUDA context current on this thread
