@@ -417,6 +417,31 @@ def test_the_documents_kernel_computes_the_documents(cu, cu_k, tokens, dtype):
     assert torch.equal(got, masks.documents_from_cu_seqlens(cu, cu_k, tokens))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="templates serve a GPU's direct launches")
+def test_the_documents_kernel_runs_its_template_at_other_documents(monkeypatch):
+    """Packed batches of changing document lengths at one token and document count run the documents kernel's
+    template (no launch prepared), right at every call; so do calls whose addresses recur past the graph
+    recording's call (a graph of one launch is never recorded, and its key's later calls take the template)."""
+    from backfuse.kernels import graphs
+    from backfuse.train import masks, program, steps
+
+    runs = []
+    real = program.Template.run
+    monkeypatch.setattr(program.Template, "run", lambda self, tensors, addresses: (runs.append(1), real(self, tensors, addresses)))
+    rng = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        cuts = sorted((torch.randperm(998, generator=rng)[:4] + 1).tolist())
+        cu = torch.tensor([0, *cuts, 999], dtype=torch.int32, device=DEVICE)
+        assert torch.equal(steps.packed_documents(cu, None, 1000), masks.documents_from_cu_seqlens(cu, None, 1000))
+    assert len(runs) >= 3, runs  # the first may compile, the second builds the template
+    cu = torch.tensor([0, 300, 301, 1000], dtype=torch.int32, device=DEVICE)
+    for i in range(4 * graphs.RECORD_AT + 4):  # addresses cycling over up to 4 blocks reach RECORD_AT by then
+        start = len(runs)
+        assert torch.equal(steps.packed_documents(cu, None, 1000), masks.documents_from_cu_seqlens(cu, None, 1000))
+        if i >= 4 * graphs.RECORD_AT:
+            assert len(runs) == start + 1, i
+
+
 def test_a_packed_forward_makes_its_documents_by_the_kernel(monkeypatch):
     """gemma3_core's documents come from `steps.packed_documents` (one launch), torch's ops left to torch.compile
     and CUDA graph captures."""

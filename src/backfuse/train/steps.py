@@ -16,7 +16,7 @@ from ..kernels import buffers
 from ..kernels.schedule import cdiv
 from ..kernels.triton import attention, passes
 from .masks import Masking
-from .program import Buffer, Kernel, constant, torch_step
+from .program import Buffer, Kernel, bases, constant, execute, torch_step
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements per program of the flat passes (the interpreter's cost is per program: few, large ones).
@@ -328,16 +328,23 @@ DOCUMENTS_BLOCK = 256 if INTERPRETED else 1024
 
 def packed_documents(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None, tokens: int) -> torch.Tensor:
     """`masks.documents_from_cu_seqlens`'s [2, 1, tokens] int32 made by one kernel (`documents_kernel`), where
-    torch's ops take ~15 launches, each with its Python on the host, once a forward of a packed batch."""
+    torch's ops take ~15 launches, each with its Python on the host, once a forward of a packed batch. The launch
+    goes through `execute`, keyed by the tokens, the documents and the dtypes, so a batch whose token and document
+    counts recur runs its key's template (no launch prepared)."""
     out = buffers.empty((2, 1, tokens), torch.int32, cu_seqlens_q.device)
     if tokens == 0:
         return out
     cu_q = cu_seqlens_q.contiguous()
-    cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.contiguous()
+    cu_k = None if cu_seqlens_k is None else cu_seqlens_k.contiguous()
     documents = cu_q.numel() - 1
-    DOCUMENTS((cdiv(tokens, DOCUMENTS_BLOCK),), dict(out=out, cu_q=cu_q, cu_k=cu_k, tokens=tokens, documents=documents,
-                                                     steps=(documents + 1).bit_length()),
-              BLOCK=DOCUMENTS_BLOCK, num_warps=4)()
+    args = dict(out=out, cu_q=cu_q, cu_k=cu_q if cu_k is None else cu_k, tokens=tokens, documents=documents,
+                steps=(documents + 1).bit_length())
+
+    def build():
+        return [DOCUMENTS((cdiv(tokens, DOCUMENTS_BLOCK),), args, BLOCK=DOCUMENTS_BLOCK, num_warps=4)]
+
+    key = ("packed documents", tokens, documents, cu_q.dtype, None if cu_k is None else cu_k.dtype)
+    execute(key, out.device, bases(out, cu_q, cu_k), build)
     return out
 
 
