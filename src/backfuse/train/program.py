@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..kernels import buffers, graphs
+from ..kernels import buffers, cublas, graphs
 from ..kernels.launch import FastKernel, Launch, current_stream
 
 ALIGN = 256  # bytes between the starts of the tensors carved from one allocation
@@ -369,9 +369,14 @@ def _relaunch(launch, slots):
 
 
 def _reproduct(product, refs):
-    """A product's template step: its operands and output as views at the refs' offsets in this call's tensors.
-    A call's views are shared by its products (`views`: by ref, and each base seen in another dtype by (base,
-    dtype)), so an operand that several products read, or an arena read in another dtype, is made once a call."""
+    """A product's template step. A plain product (c = a @ b, or c += a @ b) runs by cuBLAS at the refs' addresses
+    in this call's tensors (`kernels/cublas.py`: no view made, no torch dispatch); any other, or one cuBLAS at
+    addresses does not serve, as views at the refs' offsets and torch's call. A call's views are shared by its
+    products (`views`: by ref, and each base seen in another dtype by (base, dtype)), so an operand that several
+    products read, or an arena read in another dtype, is made once a call."""
+    direct = _by_address(product, refs)
+    if direct is not None:
+        return direct
     fn, out_dtype, has_out = product.fn, product.out_dtype, product.out is not None
     operand_refs, out_ref = (refs[:-1], refs[-1]) if has_out else (refs, None)
 
@@ -398,6 +403,31 @@ def _reproduct(product, refs):
         else:
             fn(*operands, out_dtype=out_dtype, out=out)
     return step
+
+
+def _by_address(product, refs):
+    """The template step of a plain product by cuBLAS at addresses, or None (a bias, a fill or copy, or a layout
+    or dtype `cublas.gemm` does not serve)."""
+    if product.out is None or not cublas_products:
+        return None
+    if product.fn is torch.mm:
+        (a, b), accumulate, (ra, rb, rc) = product.operands, False, refs
+    elif product.fn is torch.addmm and product.operands[0] is product.out:
+        (_, a, b), accumulate, (_, ra, rb, rc) = product.operands, True, refs
+    else:
+        return None
+    at = cublas.gemm(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), product.out.stride(), a.dtype,
+                     product.out.dtype, accumulate)
+    if at is None:
+        return None
+    (ia, oa), (ib, ob), (ic, oc) = ((r[0], r[1] * SIZES[r[2]]) for r in (ra, rb, rc))
+
+    def step(tensors, addresses, views):
+        at(addresses[ia] + oa, addresses[ib] + ob, addresses[ic] + oc)
+    return step
+
+
+cublas_products = True  # templates' plain products by cuBLAS at addresses (False: torch's; tests compare the two)
 
 
 class Kernel:
