@@ -406,9 +406,10 @@ def _reproduct(product, refs):
 
 
 def _by_address(product, refs):
-    """The template step of a plain product by cuBLAS at addresses, or None (a bias, a fill or copy, or a layout
-    or dtype `cublas.gemm` does not serve)."""
-    if product.out is None or not cublas_products:
+    """The template step of a plain product by cuBLAS at addresses, or None (a bias, a fill or copy, a layout or
+    dtype `cublas.gemm` does not serve, or deterministic mode: there a plan's products stay torch's in every path,
+    graph, template or direct, and every plan key holds the mode)."""
+    if product.out is None or not cublas_products or torch.are_deterministic_algorithms_enabled():
         return None
     if product.fn is torch.mm:
         (a, b), accumulate, (ra, rb, rc) = product.operands, False, refs
