@@ -328,7 +328,7 @@ _QKV_LABEL = "backfuse.functional.qkv_gqa"
 
 
 def _qkv_plan(tensors, head_dim, save):
-    key = ("072", _signature(tensors), head_dim, save)
+    key = ("072", _signature(tensors), head_dim, save, torch.are_deterministic_algorithms_enabled())
     plan = _plans.get(key)
     if plan is None:
         dec, enc, wq, wk, wv = tensors
@@ -350,7 +350,7 @@ def _qkv_plan(tensors, head_dim, save):
                  Tensor("v_weight", (config.kv_out, config.cross_hidden))]
         axes = _validate(_QKV_LABEL, "072", specs, tensors)
         plan = _plans[key] = _qkv.Plan(axes[b], axes[sd], axes[se], config, dec.dtype, save=save,
-                                       sms=_sm_count(dec.device), deterministic=torch.are_deterministic_algorithms_enabled())
+                                       sms=_sm_count(dec.device), deterministic=key[-1])
     return plan
 
 
