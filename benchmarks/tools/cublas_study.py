@@ -69,6 +69,8 @@ def host_us(fn, calls: int = 300) -> float:
 
 
 def study(token_counts, out_json) -> None:
+    x = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
+    torch.mm(x, x)  # torch loads cuBLAS at its first product
     if cublas.library().gemm is None:
         raise SystemExit("cublas_study: no libcublas found among this process's libraries")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

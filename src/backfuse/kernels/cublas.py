@@ -52,12 +52,11 @@ def arguments(a_shape, a_stride, b_shape, b_stride, c_stride):
 
 
 class _Library:
-    """libcublas's cublasGemmEx, from the copy torch loaded (None where none is found)."""
+    """libcublas's cublasGemmEx, from the copy torch loaded (None where none is found: torch loads it at its first
+    product, and a template is taken only from a call whose products torch ran)."""
 
     def __init__(self):
         self.gemm = None
-        x = torch.ones(8, 8, device="cuda", dtype=torch.float16)
-        torch.mm(x, x)  # torch loads cuBLAS and makes its handle at its first product
         try:
             with open("/proc/self/maps") as maps:
                 path = next(line.split()[-1] for line in maps
