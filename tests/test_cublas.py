@@ -70,6 +70,8 @@ def test_the_arguments_give_the_row_major_product(tokens):
 def test_a_product_by_address_is_torchs(dtype, out_dtype):
     """Each layout by address against torch's product of the same tensors (within one rounding of the output:
     torch may take another of cuBLAS's kernels), outputs poisoned."""
+    x = torch.ones(8, 8, device="cuda", dtype=dtype)
+    torch.mm(x, x)  # torch loads cuBLAS at its first product
     for tokens in (1, 37, 300):
         for name, a, b, c, accumulate in forms(tokens, "cuda", dtype, out_dtype):
             if accumulate and out_dtype is not None:

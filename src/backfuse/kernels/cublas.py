@@ -75,8 +75,9 @@ _library = None
 
 
 def library() -> _Library:
+    """The library, kept once found (looked for again while it is not: torch may not have loaded it yet)."""
     global _library
-    if _library is None:
+    if _library is None or _library.gemm is None:
         _library = _Library()
     return _library
 
