@@ -208,7 +208,9 @@ def host(keys) -> None:
                 dynamic._loop(step, calls)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-        syncs = [str(w.message)[:100] for w in caught if "synchroniz" in str(w.message).lower()]
+        # (torch's notice, once a process, that the debug mode is a prototype is not a synchronization)
+        syncs = [str(w.message)[:100] for w in caught if "synchroniz" in str(w.message).lower()
+                 and not str(w.message).startswith("Synchronization debug mode is a prototype")]
         print(f"  synchronizations in a pass: {len(syncs)} {syncs[:2]}")
         profiler = cProfile.Profile()
         profiler.enable()
