@@ -4,6 +4,7 @@
     PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py fixed
     PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py split [ENTRY ...]  # default packed, gemma3-4b, wan
     PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py host [ENTRY ...]   # default packed, wan
+    PYTHONPATH=src python3 benchmarks/tools/dynamic_study.py first [BEFORE ...] ENTRY
 
 loop: `bench --dynamic`'s loop for backfuse, each step timed alone (synchronized) in the first pass (a compile or
 a library's plan build shows as a spike), then both passes queued; with CUDA graphs on and off, and with cuDNN's
@@ -20,6 +21,10 @@ functional layer and the bench's step), with the graph counts over it (replayed,
 kept by state, and the caching allocator's cudaMalloc / cudaFree counts; synchronizations
 (`set_sync_debug_mode("warn")`); a pass under cProfile by own time; last, one of the loop's shapes replayed (the
 design's own cost, this process's host).
+first: backfuse's first pass of ENTRY after `bench --dynamic`'s whole runs of the BEFORE entries in this process
+(as the bench orders them): each step synchronized and timed, the Triton kernels compiled or loaded in each step
+(by name, with the specialization's alignment and constexprs where they differ from the kernel's first), and the
+pass's heaviest calls under cProfile by cumulative time. A step of hundreds of ms shows what it spent them on.
 """
 
 from __future__ import annotations
@@ -227,6 +232,55 @@ def host(keys) -> None:
         torch.cuda.empty_cache()
 
 
+def first(keys) -> None:
+    import triton
+
+    *before, key = keys
+    for each in before:
+        print(f"{each}: the bench's run", flush=True)
+        dynamic.run_entry(each, "cuda")
+    compiled = []
+    hook = triton.knobs.runtime.jit_post_compile_hook
+
+    def seen(*args, **kwargs):
+        compiled.append((getattr(kwargs.get("fn"), "name", "?"), str(kwargs.get("key", ""))[:200]))
+        return hook(*args, **kwargs) if hook is not None else None
+    triton.knobs.runtime.jit_post_compile_hook = seen
+    try:
+        graphs.release()
+        warm, shapes = dynamic.shapes(key)
+        step, (warm_call, *calls) = _setup(key, [warm, *shapes])
+        step(warm_call)
+        torch.cuda.synchronize()
+        print(f"{key}: warm-up compiled or loaded {len(compiled)} kernels", flush=True)
+        compiled.clear()
+        profiler = cProfile.Profile()
+        times, per_step = [], []
+        for c, shape in zip(calls, shapes):
+            torch.cuda.synchronize()
+            profiler.enable()
+            t0 = time.perf_counter()
+            step(c)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+            profiler.disable()
+            per_step.append(list(compiled))
+            compiled.clear()
+        print(f"  first pass synced: {sum(times) / len(times):.2f} ms a step")
+        for t, shape, kernels in zip(times, shapes, per_step):
+            names = Counter(name for name, _ in kernels)
+            print(f"    {t:8.1f} ms {str(shape)[:40]:40s} {dict(names) if names else ''}")
+            for name, k in kernels[:4]:
+                print(f"        {name}: {k}")
+        second, host_us = dynamic._loop(step, calls)
+        print(f"  second pass {second:.3f} ms, host {host_us:.0f} us a step")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook
+    del step
+    torch.cuda.empty_cache()
+
+
 def _timed_step(timers: _Timers, step, label: str):
     def timed(*args):
         t0 = time.perf_counter()
@@ -241,6 +295,8 @@ if __name__ == "__main__":
         fixed()
     elif sys.argv[1:2] == ["host"]:
         host(sys.argv[2:] or ["gemma3-4b/packed", "wan2.1-1.3b"])
+    elif sys.argv[1:2] == ["first"]:
+        first(sys.argv[2:] or ["gemma3-1b", "gemma3-4b", "gemma2-9b", "gemma3-4b/packed"])
     elif sys.argv[1:2] == ["split"]:
         split(sys.argv[2:] or ["gemma3-4b/packed", "gemma3-4b", "wan2.1-1.3b"])
     else:
