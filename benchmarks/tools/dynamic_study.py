@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import cProfile
 import gc
+import os
 import pstats
 import statistics
 import sys
@@ -252,7 +253,8 @@ def first(keys) -> None:
         step, (warm_call, *calls) = _setup(key, [warm, *shapes])
         step(warm_call)
         torch.cuda.synchronize()
-        print(f"{key}: warm-up compiled or loaded {len(compiled)} kernels", flush=True)
+        print(f"{key}: warm-up compiled or loaded {len(compiled)} kernels; TRITON_CACHE_DIR "
+              f"{os.environ.get('TRITON_CACHE_DIR')}", flush=True)
         compiled.clear()
         profiler = cProfile.Profile()
         times, per_step = [], []
