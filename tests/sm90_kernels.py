@@ -4,8 +4,15 @@ test runs this file in a subprocess without TRITON_INTERPRET: the interpreter mu
     python tests/sm90_kernels.py bf16      # prints [{name, shared bytes}] as JSON
 """
 
+import bisect
+import itertools
 import json
+import os
+import re
+import struct
+import subprocess
 import sys
+import tempfile
 
 
 def _sm90_cases(dtype: str):
@@ -61,18 +68,52 @@ def _sm90_cases(dtype: str):
            dict(R=32, SCALED=True), 4, 1)
 
 
+def _text(cubin: bytes) -> bytes:
+    """The one .text.<kernel> section of a cubin (ELF64, little-endian): its instructions, 16 bytes each on sm_90."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    size, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * size) for i in range(count)]
+    table = headers[names][4]
+    texts = [cubin[h[4]:h[4] + h[5]] for h in headers
+             if cubin[table + h[0]:cubin.index(b"\0", table + h[0])].startswith(b".text.")]
+    assert len(texts) == 1, len(texts)
+    return texts[0]
+
+
+def _sass_counts(kernels) -> list:
+    """[(HGMMA, WARPGROUP.DEPBAR)] of each compiled kernel, as `usage` counts them in `cuobjdump -sass`, from one
+    nvdisasm of all their instructions laid end to end (a disassembler per kernel costs ~0.7 s, mostly its start);
+    each instruction is told to its kernel by its address."""
+    from backfuse.kernels.gluon.sm90 import _CUOBJDUMP
+
+    texts = [_text(k.asm["cubin"]) for k in kernels]
+    ends = list(itertools.accumulate(len(t) for t in texts))
+    with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+        f.write(b"".join(texts))
+        f.flush()
+        sass = subprocess.run([os.path.join(os.path.dirname(_CUOBJDUMP), "nvdisasm"), "-b", "SM90a", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    counts = [[0, 0] for _ in kernels]
+    for address, line in re.findall(r"/\*([0-9a-f]{4,})\*/([^\n]*)", sass):
+        c = counts[bisect.bisect_right(ends, int(address, 16))]
+        c[0] += line.count("HGMMA")
+        c[1] += line.count("WARPGROUP.DEPBAR")
+    return [tuple(c) for c in counts]
+
+
 def _sm90_shared(dtype: str) -> list:
     """[{name, shared bytes, serialized}] of every `_sm90_cases` kernel compiled for sm_90 (run without
-    TRITON_INTERPRET); serialized: ptxas made each wgmma wait for the one before (`usage`'s count).
+    TRITON_INTERPRET); serialized: ptxas made each wgmma wait for the one before (`Usage.serialized` on the
+    SASS's HGMMA and WARPGROUP.DEPBAR counts).
 
     A kernel whose signature has no `dtype` pointer is the same specialization for both dtypes: it is compiled
-    in the bf16 run only (the session still compiles each once). The SASS is disassembled (`usage`, ~0.7 s a
-    kernel) only where the answer can be True and is asked: a kernel whose PTX has no wgmma.mma_async has no
-    HGMMA (serialized False by `Usage.serialized`'s definition); a mask-reading attention (' reads') may
-    serialize (the test does not ask), so its serialized is None."""
+    in the bf16 run only (the session still compiles each once). The SASS is read only where the answer can be
+    True and is asked: a kernel whose PTX has no wgmma.mma_async has no HGMMA (serialized False by definition);
+    a mask-reading attention (' reads') may serialize (the test does not ask), so its serialized is None. Those
+    read are disassembled together (`_sass_counts`), the first also by `usage` as a check of that reading."""
     from backfuse.kernels.gluon.sm90 import Usage, compile_triton, usage
 
-    out = []
+    out, read = [], []
     for name, fn, pointers, constexprs, warps, stages in _sm90_cases(dtype):
         if constexprs.get("MASK") == 2:
             pointers = dict(pointers, mask="*u8")
@@ -81,13 +122,15 @@ def _sm90_shared(dtype: str) -> list:
         if dtype != "bf16" and f"*{dtype}" not in sig.values():
             continue
         kernel = compile_triton(fn, sig, constexprs, num_warps=warps, num_stages=stages)
-        if " reads" in name:
-            serialized = None
-        elif "wgmma.mma_async" not in kernel.asm["ptx"]:
-            serialized = Usage(kernel.metadata.shared, 0, 0, 0, 0).serialized
-        else:
-            serialized = usage(kernel).serialized
-        out.append({"name": name, "shared": kernel.metadata.shared, "serialized": serialized})
+        out.append({"name": name, "shared": kernel.metadata.shared, "serialized": None if " reads" in name else False})
+        if " reads" not in name and "wgmma.mma_async" in kernel.asm["ptx"]:
+            read.append((out[-1], kernel))
+    counts = _sass_counts([k for _, k in read])
+    if read:
+        first = usage(read[0][1])
+        assert (first.wgmma, first.waits) == counts[0], ((first.wgmma, first.waits), counts[0])
+    for (entry, kernel), (wgmma, waits) in zip(read, counts):
+        entry["serialized"] = Usage(kernel.metadata.shared, 0, 0, 0, wgmma, waits).serialized
     return out
 
 
