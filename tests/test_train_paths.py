@@ -210,6 +210,105 @@ def test_lengths_a_few_tokens_apart_compile_nothing_new(form, monkeypatch):
     assert len(seen[0]) >= 5  # the products aside, the norms', the bounds' and the attention's kernels
 
 
+@pytest.mark.parametrize("form, dtype", [("037", torch.bfloat16), ("037 attention", torch.float32),
+                                         ("021", torch.bfloat16), ("021", torch.float32),
+                                         ("021 attention", torch.bfloat16), ("021 attention", torch.float32)], ids=str)
+def test_a_length_across_the_split_compiles_nothing_new(form, dtype, monkeypatch):
+    """Whether the attention backward splits its key blocks depends on the length (`steps.Attention.split`), and its
+    binary on whether it does (KV_ATOMIC, fp32 sums, their zeroing and copies): a call compiles the other side's
+    kernels too (`steps.compile_other_split`), so that a loop of lengths that cross from one side to the other
+    compiles nothing in its midst (s54: the packed loop's first pass). Here even lengths split (2) and odd ones
+    do not, both ways round (40 then 41, 43 then 42): every specialization the second call prepares is one the
+    first prepared or compiled. In the interpreter nothing is compiled or run; the specializations are recorded."""
+    from backfuse import functional as F
+    from backfuse.kernels.launch import FastKernel, specialization
+    from backfuse.ops.gemma3_core import training as gemma
+    from backfuse.ops.wan_xattn import training as wan
+
+    seen = []
+    prepare, warm = FastKernel.prepare, FastKernel.warm
+
+    def preparing(self, grid, *args, **meta):
+        seen[-1].add((self.fn.__name__, specialization(args, meta)))
+        launch = prepare(self, grid, *args, **meta)
+        return launch if DEVICE == "cuda" else (lambda: None)
+
+    def warming(self, grid, *args, **meta):
+        seen[-1].add((self.fn.__name__, specialization(args, meta)))
+        warm(self, grid, *args, **meta)
+
+    gemma_form = form.startswith("037")
+    plan = gemma.Plan if gemma_form else wan.Plan
+    monkeypatch.setattr(FastKernel, "prepare", preparing)
+    monkeypatch.setattr(FastKernel, "warm", warming)
+    monkeypatch.setattr(plan, "split", property(lambda p: 2 if (p.seq if gemma_form else p.nv) % 2 == 0 else 1))
+    monkeypatch.setattr(plan, "other_split", property(lambda p: 1 if p.split > 1 else 2))
+    config = Gemma3CoreConfig(256, 2, 1, 128) if gemma_form else WanXattnConfig(64, 2, qk_norm=True)
+    m = training_module(form[:3], config, dtype)
+    for lengths in ((40, 41), (43, 42)):
+        seen.clear()
+        for n in lengths:
+            seen.append(set())
+            if form == "037":
+                out = training_call("037", m, training_inputs("037", config, (1, n), dtype))
+            elif form == "021":
+                out = training_call("021", m, training_inputs("021", config, (1, n, 7), dtype))
+            elif gemma_form:
+                x, cos, sin = training_inputs("037", config, (1, n), dtype)
+                q, k, v = (torch.nn.functional.linear(x, w) for w in (m.q_weight, m.k_weight, m.v_weight))
+                out = F.gemma3_attention(q, k, v, cos, sin, m.q_norm_weight, m.k_norm_weight, m.scaling, m.softcap,
+                                         m.eps, head_dim=config.head_dim)
+            else:
+                q = torch.randn(1, n, 64, device=DEVICE, dtype=dtype, requires_grad=True)
+                k, v = (torch.randn(1, 7, 64, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+                out = F.wan_attention(q, k, v, m.norm_q_weight, m.norm_k_weight, 1 / math.sqrt(32), heads=2)
+            out.backward(torch.randn_like(out))
+        assert any(name == "attention_backward_kernel" for name, _ in seen[1])
+        assert seen[1] <= seen[0], (lengths, sorted(seen[1] - seen[0], key=repr))
+
+
+@pytest.mark.skipif(not GPU, reason="kernels compile on a GPU")
+@pytest.mark.parametrize("pid, config, lengths", [
+    ("037", Gemma3CoreConfig(192, 3, 1, 64), (256, 64)), ("037", Gemma3CoreConfig(320, 5, 1, 64), (64, 256)),
+    ("021", WanXattnConfig(96, 3, qk_norm=True), (512, 64)), ("021", WanXattnConfig(160, 5, qk_norm=True), (64, 512))])
+def test_a_length_across_the_split_compiles_nothing_on_the_gpu(pid, config, lengths):
+    """The real plans and compiles: a length on one side of the split, then one on the other (batch 1, each way
+    round, at widths no other test takes, so that no kernel is compiled before): Triton compiles (or loads from its
+    cache) no kernel in the second call."""
+    import triton
+
+    from backfuse.ops.gemma3_core import training as gemma
+    from backfuse.ops.wan_xattn import training as wan
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if pid == "037":
+        splits = [gemma.Plan(1, n, config, torch.bfloat16, sms=sms).split for n in lengths]
+    else:
+        splits = [wan.Plan(1, n, 7, config, torch.bfloat16, sms=sms).split for n in lengths]
+    assert (splits[0] > 1) != (splits[1] > 1), splits
+    m = training_module(pid, config, torch.bfloat16)
+    compiled, hook = [], triton.knobs.runtime.jit_post_compile_hook
+
+    def seen(*args, **kwargs):
+        compiled.append(getattr(kwargs.get("fn"), "name", "?"))
+        return hook(*args, **kwargs) if hook is not None else None
+
+    try:
+        for n in lengths:
+            compiled.clear()
+            triton.knobs.runtime.jit_post_compile_hook = seen
+            out = training_call(pid, m, training_inputs(pid, config, (1, n) if pid == "037" else (1, n, 7),
+                                                        torch.bfloat16))
+            out.backward(torch.randn_like(out))
+            torch.cuda.synchronize()
+            triton.knobs.runtime.jit_post_compile_hook = hook
+            if n == lengths[0]:
+                assert "attention_backward_kernel" in compiled  # (compiled here: the test can see a compile)
+        assert compiled == [], (lengths, compiled)
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook
+
+
 @pytest.mark.parametrize("pid, config, shapes", [
     ("037", Gemma3CoreConfig(256, 2, 1, 128), [(2, 45), (1, 70), (2, 33)]),
     ("021", WanXattnConfig(64, 4, qk_norm=True), [(1, 40, 7), (2, 33, 13), (1, 19, 3)])])
@@ -407,7 +506,15 @@ def test_split_key_blocks_only_where_the_gpu_would_idle():
     a = steps.Attention(1, 4096, 77, 16, 1, 64)
     tiles = steps.attention_tiles(64, True)
     assert a.split(tiles, 132, False) == 4 and a.split(tiles, 132, True) == 1
-    assert steps.Attention(64, 256, 256, 24, 3, 128, causal=True).split(steps.attention_tiles(128, True), 132, False) == 1
+    wide = steps.Attention(64, 256, 256, 24, 3, 128, causal=True)
+    assert wide.split(steps.attention_tiles(128, True), 132, False) == 1
+    # the other side of the split, at another length of the same batch (`compile_other_split`)
+    assert a.other_split(tiles, 132, False, tied=False) == 1 and a.other_split(tiles, 132, True, tied=False) is None
+    assert wide.other_split(steps.attention_tiles(128, True), 132, False, tied=True) is None  # 64 x 8 KV heads
+    big = steps.attention_tiles(256, True)
+    for s, split, other in ((384, 2, 1), (512, 2, 1), (513, 1, 2), (4096, 1, 2)):  # Gemma 3 4B, batch 2
+        gemma = steps.Attention(2, s, s, 8, 2, 256, causal=True)
+        assert (gemma.split(big, 132, False), gemma.other_split(big, 132, False, tied=True)) == (split, other), s
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs and synchronization exist on a GPU")

@@ -132,6 +132,19 @@ class SMLimits:
                    self.shared_bytes // (shared_bytes + self.reserved_shared), self.blocks)
 
 
+class _StandIn:
+    """What Triton's specialization reads of a pointer argument (its dtype and address), for a meta tensor: its
+    offset for an address, so that a view at an odd offset stands for memory as aligned as the real view."""
+
+    __slots__ = ("dtype", "_address")
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self._address = t.dtype, t.data_ptr()
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
 class FastKernel:
     """A kernel's prepared launches. waits_on_peers: its programs wait on each other (persistent
     programs with device-side completion counters), so every program of a grid must be resident at
@@ -144,6 +157,7 @@ class FastKernel:
         self.handles = {}
         self.waits_on_peers = waits_on_peers
         self.resident = {}  # specialization key: programs the device holds at once
+        self.warmed = set()  # (specialization, device) compiled by `warm`
         self._names = {}  # the constexprs' names given -> the runtime parameters' names, in order
 
     def __call__(self, grid: tuple, *args, **meta):
@@ -157,13 +171,21 @@ class FastKernel:
         pools: where the values are, first match wins: dicts (by key; a key that names no runtime
         parameter is refused, so that a plan's argument list and its kernel stay in step) and other
         objects (by their attributes, e.g. a call's buffers, which may hold more than one kernel reads)."""
+        return self.prepare(grid, *self._named(pools, meta), **meta)
+
+    def warm_named(self, grid: tuple, *pools, **meta) -> None:
+        """warm() with the runtime arguments found by name, as prepare_named() finds them."""
+        self.warm(grid, *self._named(pools, meta), **meta)
+
+    def _named(self, pools, meta) -> list:
+        """The runtime arguments, in order, from pools (`prepare_named`)."""
         names = self._names.get(tuple(meta))
         if names is None:
             names = self._names[tuple(meta)] = tuple(self._runtime_names(meta))
         if len(pools) == 1 and type(pools[0]) is dict:  # the usual call: one dict of exactly the runtime arguments
             pool = pools[0]
             if len(pool) == len(names) and all(n in pool for n in names):
-                return self.prepare(grid, *[pool[n] for n in names], **meta)
+                return [pool[n] for n in names]
         known = set(names)
         merged = {}
         for pool in reversed(pools):  # the first pool's values win
@@ -176,7 +198,23 @@ class FastKernel:
         missing = [n for n in names if n not in merged]
         if missing:
             raise TypeError(f"{self.fn.__name__}: missing arguments {missing}")
-        return self.prepare(grid, *(merged[n] for n in names), **meta)
+        return [merged[n] for n in names]
+
+    def warm(self, grid: tuple, *args, **meta) -> None:
+        """Compile (or load from Triton's cache) the binary that fn[grid](*args, **meta) would launch, and
+        launch nothing: a binary that a later call will need, made before a loop that would otherwise make
+        it in its midst. A tensor on the meta device stands for CUDA memory of its dtype, 16-byte aligned,
+        as a plan's buffers are. Nothing where no argument is a CUDA tensor (the interpreter compiles
+        nothing) or where this specialization was warmed before on this device."""
+        if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+            return
+        key = specialization(args, meta), torch.cuda.current_device()
+        if key in self.warmed:
+            return
+        self._check_unspecialized(args)
+        self.fn.warmup(*[_StandIn(a) if isinstance(a, torch.Tensor) and a.is_meta else a for a in args], grid=grid,
+                       **meta)
+        self.warmed.add(key)
 
     def _runtime_names(self, meta) -> list:
         """The kernel's parameters that meta does not give (its runtime arguments), in order; refused

@@ -17,6 +17,8 @@ changing lengths run templates. On the CPU (the Triton interpreter) the launches
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import operator
@@ -432,13 +434,36 @@ cublas_products = True  # templates' plain products by cuBLAS at addresses (Fals
 
 
 class Kernel:
-    """A Triton kernel launched by parameter name (`FastKernel.prepare_named`)."""
+    """A Triton kernel launched by parameter name (`FastKernel.prepare_named`); inside `compiling_only`, compiled
+    and not launched."""
 
     def __init__(self, fn):
         self.fast = FastKernel(fn)
 
     def __call__(self, grid, args: dict, **meta):
+        if _compiling_only.get():
+            self.fast.warm_named(tuple(grid), args, **meta)
+            return _nothing
         return described(self.fast.prepare_named(tuple(grid), args, **meta), self.fast.fn.__name__)
+
+
+_compiling_only = contextvars.ContextVar("compiling_only", default=False)
+
+
+def _nothing() -> None:
+    pass
+
+
+@contextlib.contextmanager
+def compiling_only():
+    """Inside, a `Kernel` call compiles the binary it would launch (`FastKernel.warm`: tensors on the meta device
+    stand for buffers a plan lacks) and returns a launch that does nothing: the kernels that another length
+    of a plan's topology will need, made at its first call, not in the midst of a loop."""
+    token = _compiling_only.set(True)
+    try:
+        yield
+    finally:
+        _compiling_only.reset(token)
 
 
 def described(launch, what: str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 
@@ -16,7 +17,7 @@ from ..kernels import buffers
 from ..kernels.schedule import cdiv
 from ..kernels.triton import attention, passes
 from .masks import Masking
-from .program import Buffer, Kernel, bases, constant, execute, torch_step
+from .program import Buffer, Kernel, bases, compiling_only, constant, execute, torch_step
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Elements per program of the flat passes (the interpreter's cost is per program: few, large ones).
@@ -283,6 +284,44 @@ class Attention:
         kv_programs = self.batch * (self.heads // self.group) * cdiv(self.s_k, tiles.kv_bn)
         steps = cdiv(self.s_q, tiles.kv_bm) * self.group
         return max(1, min(sms // max(1, kv_programs), steps // 4))
+
+    def other_split(self, tiles: AttentionTiles, sms: int, deterministic: bool, tied: bool) -> int | None:
+        """A split on the other side of 1 from this attention's own that another length of its batch takes (the
+        split depends on the lengths, so a loop of changing lengths crosses it: its kernels are compiled at the
+        first call, `compile_other_split`), or None where none does. tied: a self-attention, S_k = S_q; else
+        each length free. Where this one splits, 1 (a long enough length never does); else the first split > 1
+        at whole key blocks, or one key block and queries as many as it takes."""
+        if deterministic:
+            return None
+        if self.split(tiles, sms, deterministic) > 1:
+            return 1
+        kv_heads = self.batch * (self.heads // self.group)
+        if not tied:
+            return sms // kv_heads if sms // kv_heads > 1 else None
+        for blocks in range(1, sms // (2 * kv_heads) + 1):  # past these, the key blocks fill half the GPU
+            s = blocks * tiles.kv_bn
+            split = replace(self, s_q=s, s_k=s).split(tiles, sms, deterministic)
+            if split > 1:
+                return split
+        return None
+
+
+def stand_ins(specs, views: SimpleNamespace) -> SimpleNamespace:
+    """views, with meta-device tensors of the buffers' shapes and dtypes by their names in place of its own: what
+    a call passes for the buffers its plan lacks (or has in another dtype) to the kernels it compiles for another
+    plan (`program.compiling_only`)."""
+    return SimpleNamespace(**{**vars(views), **{b.name: torch.empty(b.shape, dtype=b.dtype, device="meta")
+                                                 for b in specs if b is not None}})
+
+
+def compile_other_split(plan, views: SimpleNamespace, launches_at) -> None:
+    """The kernels that launches_at(other, views') prepares, compiled now and none launched
+    (`program.compiling_only`), for `other` the plan's `other_split` (None: nothing) and views' its views
+    with stand-ins for the buffers that split has (`plan.split_buffers(other)`, `stand_ins`)."""
+    other = plan.other_split
+    if other is not None:
+        with compiling_only():
+            launches_at(other, stand_ins(plan.split_buffers(other), views))
 
 
 def bounds_buffer(a: Attention) -> Buffer | None:

@@ -60,7 +60,7 @@ class Plan(training.Plan):
                       Buffer("delta", (self.batch * cfg.heads, self.seq), fp32) if ours else None,
                       Buffer("d_rot_q", (t, cfg.q_out), fp32) if ours else None,
                       Buffer("d_rot_k", (t, cfg.kv_out), fp32) if ours else None,
-                      Buffer("dv32", (t, cfg.kv_out), fp32) if ours and self.split > 1 else None,
+                      *self.split_buffers(self.split),
                       Buffer("parts_q", (cfg.heads * blocks, cfg.head_dim), fp32),
                       Buffer("parts_k", (cfg.kv_heads * blocks, cfg.head_dim), fp32),
                       Buffer("sums_q", (steps.column_sum_parts(cfg.heads * blocks), cfg.head_dim), fp32),
@@ -190,17 +190,12 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
         if p.dq_atomic:
             launches.append(steps.zero(s.d_rot_q))
         vee = a.v_c if p.casts else v.view(t, -1)
-        regions = training.ATTENTION_BACKWARD_REGIONS
-        extra = dict(bounds=getattr(a, "bounds", None), mask=masks[0])
-        if p.split > 1:
-            launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
-                         *steps.attention_backward(att, p.tiles, p.split, r.rot_q, r.rot_k, vee, d, a.lse, s.delta,
-                                                   s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, regions, p.dq_atomic, **extra),
-                         steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv, 1,
-                                               g, "gradient of v projection")]
-        else:
-            launches += steps.attention_backward(att, p.tiles, 1, r.rot_q, r.rot_k, vee, d, a.lse, s.delta, s.d_rot_q,
-                                                 s.d_rot_k, gv, scaling, g, regions, p.dq_atomic, **extra)
+
+        def gradients(split, views):
+            return training.attention_gradients(p, split, views, g, r.rot_q, r.rot_k, vee, d, a.lse, gv, scaling,
+                                                getattr(a, "bounds", None), masks[0])
+        launches += gradients(p.split, s)
+        steps.compile_other_split(p, s, gradients)
         if through:
             launches += _norm_rope_backward(p, g, inputs, s, w, s.d_rot_q, s.d_rot_k, gq, gk, eps)
         if g is not None:

@@ -91,6 +91,19 @@ class Plan(Precision):
         return self.attention.split(self.tiles, self.sms, self.deterministic) if self.sms else 1
 
     @property
+    def other_split(self) -> int | None:
+        """The split on the other side of 1 that another length of this batch takes (`steps.Attention.other_split`;
+        None on the CPU and with cuDNN's attention)."""
+        if not self.sms or self.cudnn:
+            return None
+        return self.attention.other_split(self.tiles, self.sms, self.deterministic, tied=True)
+
+    def split_buffers(self, split: int) -> list:
+        """The backward's buffers that the split decides: dV's fp32 sums where the key blocks split (dK's are
+        fp32 at every split: d_rot_k)."""
+        return [Buffer("dv32", (self.tokens, self.config.kv_out), torch.float32)] if split > 1 and not self.cudnn else []
+
+    @property
     def dq_atomic(self) -> bool:
         """dQ (fp32 here) summed by atomics from the key blocks' programs where the tiles say so: the
         interpreter's, and on a GPU the soft cap's, where the dQ programs' recomputed tanh costs more than
@@ -174,7 +187,7 @@ class Plan(Precision):
                  Buffer("delta", (self.batch * cfg.heads, self.seq), fp32) if ours else None,
                  Buffer("d_rot_q", (t, cfg.q_out), fp32) if ours else None,
                  Buffer("d_rot_k", (t, cfg.kv_out), fp32) if ours else None,
-                 Buffer("dv32", (t, cfg.kv_out), fp32) if ours and self.split > 1 else None,
+                 *self.split_buffers(self.split),
                  Buffer("parts_q", (cfg.heads * blocks, cfg.head_dim), fp32),
                  Buffer("parts_k", (cfg.kv_heads * blocks, cfg.head_dim), fp32),
                  Buffer("sums_q", (steps.column_sum_parts(cfg.heads * blocks), cfg.head_dim), fp32),
@@ -264,6 +277,21 @@ def _forward_launches(p: Plan, g, x, a, r, scaling: float, eps: float, masks) ->
         launches += steps.attention_forward(p.attention, p.tiles, r.rot_q, r.rot_k, a.v, a.o, a.lse, scaling, g,
                                             ATTENTION_FORWARD_REGIONS, bounds=getattr(a, "bounds", None), mask=masks[0])
     return launches
+
+
+def attention_gradients(p: Plan, split: int, s, g, qr, kr, v, da, lse, gv, scaling: float, bounds, mask) -> list:
+    """The attention backward's launches at `split` (`steps.attention_backward`) from qr, kr, v, dA and lse: dQ and
+    dK (fp32) into s.d_rot_q, s.d_rot_k, dV into gv; where the key blocks split, dV summed in s.dv32 first
+    (`Plan.split_buffers`), then copied."""
+    t, cfg, att = p.tokens, p.config, p.attention
+    if split == 1:
+        return steps.attention_backward(att, p.tiles, 1, qr, kr, v, da, lse, s.delta, s.d_rot_q, s.d_rot_k, gv, scaling,
+                                        g, ATTENTION_BACKWARD_REGIONS, p.dq_atomic, bounds=bounds, mask=mask)
+    return [steps.zero(s.d_rot_k), steps.zero(s.dv32),
+            *steps.attention_backward(att, p.tiles, split, qr, kr, v, da, lse, s.delta, s.d_rot_q, s.d_rot_k, s.dv32,
+                                      scaling, g, ATTENTION_BACKWARD_REGIONS, p.dq_atomic, bounds=bounds, mask=mask),
+            steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv, 1, g,
+                                  "gradient of v projection")]
 
 
 def forward(inputs, scaling: float, eps: float, plan: Plan, masks=(None, None)):
@@ -420,17 +448,12 @@ def backward(inputs, grad_out, scaling: float, eps: float, plan: Plan, a_flat, m
             launches += [mm(go_c, wo_c, da), steps.attention_delta(att, a.o, da, s.delta, g)]
             if p.dq_atomic:
                 launches.append(steps.zero(s.d_rot_q))
-            if p.split > 1:
-                launches += [steps.zero(s.d_rot_k), steps.zero(s.dv32),
-                             *steps.attention_backward(att, p.tiles, p.split, r.rot_q, r.rot_k, a.v, da, a.lse, s.delta,
-                                                       s.d_rot_q, s.d_rot_k, s.dv32, scaling, g, ATTENTION_BACKWARD_REGIONS,
-                                                       p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0]),
-                             steps.heads_to_tokens(s.dv32.view(t, cfg.kv_heads, cfg.head_dim).permute(1, 0, 2)[None], gv,
-                                                   1, g, "gradient of v projection")]
-            else:
-                launches += steps.attention_backward(att, p.tiles, 1, r.rot_q, r.rot_k, a.v, da, a.lse, s.delta,
-                                                     s.d_rot_q, s.d_rot_k, gv, scaling, g, ATTENTION_BACKWARD_REGIONS,
-                                                     p.dq_atomic, bounds=getattr(a, "bounds", None), mask=masks[0])
+
+            def gradients(split, views):
+                return attention_gradients(p, split, views, g, r.rot_q, r.rot_k, a.v, da, a.lse, gv, scaling,
+                                           getattr(a, "bounds", None), masks[0])
+            launches += gradients(p.split, s)
+            steps.compile_other_split(p, s, gradients)
             launches += _gradients_from_attention(p, g, inputs, a, s, w, grad_hidden, s.d_rot_q, s.d_rot_k, gv, eps)
         return launches + _finish(p, g, w, grad_hidden)
 

@@ -65,17 +65,24 @@ class Plan(training.Plan):
     @functools.cached_property
     def backward_scratch(self):
         tv, tt, d, c, fp32 = self.tv, self.tt, self.config.hidden, self.compute, torch.float32
-        ours, split = not self.cudnn, self.split > 1  # (cuDNN's backward allocates dQ, dK, dV and needs no delta)
+        ours = not self.cudnn  # (cuDNN's backward allocates dQ, dK, dV and needs no delta)
         return Arena([Buffer("do", (tv, d), c) if self.casts else None,
                       Buffer("delta", (self.batch * self.config.heads, self.nv), fp32) if ours else None,
                       Buffer("dq", (tv, d), c) if ours else None,
-                      Buffer("dk", (tt, d), fp32 if split else c) if ours else None,
-                      Buffer("dv", (tt, d), fp32 if split else c) if ours and (split or self.casts) else None,
+                      *self.split_buffers(self.split),
                       *(Buffer(f"parts_n{name}", (steps.row_norm_parts(rows), d), fp32) for name, rows in
                         (("q", tv), ("k", tt))),
                       *(Buffer(f"sums_n{name}", (steps.column_sum_parts(steps.row_norm_parts(rows)), d), fp32)
                         for name, rows in (("q", tv), ("k", tt))),
                       *(() if self.save else self.activations.specs), *self.turned.specs])
+
+    def split_buffers(self, split: int) -> list:
+        """dK and dV, which the split decides: fp32 where the key blocks split (atomic sums), else in the compute
+        dtype (dV then only where it is not written into grad_v: float32's casts)."""
+        if self.cudnn:
+            return []
+        dtype, tt, d = torch.float32 if split > 1 else self.compute, self.tt, self.config.hidden
+        return [Buffer("dk", (tt, d), dtype), Buffer("dv", (tt, d), dtype) if split > 1 or self.casts else None]
 
     @functools.cached_property
     def weight_grads(self):
@@ -221,13 +228,17 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             launches.append(Allocating(key, attention, lambda o, grads: after(*grads), "cuDNN's attention backward"))
         else:
             q_att, q_norm, k_att, v_att = _operands(p, inputs, a, t)
-            dv = s.dv if p.split > 1 or p.casts else gv
             launches.append(steps.attention_delta(p.attention, a.o, d, s.delta, g))
-            if p.split > 1:  # fp32 atomic sums
-                launches += [steps.zero(s.dk), steps.zero(s.dv)]
-            launches += steps.attention_backward(p.attention, p.tiles, p.split, q_att, k_att, v_att, d, a.lse, s.delta,
-                                                 s.dq, s.dk, dv, scale, g, q_norm=q_norm)
-            launches += after(s.dq, s.dk, dv)
+
+            def gradients(split, views) -> list:
+                """dQ, dK, dV at `split` (where the key blocks split: fp32 atomic sums, zeroed first), and on."""
+                dv = views.dv if split > 1 or p.casts else gv
+                return [*([steps.zero(views.dk), steps.zero(views.dv)] if split > 1 else []),
+                        *steps.attention_backward(p.attention, p.tiles, split, q_att, k_att, v_att, d, a.lse, views.delta,
+                                                  views.dq, views.dk, dv, scale, g, q_norm=q_norm),
+                        *after(views.dq, views.dk, dv)]
+            launches += gradients(p.split, s)
+            steps.compile_other_split(p, s, gradients)
         if g is not None:
             if g.scaled:  # the upstream scale's undoing on what carries it
                 launches += [steps.unscale(x, g) for x in grads if x is not None]

@@ -118,6 +118,24 @@ class Plan(Precision):
     def split(self) -> int:
         return self.attention.split(self.tiles, self.sms, self.deterministic) if self.sms else 1
 
+    @property
+    def other_split(self) -> int | None:
+        """The split on the other side of 1 that other lengths of this batch take (`steps.Attention.other_split`;
+        None on the CPU and with cuDNN's attention)."""
+        if not self.sms or self.cudnn:
+            return None
+        return self.attention.other_split(self.tiles, self.sms, self.deterministic, tied=False)
+
+    def split_buffers(self, split: int) -> list:
+        """The backward's buffers that the split decides: dK's and dV's fp32 sums where the key blocks split
+        (side by side where they are stacked)."""
+        if split == 1 or self.cudnn:
+            return []
+        tt, d, fp32 = self.tt, self.config.hidden, torch.float32
+        if self.stacked:
+            return [Buffer("dkv32", (tt, 2 * d), fp32)]
+        return [Buffer("dk32", (tt, d), fp32), Buffer("dv32", (tt, d), fp32)]
+
     @functools.cached_property
     def activations(self):
         """What the forward leaves for the backward (saved, or the backward's own recomputation)."""
@@ -156,7 +174,6 @@ class Plan(Precision):
     @functools.cached_property
     def backward_scratch(self):
         tv, tt, d, c, fp32 = self.tv, self.tt, self.config.hidden, self.compute, torch.float32
-        split = self.split > 1
         ours = not self.cudnn  # cuDNN's backward allocates dQ, dK, dV itself (and needs no delta)
         specs = [*(() if self.needs[0] else self.upstream_of_attention.specs),
                  Buffer("delta", (self.batch * self.config.heads, self.nv), fp32) if ours else None,
@@ -164,10 +181,10 @@ class Plan(Precision):
         if self.casts:
             specs.append(Buffer("go_c", (tv, d), c))
         if self.stacked:
-            specs += [Buffer("dkv", (tt, 2 * d), c), Buffer("dkv32", (tt, 2 * d), fp32) if split else None]
+            specs.append(Buffer("dkv", (tt, 2 * d), c))
         elif ours:
-            specs += [Buffer("dk", (tt, d), c), Buffer("dv", (tt, d), c),
-                      Buffer("dk32", (tt, d), fp32) if split else None, Buffer("dv32", (tt, d), fp32) if split else None]
+            specs += [Buffer("dk", (tt, d), c), Buffer("dv", (tt, d), c)]
+        specs += self.split_buffers(self.split)
         specs += [Buffer(f"parts_{name}", (steps.column_sum_parts(rows), d), fp32)
                   for name, rows in (("bo", tv), ("bq", tv), ("bk", tt), ("bv", tt))]
         if self.norm:  # the norms' weight gradients: partial rows, then their column sums' parts
@@ -411,21 +428,25 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             if through_attention:
                 att = p.attention
                 launches += [mm(go_c, wo_c, dc), steps.attention_delta(att, a.o, dc, s.delta, g)]
-                if p.split > 1:  # fp32 atomic sums, then their copies in the compute dtype
+
+                def gradients(split, views) -> list:
+                    """dQ, dK, dV at `split`: where the key blocks split, fp32 atomic sums, then their copies in the
+                    compute dtype."""
+                    if split == 1:
+                        return steps.attention_backward(att, p.tiles, 1, q, k, v, dc, a.lse, views.delta, views.dq, dk,
+                                                        dv, scale, g, q_norm=q_norm)
                     if p.stacked:
-                        launches += [steps.zero(s.dkv32),
-                                     *steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
-                                                               s.dkv32[:, :d], s.dkv32[:, d:], scale, g, q_norm=q_norm),
-                                     steps.cast(s.dkv32, s.dkv, g, "gradient of keys")]
-                    else:
-                        launches += [steps.zero(s.dk32), steps.zero(s.dv32),
-                                     *steps.attention_backward(att, p.tiles, p.split, q, k, v, dc, a.lse, s.delta, s.dq,
-                                                               s.dk32, s.dv32, scale, g, q_norm=q_norm),
-                                     steps.cast(s.dk32, s.dk, g, "gradient of keys"),
-                                     steps.cast(s.dv32, s.dv, g, "gradient of values")]
-                else:
-                    launches += steps.attention_backward(att, p.tiles, 1, q, k, v, dc, a.lse, s.delta, s.dq, dk, dv,
-                                                         scale, g, q_norm=q_norm)
+                        return [steps.zero(views.dkv32),
+                                *steps.attention_backward(att, p.tiles, split, q, k, v, dc, a.lse, views.delta, views.dq,
+                                                          views.dkv32[:, :d], views.dkv32[:, d:], scale, g, q_norm=q_norm),
+                                steps.cast(views.dkv32, views.dkv, g, "gradient of keys")]
+                    return [steps.zero(views.dk32), steps.zero(views.dv32),
+                            *steps.attention_backward(att, p.tiles, split, q, k, v, dc, a.lse, views.delta, views.dq,
+                                                      views.dk32, views.dv32, scale, g, q_norm=q_norm),
+                            steps.cast(views.dk32, views.dk, g, "gradient of keys"),
+                            steps.cast(views.dv32, views.dv, g, "gradient of values")]
+                launches += gradients(p.split, s)
+                steps.compile_other_split(p, s, gradients)
                 launches += after(s.dq, dk, dv)
         if g is not None and g.scaled:
             products = [grad_video, grad_text, getattr(w, "grad_wq", None),
