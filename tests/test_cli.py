@@ -376,6 +376,26 @@ def test_bench_runs_one_training_bench_at_a_time(capsys, argv, said):
     assert e.value.code == 2 and said in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("preset", [None, "/somewhere/of/the/users"])
+def test_bench_keeps_one_triton_cache_for_its_process(monkeypatch, tmp_path, preset):
+    """A bench's process compiles into one Triton cache: TRITON_CACHE_DIR is set to Triton's default before any
+    implementation runs (TorchInductor would move an unset one to its own directory at its first compile, and
+    backfuse's kernels compiled after that would be compiled again), and a user's own setting is kept."""
+    import triton
+
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # (the process's own value, restored after)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if preset is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR")
+        expected = triton.knobs.cache.dir  # Triton's default, read before the bench sets anything
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", preset)
+        expected = preset
+    assert main(["bench", "--dynamic", "gemma3-1b"]) == 2  # (refused for want of a GPU, after the setup)
+    assert os.environ["TRITON_CACHE_DIR"] == expected == triton.knobs.cache.dir
+
+
 @pytest.mark.parametrize("option, said", [(["--split"], "--split splits --e2e's steps"),
                                           (["--variants", "compile"], "--variants chooses --e2e's variants")])
 def test_bench_e2e_options_need_e2e(capsys, option, said):

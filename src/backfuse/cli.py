@@ -277,6 +277,7 @@ def _dispatch(parser, args) -> int:
         parser.error("--variants chooses --e2e's variants: add --e2e [MODEL ...]")
     if args.command == "bench":
         _one_training_run(parser, args)
+        _one_triton_cache()
     if args.command == "bench" and args.models is not None:
         return _bench_models(args)
     if args.command == "bench" and args.dynamic is not None:
@@ -300,6 +301,15 @@ def _one_training_run(parser, args) -> None:
     if runs and runs[0] != "--train" and (args.problems or args.cases or args.impl or args.plot or args.baseline):
         parser.error(f"{runs[0]} runs its own selection (what it times against the model's own code): drop problems, "
                      "--cases, --impl, --plot and --baseline")
+
+
+def _one_triton_cache() -> None:
+    """TRITON_CACHE_DIR set for the bench's process, to Triton's own default unless the user set it: TorchInductor
+    sets it to a directory of its own at its first compile where it is unset, so without this the kernels backfuse
+    compiles after a compiled implementation's run (the next entry of `--dynamic`, `--e2e`'s later variants) would
+    miss the kernels compiled before it and compile them again, inside whatever that run times."""
+    home = os.environ.get("TRITON_HOME", os.path.expanduser("~/"))
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(home, ".triton", "cache"))
 
 
 def train_warmup(requested: int) -> int:
