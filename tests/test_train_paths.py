@@ -739,8 +739,10 @@ def test_training_kernels_compile_for_sm90(dtype):
     arithmetic but never their compilation, so API breaks and a tile choice needing more shared memory than a
     program has (Gemma 2's soft-capped backward once asked 262656 bytes of 232448) show here, before device
     time; so does ptxas serializing every wgmma of a kernel (a mask-reading loop once did that to the whole masked
-    attention). In a subprocess without TRITON_INTERPRET. Not in the GPU suite: the same compile as on the CPU machine (2 x
-    ~140 s of its ~470 s), where CI runs it, and there every test compiles what it launches."""
+    attention). In a subprocess without TRITON_INTERPRET. fp16 compiles the attention without a mask only (its
+    masked binaries differ from bf16's in the operands' type alone; `sm90_kernels._sm90_cases`): 153 -> 30 s of CI's
+    CPU cold. Not in the GPU suite: the same compile as on the CPU machine, where CI runs it, and there every test
+    compiles what it launches."""
     import json
     import os
     import subprocess
@@ -757,7 +759,7 @@ def test_training_kernels_compile_for_sm90(dtype):
     done = subprocess.run([sys.executable, script, dtype], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     kernels = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(kernels) >= 30, kernels
+    assert len(kernels) >= (40 if dtype == "bf16" else 15), kernels  # (fp16: the unmasked attention, `_sm90_cases`)
     over = [k for k in kernels if k["shared"] > SHARED_LIMIT]
     assert not over, f"more shared memory than a program has ({SHARED_LIMIT} bytes): {over}"
     # the attention's launches that read no mask keep their wgmma in flight (READ_APART); the mask-reading ones may not
