@@ -18,6 +18,8 @@ Two more per-operation costs go the same way:
   not patch, that second patch is skipped.
 - `_get_np_dtype` builds its table of sixteen dtypes at every call (tens of thousands of calls a Gemma 3 call): the
   answers are looked up once a dtype.
+- Every interpreted tensor's shape is a `tl.tuple`, whose type formats its name at construction (hundreds of
+  thousands a Gemma 3 call), and nothing reads most of them: the name is formatted when read, the same string.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def install() -> None:
     interpreter._patch_builtin = _patch_builtin
     _skip_nested_patches(interpreter, tl)
     _np_dtypes_once(interpreter, tl)
+    _tuple_names_when_read(tl)
 
 
 def _skip_nested_patches(interpreter, tl) -> None:
@@ -108,3 +111,17 @@ def _np_dtypes_once(interpreter, tl) -> None:
         return found
 
     interpreter._get_np_dtype = _get_np_dtype
+
+
+def _tuple_names_when_read(tl) -> None:
+    tuple_type = tl.core.tuple_type
+
+    def __init__(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [''] * len(types)
+
+    def name(self) -> str:
+        return '[' + ','.join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + ']'
+
+    tuple_type.__init__ = __init__
+    tuple_type.name = property(name)
