@@ -48,6 +48,60 @@ def test_dynamic_steps_of_backfuse_and_of_the_model_agree(key):
         assert (ours - theirs).norm() <= 2e-2 * theirs.norm()
 
 
+def test_dynamic_rounds_take_the_median_second_pass_at_fresh_shapes_and_addresses(monkeypatch):
+    """`run_entry` around the GPU-only loop (stand-ins here): the first pass is the first round's, the second pass
+    and its host time the median over the rounds, the implementations' order turns round by round, each round
+    meets 12 other shapes, and every earlier round's calls are still held when a later round runs (no call meets
+    addresses an earlier one had: nothing is recorded that a single round would not record)."""
+    import weakref
+
+    class Call:
+        def __init__(self, shape):
+            self.shape = shape
+
+    made, order, alive = [], [], []
+    figures = {"backfuse": [3.0, 1.0, 2.0, 9.0, 1.5], "eager": [4.0] * 5, "compile": [5.0, 6.0, 4.0, 5.0, 7.0]}
+    loops = {impl: 0 for impl in dynamic.IMPLEMENTATIONS}
+
+    def make_calls(preset, config, key, shape_list, device, seed):
+        calls = [Call(s) for s in shape_list]
+        made.append((list(shape_list), [weakref.ref(c) for c in calls]))
+        return calls
+
+    def stepper(preset, config, key, impl, module):
+        return functools.partial(lambda impl, call: None, impl)
+
+    def loop(step, calls):
+        impl = step.args[0]
+        loops[impl] += 1
+        order.append(impl)
+        alive.append(sum(ref() is not None for _, refs in made for ref in refs))
+        n = loops[impl]  # first round: first pass (1), second pass (2); round r: passes 2r + 1, 2r + 2
+        value = 100.0 + n if n % 2 else figures[impl][n // 2 - 1]
+        return value, 10 * value
+
+    monkeypatch.setattr(dynamic, "_make_calls", make_calls)
+    monkeypatch.setattr(dynamic, "_stepper", stepper)
+    monkeypatch.setattr(dynamic, "_loop", loop)
+    monkeypatch.setattr(dynamic.graphs, "release", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    entry = dynamic.run_entry("gemma3-1b", "meta", rounds=5)
+    assert entry["rounds"] == 5 and entry["shapes"] == [list(s) for s in dynamic.shapes("gemma3-1b")[1]]
+    assert entry["backfuse_first_ms"] == 101.0 and entry["compile_first_ms"] == 101.0
+    assert entry["backfuse_second_ms"] == 2.0 and entry["backfuse_host_us"] == 20.0
+    assert entry["compile_second_ms"] == 5.0 and entry["eager_second_ms"] == 4.0
+    assert entry["backfuse_second_rounds_ms"] == figures["backfuse"]
+    impls = list(dynamic.IMPLEMENTATIONS)
+    assert order[:6] == [i for i in impls for _ in (0, 1)]
+    for r in range(1, 5):  # each later round: both passes of each implementation, the order turned by r
+        turned = impls[r % 3:] + impls[:r % 3]
+        assert order[6 * r:6 * r + 6] == [i for i in turned for _ in (0, 1)]
+    shape_sets = [tuple(map(tuple, shapes)) for shapes, _ in made[1:]]
+    assert len(made) == 5 and len(set(shape_sets)) == 4
+    assert alive[-1] == 1 + 12 * 5  # the warm-up call and all five rounds' calls, held to the last loop
+
+
 def test_e2e_models_are_the_released_pattern():
     model = e2e.build("gemma3-1b", device="meta")
     assert model.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]

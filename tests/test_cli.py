@@ -366,8 +366,8 @@ def test_a_training_bench_saves_its_entries_with_the_run_that_measured_them(tmp_
     (["--train", "--e2e", "gemma3-1b"], "--train and --e2e are separate runs: pass one"),
     (["021", "--dynamic"], "--dynamic runs its own selection"),
     (["--memory", "--impl", "backfuse"], "--memory runs its own selection"),
-    (["--e2e", "gemma3-1b", "--groups", "3"], "--groups is --train's and --models'"),
-    (["072", "--groups", "3"], "--groups is --train's and --models'"),
+    (["--e2e", "gemma3-1b", "--groups", "3"], "--groups is --train's, --models' and --dynamic's"),
+    (["072", "--groups", "3"], "--groups is --train's, --models' and --dynamic's"),
 ])
 def test_bench_runs_one_training_bench_at_a_time(capsys, argv, said):
     with pytest.raises(SystemExit) as e:

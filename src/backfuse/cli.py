@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--train, --models: timed steps per group (default 20); --e2e, --memory: per variant, at most 10")
     bench.add_argument("--groups", type=_at_least(1),
                        help=f"--train, --models: timed groups per implementation, the implementations' groups "
-                       f"alternating; each figure the median over its groups (default {GROUPS})")
+                       f"alternating; each figure the median over its groups; --dynamic: rounds of the loop, each at "
+                       f"12 other shapes, the second pass the median over them (default {GROUPS})")
 
     check = sub.add_parser(
         "check",
@@ -296,8 +297,8 @@ def _one_training_run(parser, args) -> None:
                                   ("--memory", args.memory)) if on]
     if len(runs) > 1:
         parser.error(f"{' and '.join(runs)} are separate runs: pass one")
-    if args.groups is not None and runs[:1] not in (["--train"], ["--models"]):
-        parser.error("--groups is --train's and --models': the groups of timed steps they alternate")
+    if args.groups is not None and runs[:1] not in (["--train"], ["--models"], ["--dynamic"]):
+        parser.error("--groups is --train's, --models' and --dynamic's: the groups of timed steps they alternate")
     if runs and runs[0] != "--train" and (args.problems or args.cases or args.impl or args.plot or args.baseline):
         parser.error(f"{runs[0]} runs its own selection (what it times against the model's own code): drop problems, "
                      "--cases, --impl, --plot and --baseline")
@@ -441,11 +442,12 @@ def _bench_dynamic(args) -> int:
             raise CLIError(f"--dynamic: no entry {key!r}; there are {', '.join(dynamic.ENTRIES)}")
     if not torch.cuda.is_available():
         raise CLIError("--dynamic times training steps on a CUDA GPU, and none is visible")
-    out = _Section(args, "dynamic", warmup=1, steps=2 * dynamic.SHAPES)
+    rounds = args.groups or GROUPS
+    out = _Section(args, "dynamic", warmup=1, steps=2 * dynamic.SHAPES, groups=rounds)
     for done, key in enumerate(todo, 1):
         start = time.perf_counter()
         log(f"[{done}/{len(todo)}] {key}")
-        out.entries[key] = dynamic.run_entry(key, "cuda", seed=args.seed)
+        out.entries[key] = dynamic.run_entry(key, "cuda", seed=args.seed, rounds=rounds)
         log(f"[{done}/{len(todo)}] {key} ({time.perf_counter() - start:.1f} s)")
         out.save()
     print(report.dynamic_table(out.entries))

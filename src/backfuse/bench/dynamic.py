@@ -5,7 +5,13 @@ lengths in every batch).
 Per entry, each implementation runs one warm-up step at a shape outside the loop's, then the loop: 12
 shapes in random order, one step each, queued back to back with one synchronization at the end (the
 first pass: every shape new to it); then the same 12 again (the second pass: every shape seen once).
-ms per step of each pass, and the host's own time per step of the second:
+That is the first round. Each later round draws 12 other shapes (the next seed) and runs both passes of each
+implementation again, the implementations' order turning round by round, with every earlier round's tensors
+still held (so no call meets addresses it has met: each second-pass call is its shape's second at those
+addresses, as in the first round, and nothing is recorded that the first round would not record). The first
+pass is the first round's (where compiles fall); the second pass, and the host's own time per step of it, the
+median over the rounds (a host-bound loop's single pass moved 0.71-1.11x compiled between runs of one lease:
+notes/training.md, session 58). The entries:
     gemma3-1b, gemma3-4b, gemma2-9b   the global block, bfloat16, batch 2, lengths 512-4096 (4096 and 512
                                       among them)
     gemma3-4b/packed                  the global block over one row of packed documents, 512-4096 tokens
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 
 import torch
@@ -32,7 +39,7 @@ from .. import nn as bnn
 from .. import presets
 from ..kernels import graphs
 from .models import inputs, model_function, model_gemma, rope_tables
-from .runner import log
+from .runner import GROUPS, log
 
 ENTRIES = ("gemma3-1b", "gemma3-4b", "gemma2-9b", "gemma3-4b/packed", "wan2.1-1.3b")
 IMPLEMENTATIONS = ("backfuse", "eager", "compile")
@@ -151,8 +158,8 @@ def _loop(step, calls) -> tuple:
     return (time.perf_counter() - t0) / len(calls) * 1e3, (issued - t0) / len(calls) * 1e6
 
 
-def run_entry(key: str, device, seed: int = 0) -> dict:
-    """The "dynamic" entry of one key of ENTRIES (benchmarks/results schema)."""
+def run_entry(key: str, device, seed: int = 0, rounds: int = GROUPS) -> dict:
+    """The "dynamic" entry of one key of ENTRIES (benchmarks/results schema) over `rounds` rounds."""
     name = key.split("/")[0]
     preset = presets.get(name)
     config = preset.config
@@ -165,22 +172,40 @@ def run_entry(key: str, device, seed: int = 0) -> dict:
             if p.dim() == 1:
                 p.normal_(0.0, 0.1)
     warm_call, *calls = _make_calls(preset, config, key, [warm, *loop], device, seed)
-    entry = {"shapes": [list(s) for s in loop]}
+    held = [calls]  # every round's tensors, to the entry's end
+    entry = {"shapes": [list(s) for s in loop], "rounds": rounds}
+    graphs.release()
+    before = dict(graphs.counts)
+    steps, seconds, hosts = {}, {impl: [] for impl in IMPLEMENTATIONS}, {impl: [] for impl in IMPLEMENTATIONS}
     for impl in IMPLEMENTATIONS:
-        graphs.release()
-        before = dict(graphs.counts)
-        step = _stepper(preset, config, key, impl, module)
+        step = steps[impl] = _stepper(preset, config, key, impl, module)
         start = time.perf_counter()
         step(warm_call)
         torch.cuda.synchronize()
         first, _ = _loop(step, calls)
         second, host = _loop(step, calls)
-        entry[f"{impl}_first_ms"], entry[f"{impl}_second_ms"] = round(first, 3), round(second, 3)
-        entry[f"{impl}_host_us"] = round(host, 1)
-        if impl == "backfuse":
-            entry["graph_counts"] = {k: v - before.get(k, 0) for k, v in graphs.counts.items()}
+        entry[f"{impl}_first_ms"] = round(first, 3)
+        seconds[impl].append(second)
+        hosts[impl].append(host)
         log(f"    {impl}: first pass {first:.3f} ms, second {second:.3f} ms a step, host {host:.0f} us "
             f"({time.perf_counter() - start:.1f} s)")
-        del step
-        torch.cuda.empty_cache()
+    for r in range(1, rounds):
+        _, loop = shapes(key, seed + r)
+        calls = _make_calls(preset, config, key, loop, device, seed + SHAPES * r)
+        held.append(calls)
+        for impl in IMPLEMENTATIONS[r % len(IMPLEMENTATIONS):] + IMPLEMENTATIONS[:r % len(IMPLEMENTATIONS)]:
+            _loop(steps[impl], calls)  # these shapes' first pass (a compiled graph may specialize anew: untimed)
+            second, host = _loop(steps[impl], calls)
+            seconds[impl].append(second)
+            hosts[impl].append(host)
+    for impl in IMPLEMENTATIONS:
+        entry[f"{impl}_second_ms"] = round(statistics.median(seconds[impl]), 3)
+        entry[f"{impl}_host_us"] = round(statistics.median(hosts[impl]), 1)
+        entry[f"{impl}_second_rounds_ms"] = [round(v, 3) for v in seconds[impl]]
+    entry["graph_counts"] = {k: v - before.get(k, 0) for k, v in graphs.counts.items()}  # (backfuse's: the others record none)
+    if rounds > 1:
+        log("    2nd pass, median of %d rounds: " % rounds + ", ".join(
+            f"{impl} {entry[f'{impl}_second_ms']:.3f} ms (host {entry[f'{impl}_host_us']:.0f} us)" for impl in IMPLEMENTATIONS))
+    del steps, held
+    torch.cuda.empty_cache()
     return entry

@@ -428,8 +428,10 @@ def dynamic_table(entries: dict, run: dict | None = None) -> str:
     results file's "dynamic_run"."""
     if not entries:
         return "(no `bench --dynamic` results yet)"
+    rounds = (run or {}).get("groups", 1)  # (runs before session 58: one round)
     lines = run_line(run, "12 shapes in random order one step each (the 1st pass), then the same 12 again (the "
-                          "2nd), after one warm-up step; ms per step.")
+                          "2nd), after one warm-up step; " + (f"the 2nd the median over {rounds} rounds of 12 other "
+                          "shapes each; " if rounds > 1 else "") + "ms per step.")
     lines += ["| entry | backfuse 1st / 2nd | model's code 1st / 2nd | compiled 1st / 2nd | 2nd: / compiled, / eager | "
               "1st: / eager |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for key, e in entries.items():
