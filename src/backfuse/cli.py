@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--groups", type=_at_least(1),
                        help=f"--train, --models: timed groups per implementation, the implementations' groups "
                        f"alternating; each figure the median over its groups; --dynamic: rounds of the loop, each at "
-                       f"12 other shapes, the second pass the median over them (default {GROUPS})")
+                       f"its 12 shapes' tensors made anew, the second pass the median over them (default {GROUPS})")
 
     check = sub.add_parser(
         "check",

@@ -5,13 +5,14 @@ lengths in every batch).
 Per entry, each implementation runs one warm-up step at a shape outside the loop's, then the loop: 12
 shapes in random order, one step each, queued back to back with one synchronization at the end (the
 first pass: every shape new to it); then the same 12 again (the second pass: every shape seen once).
-That is the first round. Each later round draws 12 other shapes (the next seed) and runs both passes of each
-implementation again, the implementations' order turning round by round, with every earlier round's tensors
-still held (so no call meets addresses it has met: each second-pass call is its shape's second at those
-addresses, as in the first round, and nothing is recorded that the first round would not record). The first
-pass is the first round's (where compiles fall); the second pass, and the host's own time per step of it, the
-median over the rounds (a host-bound loop's single pass moved 0.71-1.11x compiled between runs of one lease:
-notes/training.md, session 58). The entries:
+That is the first round. Each later round makes the 12 shapes' tensors anew (new values, as a data loader's
+next batches of those lengths) and runs both passes of each implementation at them, the implementations' order
+turning round by round, with every earlier round's tensors still held: no call meets addresses an earlier call
+had, so each second-pass call is its shape's second at its addresses, as in the first round, and nothing is
+recorded that the first round would not record. The first pass is the first round's (where compiles fall); the
+second pass, and the host's own time per step of it, the median over the rounds, each round the same work (a
+host-bound loop's single pass moved 0.71-1.11x compiled between runs of one lease: notes/training.md, session
+58). The entries:
     gemma3-1b, gemma3-4b, gemma2-9b   the global block, bfloat16, batch 2, lengths 512-4096 (4096 and 512
                                       among them)
     gemma3-4b/packed                  the global block over one row of packed documents, 512-4096 tokens
@@ -190,11 +191,10 @@ def run_entry(key: str, device, seed: int = 0, rounds: int = GROUPS) -> dict:
         log(f"    {impl}: first pass {first:.3f} ms, second {second:.3f} ms a step, host {host:.0f} us "
             f"({time.perf_counter() - start:.1f} s)")
     for r in range(1, rounds):
-        _, loop = shapes(key, seed + r)
         calls = _make_calls(preset, config, key, loop, device, seed + SHAPES * r)
         held.append(calls)
         for impl in IMPLEMENTATIONS[r % len(IMPLEMENTATIONS):] + IMPLEMENTATIONS[:r % len(IMPLEMENTATIONS)]:
-            _loop(steps[impl], calls)  # these shapes' first pass (a compiled graph may specialize anew: untimed)
+            _loop(steps[impl], calls)  # the first pass at these addresses (untimed)
             second, host = _loop(steps[impl], calls)
             seconds[impl].append(second)
             hosts[impl].append(host)

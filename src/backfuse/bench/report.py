@@ -430,8 +430,8 @@ def dynamic_table(entries: dict, run: dict | None = None) -> str:
         return "(no `bench --dynamic` results yet)"
     rounds = (run or {}).get("groups", 1)  # (runs before session 58: one round)
     lines = run_line(run, "12 shapes in random order one step each (the 1st pass), then the same 12 again (the "
-                          "2nd), after one warm-up step; " + (f"the 2nd the median over {rounds} rounds of 12 other "
-                          "shapes each; " if rounds > 1 else "") + "ms per step.")
+                          "2nd), after one warm-up step; " + (f"the 2nd the median over {rounds} rounds, each at the "
+                          "12 shapes' tensors made anew; " if rounds > 1 else "") + "ms per step.")
     lines += ["| entry | backfuse 1st / 2nd | model's code 1st / 2nd | compiled 1st / 2nd | 2nd: / compiled, / eager | "
               "1st: / eager |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for key, e in entries.items():
