@@ -12,8 +12,11 @@ notes/training.md, sessions 48 and 49.)
     python benchmarks/tools/compare_trees.py . bis/main --cases 037:5 --impls backfuse_bf16 --groups 7
     python benchmarks/tools/compare_trees.py . bis/main --dynamic gemma3-4b/packed wan2.1-1.3b
 
---dynamic: backfuse's loop of each entry (its warm-up step and first pass untimed), a group being one pass over
-its 12 shapes (the bench's second pass), the trees alternating group by group.
+--dynamic: backfuse's loop of each entry (its warm-up step and first pass untimed), a group being a round of
+`bench --dynamic` (session 58): the 12 shapes' tensors made anew, one pass untimed, the second timed, every
+earlier group's tensors held, so each timed call is its shape's second at its addresses and no graph is recorded
+(before session 58 a group was one more pass over the same tensors, so from the third on a call whose addresses
+recurred replayed a recorded graph), the trees alternating group by group.
 
 A tree is a checkout's root (its `src`) or a `src`-like folder holding `backfuse`. --device cpu is a smoke run
 (the interpreter; no timing worth reading).
@@ -63,11 +66,15 @@ for line in sys.stdin:
         step = dynamic._stepper(preset, preset.config, key, "backfuse", module)
         step(warm_call)
         dynamic._loop(step, calls)
-        layers[key] = (step, calls)
+        layers[key] = (step, preset, shapes, [calls])
         reply = {"path": backfuse.__file__}
-    elif cmd["op"] == "time_loop":
+    elif cmd["op"] == "time_loop":  # a pass at the 12 shapes' tensors made anew, then the timed one (its second)
         from backfuse.bench import dynamic
-        ms, us = dynamic._loop(*layers[cmd["key"]])
+        step, preset, shapes, held = layers[cmd["key"]]
+        calls = dynamic._make_calls(preset, preset.config, cmd["key"], shapes, device, dynamic.SHAPES * len(held))
+        held.append(calls)  # (held: no later call meets these addresses)
+        dynamic._loop(step, calls)
+        ms, us = dynamic._loop(step, calls)
         reply = {"ms": ms, "us": us}
     else:  # "drop"
         layers.clear()
