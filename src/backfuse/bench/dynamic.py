@@ -40,7 +40,7 @@ from .. import nn as bnn
 from .. import presets
 from ..kernels import graphs
 from .models import inputs, model_function, model_gemma, rope_tables
-from .runner import GROUPS, log
+from .runner import GROUPS, log, turned
 
 ENTRIES = ("gemma3-1b", "gemma3-4b", "gemma2-9b", "gemma3-4b/packed", "wan2.1-1.3b")
 IMPLEMENTATIONS = ("backfuse", "eager", "compile")
@@ -193,7 +193,7 @@ def run_entry(key: str, device, seed: int = 0, rounds: int = GROUPS) -> dict:
     for r in range(1, rounds):
         calls = _make_calls(preset, config, key, loop, device, seed + SHAPES * r)
         held.append(calls)
-        for impl in IMPLEMENTATIONS[r % len(IMPLEMENTATIONS):] + IMPLEMENTATIONS[:r % len(IMPLEMENTATIONS)]:
+        for impl in turned(list(IMPLEMENTATIONS), r):
             _loop(steps[impl], calls)  # the first pass at these addresses (untimed)
             second, host = _loop(steps[impl], calls)
             seconds[impl].append(second)

@@ -20,7 +20,14 @@ from .timing import time_calls
 ROUNDS = 10
 WARMUP = 10
 ITERS = 50
-GROUPS = 5  # `bench --train` / `--models`: timed groups per implementation, alternating (`train.time_alternating`)
+GROUPS = 5  # `bench --train` / `--models`: timed groups per implementation, alternating (`train.time_alternating`);
+# `--dynamic`: rounds of its loop (`dynamic.run_entry`)
+
+
+def turned(names: list, by: int) -> list:
+    """names in round `by`'s order: turned left by `by`, so that none always runs first or after the same one."""
+    k = by % len(names)
+    return names[k:] + names[:k]
 
 
 @dataclass

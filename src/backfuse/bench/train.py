@@ -31,7 +31,7 @@ import torch.nn.functional as tf
 
 from .. import nn as bnn
 from .check import check_outputs
-from .runner import GROUPS, log
+from .runner import GROUPS, log, turned
 
 IMPLEMENTATIONS = ("backfuse_fp32", "backfuse_bf16", "eager_bf16", "compile_bf16")
 MODULES = {"072": bnn.QkvGqa, "037": bnn.Gemma3Core, "021": bnn.WanXattn}
@@ -199,8 +199,7 @@ def time_alternating(layers: dict, *, warmup: int, steps: int, groups: int = GRO
             layers[name].step()
     samples = {name: [] for name in names}
     for g in range(groups):
-        k = g % len(names)
-        for name in names[k:] + names[:k]:
+        for name in turned(names, g):
             samples[name].append(time_steps(layers[name], warmup=settle, steps=steps))
     return {name: (statistics.median(ms for ms, _ in got), statistics.median(us for _, us in got))
             for name, got in samples.items()}
