@@ -12,15 +12,16 @@ attention from a shape's first call (`plans.CUDNN_AFTER = 1`) against the defaul
 fixed: one shape, steps queued after enough warm-up for every plan to settle; graphs on / off, cuDNN's attention
 (promoted) / ours.
 split: `bench --dynamic`'s three implementations, the second pass queued as the bench queues it (ms and host us a
-step), then a third under the profiler: the GPU's kernel time a step, kernels a step and the heaviest kernels. A
-step whose kernel time is near its wall time is GPU-bound; one whose host time is, host-bound.
-host: where backfuse's host time goes in the second pass: the loop as the bench queues it; passes with Python's
-garbage collector on and off; a pass with timers around the packed documents, `execute`, `Template.run`, each kind
-of template step and `torch.empty` (us a step each, nested where the calls are; the rest is autograd, the
-functional layer and the bench's step), with the graph counts over it (replayed, missed, direct, ...), the templates
-kept by state, and the caching allocator's cudaMalloc / cudaFree counts; synchronizations
-(`set_sync_debug_mode("warn")`); a pass under cProfile by own time; last, one of the loop's shapes replayed (the
-design's own cost, this process's host).
+step), then a second pass at the shapes' tensors made anew (`_Anew`) under the profiler: the GPU's kernel time a
+step, kernels a step and the heaviest kernels. A step whose kernel time is near its wall time is GPU-bound; one
+whose host time is, host-bound.
+host: where backfuse's host time goes in the second pass (each measured pass a second pass at the shapes' tensors
+made anew, `_Anew`): the loop as the bench queues it; passes with Python's garbage collector on and off; a pass with
+timers around the packed documents, `execute`, `Template.run`, each kind of template step and `torch.empty` (us a
+step each, nested where the calls are; the rest is autograd, the functional layer and the bench's step), with the
+graph counts over it (replayed, missed, direct, ...), the templates kept by state, and the caching allocator's
+cudaMalloc / cudaFree counts; synchronizations (`set_sync_debug_mode("warn")`); a pass under cProfile by own time;
+last, one of the loop's shapes replayed (the design's own cost, this process's host).
 first: backfuse's first pass of ENTRY after `bench --dynamic`'s whole runs of the BEFORE entries in this process
 (as the bench orders them): each step synchronized and timed, the Triton kernels compiled or loaded in each step
 (by name, with the specialization's alignment and constexprs where they differ from the kernel's first), and the
@@ -55,6 +56,24 @@ def _setup(key, shape_list):
     module = cls(preset.config, device="cuda", dtype=torch.bfloat16, **preset.kwargs)
     calls = dynamic._make_calls(preset, preset.config, key, shape_list, "cuda", 0)
     return dynamic._stepper(preset, preset.config, key, "backfuse", module), calls
+
+
+class _Anew:
+    """The loop's 12 shapes' tensors made anew at each call, every set held to the end: a pass at them, then a
+    second, is `bench --dynamic`'s second pass (each call its shape's second at its addresses, no graph recorded),
+    where passes over the same tensors would record and replay graphs from the third on."""
+
+    def __init__(self, key, shapes):
+        self.key, self.shapes, self.held = key, shapes, []
+        self.preset = presets.get(key.split("/")[0])
+
+    def second(self, step) -> list:
+        """Fresh calls after their untimed first pass (the caller times the next)."""
+        calls = dynamic._make_calls(self.preset, self.preset.config, self.key, self.shapes, "cuda",
+                                    dynamic.SHAPES * (len(self.held) + 1))
+        self.held.append(calls)
+        dynamic._loop(step, calls)
+        return calls
 
 
 def loop(keys) -> None:
@@ -116,8 +135,9 @@ def split(keys, top: int = 6) -> None:
             step(warm_call)
             dynamic._loop(step, calls)
             ms, host = dynamic._loop(step, calls)
+            again = _Anew(key, shapes).second(step)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                dynamic._loop(step, calls)
+                dynamic._loop(step, again)
             by = defaultdict(lambda: [0, 0.0])
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -168,14 +188,16 @@ def host(keys) -> None:
         preset = presets.get(key.split("/")[0])
         warm, shapes = dynamic.shapes(key)
         step, (warm_call, *calls) = _setup(key, [warm, *shapes])
+        anew = _Anew(key, shapes)
         graphs.release()
         step(warm_call)
-        for _ in range(3):
-            ms, host_us = dynamic._loop(step, calls)
+        dynamic._loop(step, calls)
+        ms, host_us = dynamic._loop(step, calls)
         print(f"{key}: loop {ms:.3f} ms, host {host_us:.0f} us a step", flush=True)
         collected = {True: [], False: []}
         for i in range(6):  # Python's garbage collector on and off, alternating passes
             on = i % 2 == 0
+            calls = anew.second(step)
             (gc.enable if on else gc.disable)()
             collected[on].append(dynamic._loop(step, calls)[1])
         gc.enable()
@@ -191,6 +213,7 @@ def host(keys) -> None:
         for template, steps in kept:
             template.steps = [_timed_step(timers, s, "template step " + getattr(s, "__qualname__", "?").split(".<")[0])
                               for s in steps]
+        calls = anew.second(step)
         before, counted = _allocator(), dict(graphs.counts)
         t_ms, t_host = dynamic._loop(step, calls)
         after = _allocator()
@@ -206,6 +229,7 @@ def host(keys) -> None:
         for label, t in sorted(timers.time.items(), key=lambda kv: -kv[1]):
             print(f"    {label:34s} {t / n * 1e6:8.1f} us a step ({timers.calls[label] / n:.1f} calls, "
                   f"{t / timers.calls[label] * 1e6:.1f} us each)")
+        calls = anew.second(step)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -218,6 +242,7 @@ def host(keys) -> None:
         syncs = [str(w.message)[:100] for w in caught if "synchroniz" in str(w.message).lower()
                  and not str(w.message).startswith("Synchronization debug mode is a prototype")]
         print(f"  synchronizations in a pass: {len(syncs)} {syncs[:2]}")
+        calls = anew.second(step)
         profiler = cProfile.Profile()
         profiler.enable()
         dynamic._loop(step, calls)
