@@ -55,11 +55,12 @@ def _sm90_cases(dtype: str):
     # Wan 14B's rows (5120 columns: the widest tile), normed across the heads and turned on pairs, both ways
     bw, bt = steps._row_block(5120)
     rows = {n: f"*{dtype}" for n in ("x", "out", "dy", "dx")} | {n: "*fp32" for n in ("w", "rstd", "cos", "sin",
-                                                                                    "parts", "ranges")}
+                                                                                    "parts", "bias_parts", "ranges")}
     yield ("row norm + RoPE", passes.row_norm_kernel, rows,
            dict(W=5120, BW=bw, LD_X=5120, LD_OUT=5120, BT=bt, RSTD=False, NORM=True, ROPE=128), 8, 1)
     yield ("row norm + RoPE backward", passes.row_norm_backward_kernel, rows,
-           dict(W=5120, BW=bw, LD_DY=5120, LD_X=5120, LD_DX=5120, BT=bt, RANGES=True, NORM=True, ROPE=128), 8, 1)
+           dict(W=5120, BW=bw, LD_DY=5120, LD_X=5120, LD_DX=5120, BT=bt, RANGES=True, NORM=True, ROPE=128, BIAS=True),
+           8, 1)
     casts = {"src": "*fp32", "dst": f"*{dtype}", "ranges": "*fp32", "state": "*fp32"}
     for redo in (False, True):  # the upstream gradients' first cast, and the second where the exponent changed
         yield f"cast{' again' * redo}", passes.cast_kernel, casts, dict(BLOCK=8192, UPSTREAM=True, REDO=redo, RANGES=True), 8, 1

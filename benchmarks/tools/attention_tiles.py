@@ -31,6 +31,9 @@ SHAPES = {
     "g3-27b": (Attention(1, 4096, 4096, 32, 2, 128, causal=True), 168 ** -0.5),
     "wan-1.3b": (Attention(1, 32760, 512, 12, 1, 128), 128 ** -0.5),
     "wan-14b": (Attention(1, 4680, 512, 40, 1, 128), 128 ** -0.5),
+    # Wan 1.3B at some of `bench --dynamic`'s shapes (video x text): the key lengths a 128-key block wastes most on
+    **{f"wan-{v}x{t}": (Attention(1, v, t, 12, 1, 128), 128 ** -0.5)
+       for v, t in ((7800, 185), (29640, 233), (17160, 261), (31200, 393), (14040, 497))},
 }
 
 T = AttentionTiles
@@ -51,6 +54,8 @@ VARIANTS = {
         "b": T(bm=128, bn=64, warps=8, stages=2, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=4, bwd_stages=3),
         "c": T(bm=128, bn=64, warps=4, stages=3, kv_bn=128, kv_bm=32, q_bm=128, q_bn=32, bwd_warps=8, bwd_stages=2),
         "d": T(bm=64, bn=64, warps=4, stages=3, kv_bn=64, kv_bm=64, q_bm=64, q_bn=64, bwd_warps=8, bwd_stages=2),
+        "e": T(bm=64, bn=64, warps=4, stages=3, kv_bn=64, kv_bm=64, q_bm=128, q_bn=64, bwd_warps=8, bwd_stages=2),
+        "f": T(bm=64, bn=32, warps=4, stages=3, kv_bn=64, kv_bm=128, q_bm=128, q_bn=32, bwd_warps=8, bwd_stages=2),
     },
 }
 # A variant's name with "+atomic": dQ added by the key blocks' programs (fp32 atomics, no dQ programs);

@@ -151,9 +151,10 @@ def row_norm_rows(tokens: int) -> int:
     return tokens if INTERPRETED else max(64, cdiv(tokens, 256))
 
 
-def row_norm_backward(dy, x, w, dx, parts, eps: float, guard, region: str, rope=None):
+def row_norm_backward(dy, x, w, dx, parts, eps: float, guard, region: str, rope=None, bias_parts=None):
     """dx (and w's gradient in parts, [row_norm_parts(T), W] fp32) of `row_norm` with the same rope; w None: of the
-    turn alone (x and parts unused: None). dx may be dy."""
+    turn alone (x and parts unused: None). bias_parts (the same shape): each program's column sums of dx, the
+    gradient of a bias added to the rows before the norm (`column_finish` sums them). dx may be dy."""
     tokens, width = dy.shape
     bw, bt = _row_block(width)
     per = row_norm_rows(tokens)
@@ -161,11 +162,14 @@ def row_norm_backward(dy, x, w, dx, parts, eps: float, guard, region: str, rope=
     cos, sin, head = rope if rope is not None else (dy, dy, 0)
     norm = w is not None
     return ROW_NORM_BACKWARD((cdiv(tokens, per),), dict(dy=dy, x=x if norm else dy, w=w if norm else dy, dx=dx,
-                                                         parts=parts if norm else dy, ranges=ranges, cos=cos, sin=sin,
-                                                         T=tokens, cos_rows=cos.shape[0], eps=float(eps),
-                                                         rows_per_program=per, r_dx=_slot(guard, region)),
+                                                         parts=parts if norm else dy,
+                                                         bias_parts=dy if bias_parts is None else bias_parts,
+                                                         ranges=ranges, cos=cos, sin=sin, T=tokens,
+                                                         cos_rows=cos.shape[0], eps=float(eps), rows_per_program=per,
+                                                         r_dx=_slot(guard, region)),
                              W=width, BW=bw, LD_DY=dy.stride(0), LD_X=(x if norm else dy).stride(0), LD_DX=dx.stride(0),
-                             BT=bt, RANGES=checked, NORM=norm, ROPE=head, num_warps=8 if bw >= 4096 else 4)
+                             BT=bt, RANGES=checked, NORM=norm, ROPE=head, BIAS=bias_parts is not None,
+                             num_warps=8 if bw >= 2048 else 4)
 
 
 def column_sum_parts(rows: int) -> int:
@@ -182,11 +186,19 @@ def column_sums(x, out, parts, guard, *, unscale: bool):
     [column_sum_parts(R), C] fp32; unscale: times 2^-k (x holds upstream-scaled values)."""
     rows, cols = x.shape
     per = column_rows_per_program(rows)
-    _, state, checked = _guarded(guard, x.device)
     strips = 1024 if INTERPRETED else 64  # columns per program (the interpreter: few, wide ones)
     return [PARTIALS((cdiv(rows, per), cdiv(cols, strips)), dict(x=x, parts=parts, R=rows, C=cols, rows_per_program=per),
                      LD=x.stride(0), ROWS=32, COLS=strips),
-            FINISH((cdiv(cols, strips),), dict(parts=parts, out=out, state=state, n_parts=parts.shape[0], C=cols),
+            *column_finish(parts, out, guard, unscale=unscale)]
+
+
+def column_finish(parts, out, guard, *, unscale: bool):
+    """out = the column sums of parts [n, C] fp32, in order (per-program partial sums: `column_sums`,
+    `row_norm_backward`'s); unscale: times 2^-k."""
+    n, cols = parts.shape
+    _, state, checked = _guarded(guard, parts.device)
+    strips = 1024 if INTERPRETED else 64
+    return [FINISH((cdiv(cols, strips),), dict(parts=parts, out=out, state=state, n_parts=n, C=cols),
                    ROWS=32, COLS=strips, UNSCALE=unscale and checked)]
 
 

@@ -140,9 +140,10 @@ def column_partials_kernel(x, parts, R, C, rows_per_program, LD: tl.constexpr, R
     col_ok = cols < C
     acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
     start = p * rows_per_program
-    for i in range(start, tl.minimum(start + rows_per_program, R), ROWS):
+    end = tl.minimum(start + rows_per_program, R)  # (a last step may reach past the program's rows: masked)
+    for i in range(start, end, ROWS):
         rows = i + tl.arange(0, ROWS)
-        ok = (rows < R)[:, None] & col_ok[None, :]
+        ok = (rows < end)[:, None] & col_ok[None, :]
         acc += tl.load(x + rows.to(tl.int64)[:, None] * LD + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     tl.store(parts + p * C + cols, tl.sum(acc, 0), mask=col_ok)
 
@@ -264,24 +265,27 @@ def row_norm_kernel(x, w, out, rstd, cos, sin, T, cos_rows, eps, W: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["T", "cos_rows", "rows_per_program", "r_dx"])
-def row_norm_backward_kernel(dy, x, w, dx, parts, ranges, cos, sin, T, cos_rows, eps, rows_per_program, r_dx,
-                             W: tl.constexpr, BW: tl.constexpr, LD_DY: tl.constexpr, LD_X: tl.constexpr,
+def row_norm_backward_kernel(dy, x, w, dx, parts, bias_parts, ranges, cos, sin, T, cos_rows, eps, rows_per_program,
+                             r_dx, W: tl.constexpr, BW: tl.constexpr, LD_DY: tl.constexpr, LD_X: tl.constexpr,
                              LD_DX: tl.constexpr, BT: tl.constexpr, RANGES: tl.constexpr, NORM: tl.constexpr,
-                             ROPE: tl.constexpr):
+                             ROPE: tl.constexpr, BIAS: tl.constexpr):
     """The backward of `row_norm_kernel` over rows_per_program rows (BT at a time): dy turned back first (ROPE),
     then with n = x r and m = dy w, dx = r (m - n mean(m n)) and parts[program] = sum over its rows of dy * n (w's
-    gradient, summed in order afterwards); NORM False: dx = dy turned back. RANGES: the largest |dx| into
+    gradient, summed in order afterwards); NORM False: dx = dy turned back. BIAS: bias_parts[program] = sum over
+    its rows of dx (the gradient of a bias added before the norm, x = a + b). RANGES: the largest |dx| into
     ranges[r_dx]. dx may be dy (in place: a program reads the rows it writes before it writes them)."""
     c = tl.arange(0, BW)
     col_ok = c < W
     if NORM:
         scale = tl.load(w + c, mask=col_ok, other=0.0).to(tl.float32)
-    grad_w = tl.zeros((BW,), dtype=tl.float32)
+    grad_w = tl.zeros((BT, BW), dtype=tl.float32)  # (summed across the BT rows once, at the end)
+    grad_b = tl.zeros((BT, BW), dtype=tl.float32)
     top = 0.0
     start = tl.program_id(0) * rows_per_program
-    for r0 in range(start, tl.minimum(start + rows_per_program, T), BT):
+    end = tl.minimum(start + rows_per_program, T)  # (a last step may reach past the program's rows: masked)
+    for r0 in range(start, end, BT):
         rows = (r0 + tl.arange(0, BT)).to(tl.int64)
-        row_ok = rows < T
+        row_ok = rows < end
         ok = row_ok[:, None] & col_ok[None, :]
         d = tl.load(dy + rows[:, None] * LD_DY + c[None, :], mask=ok, other=0.0).to(tl.float32)
         if ROPE:
@@ -290,13 +294,17 @@ def row_norm_backward_kernel(dy, x, w, dx, parts, ranges, cos, sin, T, cos_rows,
             v = tl.load(x + rows[:, None] * LD_X + c[None, :], mask=ok, other=0.0).to(tl.float32)
             r = tl.rsqrt(tl.sum(v * v, 1) / W + eps)[:, None]
             n = v * r
-            grad_w += tl.sum(d * n, 0)
+            grad_w += d * n
             m = d * scale[None, :]
             d = r * (m - n * (tl.sum(m * n, 1) / W)[:, None])
         tl.store(dx + rows[:, None] * LD_DX + c[None, :], narrow(d, dx.dtype.element_ty), mask=ok)
+        if BIAS:
+            grad_b += d
         if RANGES:
             top = tl.maximum(top, largest(d))
     if NORM:
-        tl.store(parts + tl.program_id(0).to(tl.int64) * W + c, grad_w, mask=col_ok)
+        tl.store(parts + tl.program_id(0).to(tl.int64) * W + c, tl.sum(grad_w, 0), mask=col_ok)
+    if BIAS:
+        tl.store(bias_parts + tl.program_id(0).to(tl.int64) * W + c, tl.sum(grad_b, 0), mask=col_ok)
     if RANGES:
         fold(ranges, r_dx, top)

@@ -99,6 +99,12 @@ class Plan(Precision):
         return self.rope and self.norm and self.save
 
     @property
+    def rows_passed(self) -> bool:
+        """dQ and dK pass through a backward over their rows (the norms' and RoPE's, `steps.row_norm_backward`), which
+        sums the bias gradients' parts as it writes them (no pass of their own over dQ and dK)."""
+        return self.norm or self.rope
+
+    @property
     def tv(self) -> int:
         return self.batch * self.nv
 
@@ -185,7 +191,8 @@ class Plan(Precision):
         elif ours:
             specs += [Buffer("dk", (tt, d), c), Buffer("dv", (tt, d), c)]
         specs += self.split_buffers(self.split)
-        specs += [Buffer(f"parts_{name}", (steps.column_sum_parts(rows), d), fp32)
+        specs += [Buffer(f"parts_{name}", ((steps.row_norm_parts if self.rows_passed and name in ("bq", "bk") else
+                                            steps.column_sum_parts)(rows), d), fp32)
                   for name, rows in (("bo", tv), ("bq", tv), ("bk", tt), ("bv", tt))]
         if self.norm:  # the norms' weight gradients: partial rows, then their column sums' parts
             specs += [Buffer(f"parts_n{name}", (steps.row_norm_parts(rows), d), fp32) for name, rows in (("q", tv), ("k", tt))]
@@ -379,23 +386,28 @@ def backward(inputs, grad_out, scale: float, plan: Plan, a_flat):
             the products with the inputs."""
             launches = []
             rope = (*_tables(p, inputs), p.config.head_dim) if p.rope else None
+            bq, bk = (s.parts_bq if n[3] else None), (s.parts_bk if n[5] else None)  # (with `rows_passed`)
             if p.norm:  # RoPE's transpose and the norms' backward, in place: dQ, dK before the turn and the norms
                 launches += [steps.row_norm_backward(dq, a.q_raw, inputs[10], dq, s.parts_nq, p.eps, g,
-                                                     "gradient of queries", rope=rope),
+                                                     "gradient of queries", rope=rope, bias_parts=bq),
                              steps.row_norm_backward(dk, k_raw, inputs[11], dk, s.parts_nk, p.eps, g, "gradient of keys",
-                                                     rope=rope)]
+                                                     rope=rope, bias_parts=bk)]
             elif p.rope:  # RoPE's transpose alone, in place
-                launches += [steps.row_norm_backward(dq, None, None, dq, None, p.eps, g, "gradient of queries", rope=rope),
-                             steps.row_norm_backward(dk, None, None, dk, None, p.eps, g, "gradient of keys", rope=rope)]
+                launches += [steps.row_norm_backward(dq, None, None, dq, None, p.eps, g, "gradient of queries", rope=rope,
+                                                     bias_parts=bq),
+                             steps.row_norm_backward(dk, None, None, dk, None, p.eps, g, "gradient of keys", rope=rope,
+                                                     bias_parts=bk)]
             if p.norm:  # the norms' weight gradients
                 for need, out, parts, sums in ((n[10], "grad_nq", s.parts_nq, s.sums_nq),
                                                (n[11], "grad_nk", s.parts_nk, s.sums_nk)):
                     if need:
                         launches += steps.column_sums(parts, getattr(w, out), sums, g, unscale=True)
-            for need, out, x, parts in ((n[3], "grad_bq", dq, s.parts_bq), (n[5], "grad_bk", dk, s.parts_bk),
-                                        (n[7], "grad_bv", dv, s.parts_bv)):
-                if need:
-                    launches += steps.column_sums(x, getattr(w, out), parts, g, unscale=True)
+            for need, out, x, parts, summed in ((n[3], "grad_bq", dq, s.parts_bq, p.rows_passed),
+                                                (n[5], "grad_bk", dk, s.parts_bk, p.rows_passed),
+                                                (n[7], "grad_bv", dv, s.parts_bv, False)):
+                if need:  # (summed: the row pass summed the parts)
+                    launches += (steps.column_finish(parts, getattr(w, out), g, unscale=True) if summed else
+                                 steps.column_sums(x, getattr(w, out), parts, g, unscale=True))
             if n[0]:
                 launches.append(mm(dq, wq_c, grad_video.view(tv, d)))
             if n[2]:
